@@ -1,0 +1,126 @@
+"""The remote switch: stands in for each MoE block's `switch_mlp(x, inds)`.
+
+Per layer call: group the (token, expert) pairs by the worker that serves the expert, send one
+request to every involved worker before waiting for any, then place each worker's outputs
+back into the (..., k, hidden) result in a fixed order, so the result never depends on which
+worker answered first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from coordinator.cluster import Cluster
+from engine.checkpoint import Manifest, get_module
+from engine.errors import ShoalError
+from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+from proto import shoal_pb2
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    requests: int = 0
+    worker_compute_seconds: float = 0.0
+
+
+@dataclass
+class DispatchStats:
+    """Counters for `--stats`; per layer, summed over every call since the last reset."""
+
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def layer(self, layer: int) -> LayerStats:
+        return self.layers.setdefault(layer, LayerStats())
+
+    def total(self) -> LayerStats:
+        total = LayerStats()
+        for s in self.layers.values():
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        return total
+
+
+class Dispatcher:
+    """Sends one MoE layer's expert work to the workers and gathers the results."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.stats = DispatchStats()
+        self._seq = 0
+
+    def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        started = time.perf_counter()
+        *lead, k = inds.shape
+        width = x.shape[-1]
+        hidden = to_numpy(x.reshape(-1, width))
+        wire_dtype = dtype_name(x.dtype)
+        experts = np.asarray(inds.reshape(-1)).astype(np.int32, copy=False)
+        tokens = np.repeat(np.arange(hidden.shape[0], dtype=np.int32), k)
+        owner = self.cluster.owners[layer][experts]
+
+        stats = self.stats.layer(layer)
+        pending = []
+        for worker in np.unique(owner).tolist():  # ascending: the fixed order of combination
+            pairs = np.flatnonzero(owner == worker)
+            needed, rows = np.unique(tokens[pairs], return_inverse=True)
+            self._seq += 1
+            request = shoal_pb2.ExpertRequest(
+                seq=self._seq,
+                layer=layer,
+                hidden=encode(hidden[needed], wire_dtype),
+                rows=encode(rows.astype(np.int32), "int32"),
+                experts=encode(experts[pairs], "int32"),
+            )
+            self.cluster.links[worker].send(request)
+            pending.append((worker, pairs, self._seq))
+            stats.bytes_sent += request.ByteSize()
+        out = None
+        for worker, pairs, seq in pending:
+            link = self.cluster.links[worker]
+            reply = link.receive()
+            if reply.seq != seq:
+                raise ShoalError(f"worker {link.address} answered request {reply.seq}, not {seq}")
+            values = decode(reply.output, what=f"output of {link.address}", ndim=2)
+            if values.shape != (pairs.size, width):
+                raise ShoalError(
+                    f"worker {link.address} returned shape {values.shape} for layer {layer}, "
+                    f"expected {(pairs.size, width)}"
+                )
+            if out is None:
+                out = np.empty((experts.size, width), dtype=values.dtype)
+                out_dtype = reply.output.dtype
+            out[pairs] = values
+            stats.bytes_received += reply.ByteSize()
+            stats.worker_compute_seconds += reply.compute_seconds
+        stats.calls += 1
+        stats.requests += len(pending)
+        stats.seconds += time.perf_counter() - started
+        return from_numpy(out, out_dtype).reshape(*lead, k, width)
+
+
+class RemoteSwitch(nn.Module):
+    """Takes the place of one MoE block's `switch_mlp`; holds no weights."""
+
+    def __init__(self, layer: int, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.layer = layer
+        self.dispatcher = dispatcher
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.dispatcher(self.layer, x, indices)
+
+
+def install(model: nn.Module, manifest: Manifest, dispatcher: Dispatcher) -> None:
+    """Replace every routed-expert switch module in `model` with a RemoteSwitch."""
+    for layer in manifest.layers:
+        parent_path, name = layer.path.rsplit(".", 1)
+        setattr(get_module(model, parent_path), name, RemoteSwitch(layer.layer, dispatcher))

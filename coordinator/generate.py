@@ -1,0 +1,161 @@
+"""The coordinator's model: mlx-lm's dense part with every switch module replaced by a
+RemoteSwitch, and generation through mlx-lm's own loop, sampler and KV cache."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
+
+from coordinator.cluster import Cluster, connect
+from coordinator.dispatch import Dispatcher, DispatchStats, install
+from engine.checkpoint import Manifest, check_safetensors, read_manifest
+from engine.errors import CorruptData, InvalidInput, NotFound
+
+
+@dataclass
+class RemoteModel:
+    """The dense model on this machine, its experts on the cluster."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    manifest: Manifest
+    cluster: Cluster
+    dispatcher: Dispatcher
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load OUT/dense with mlx-lm, leaving the routed experts out, and check nothing else is."""
+    dense_dir = Path(model_dir) / "dense"
+    for entry in manifest.dense_files:
+        path = dense_dir / entry.file
+        if not path.exists():
+            raise NotFound(f"dense weight file {path} is missing")
+        check_safetensors(path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, _ = load_model(dense_dir, lazy=True, strict=False)
+    index = json.loads((dense_dir / "model.safetensors.index.json").read_text())
+    switch_paths = tuple(layer.path + "." for layer in manifest.layers)
+    wanted = {k for k, _ in tree_flatten(model.parameters()) if not k.startswith(switch_paths)}
+    absent = sorted(wanted - set(index["weight_map"]))
+    if absent:
+        raise CorruptData(
+            f"{dense_dir} lacks {len(absent)} dense weights the model needs, e.g. {absent[0]}"
+        )
+    tokenizer = load_tokenizer(dense_dir)
+    return model, tokenizer
+
+
+def open_remote_model(model_dir: Path, addresses: list[str], secret: bytes) -> RemoteModel:
+    manifest = read_manifest(Path(model_dir))
+    model, tokenizer = load_dense(model_dir, manifest)
+    cluster = connect(addresses, secret, manifest)
+    dispatcher = Dispatcher(cluster)
+    install(model, manifest, dispatcher)
+    mx.eval(model.parameters())
+    return RemoteModel(model, tokenizer, manifest, cluster, dispatcher)
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, *, chat: bool) -> list[int]:
+    """Token ids exactly as mlx-lm's generate would build them (chat template only if asked)."""
+    if chat:
+        if tokenizer.chat_template is None:
+            raise InvalidInput("this model's tokenizer has no chat template; drop --chat")
+        messages = [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+    ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    if not ids:
+        raise InvalidInput("the prompt is empty")
+    return list(ids)
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    token_seconds: list[float] = field(default_factory=list)  # wall time of each new token
+    finish_reason: str | None = None
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int = 100,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's."""
+    if max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {max_tokens}")
+    if temperature < 0:
+        raise InvalidInput(f"--temperature must not be negative, got {temperature}")
+    if seed is not None:
+        mx.random.seed(seed)
+    result = GenerationResult(prompt_token_ids=list(prompt_ids))
+    sampler = make_sampler(temp=temperature)
+    last = time.perf_counter()
+    for response in stream_generate(
+        model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler
+    ):
+        now = time.perf_counter()
+        result.token_seconds.append(now - last)
+        last = now
+        if response.finish_reason != "stop" or response.token not in tokenizer.eos_token_ids:
+            result.token_ids.append(int(response.token))
+        result.text += response.text
+        if on_text and response.text:
+            on_text(response.text)
+        result.prefill_tps = response.prompt_tps
+        result.decode_tps = response.generation_tps
+        result.finish_reason = response.finish_reason
+    return result
+
+
+def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
+    """Per-layer dispatch figures and per-token timing, for --stats and --json."""
+    generated = max(len(result.token_seconds), 1)
+    layers = {
+        str(layer): {
+            "calls": s.calls,
+            "requests": s.requests,
+            "ms_per_call": 1e3 * s.seconds / max(s.calls, 1),
+            "worker_compute_ms_per_call": 1e3 * s.worker_compute_seconds / max(s.calls, 1),
+            "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received,
+        }
+        for layer, s in sorted(stats.layers.items())
+    }
+    total = stats.total()
+    return {
+        "token_ms": [round(1e3 * t, 3) for t in result.token_seconds],
+        "layers": layers,
+        "bytes_sent_per_token": total.bytes_sent / generated,
+        "bytes_received_per_token": total.bytes_received / generated,
+        "dispatch_seconds": total.seconds,
+        "requests": total.requests,
+    }
+

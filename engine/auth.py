@@ -1,0 +1,117 @@
+"""The cluster secret: where it lives, and the per-call credential derived from it.
+
+The secret never travels. Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an
+HMAC-SHA256 of the time, nonce and method name under the secret; a worker accepts it
+within a freshness window and refuses a nonce it has already seen in that window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from engine.errors import ShoalError, Unauthenticated
+
+METADATA_KEY = "shoal-auth"
+SECRET_ENV = "SHOAL_SECRET_FILE"
+FRESHNESS_SECONDS = 300.0
+
+
+def default_secret_path() -> Path:
+    config_home = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config_home) / "shoal" / "secret"
+
+
+def secret_path(explicit: str | os.PathLike | None = None) -> Path:
+    """--secret-file, else $SHOAL_SECRET_FILE, else the default path under the config folder."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(SECRET_ENV):
+        return Path(os.environ[SECRET_ENV])
+    return default_secret_path()
+
+
+def create_secret(path: Path, *, force: bool = False) -> Path:
+    """Write a new random secret readable only by its owner (mode 0600)."""
+    if path.exists() and not force:
+        raise ShoalError(
+            f"a cluster secret already exists at {path}; copy that file to the other Macs, "
+            "or pass --force to replace it (every worker then needs the new one)"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_secret(path: Path) -> bytes:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        raise ShoalError(
+            f"no cluster secret at {path}: run `shoal cluster-init` on one machine and copy "
+            "the file to the same place on every Mac (or pass --secret-file / set "
+            f"{SECRET_ENV})"
+        ) from None
+    except OSError as e:
+        raise ShoalError(f"cannot read the cluster secret {path}: {e.strerror}") from None
+    if len(text) < 32:
+        raise ShoalError(f"the cluster secret in {path} is too short (at least 32 characters)")
+    return text.encode()
+
+
+def _mac(secret: bytes, stamp: str, nonce: str, method: str) -> str:
+    message = f"{stamp}.{nonce}.{method}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def make_credential(secret: bytes, method: str, *, now: float | None = None) -> str:
+    stamp = f"{time.time() if now is None else now:.3f}"
+    nonce = secrets.token_hex(12)
+    return f"{stamp}.{nonce}.{_mac(secret, stamp, nonce, method)}"
+
+
+class CredentialChecker:
+    """Verifies credentials for one worker; remembers recent nonces to refuse replays."""
+
+    def __init__(self, secret: bytes, *, window: float = FRESHNESS_SECONDS) -> None:
+        self._secret = secret
+        self._window = window
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, credential: str | None, method: str, *, now: float | None = None) -> None:
+        if not credential:
+            raise Unauthenticated("missing shoal-auth credential: is the cluster secret set?")
+        now = time.time() if now is None else now
+        try:
+            whole, frac, nonce, mac = credential.split(".")
+            stamp = f"{whole}.{frac}"
+            issued = float(stamp)
+        except ValueError:
+            raise Unauthenticated("malformed shoal-auth credential") from None
+        if not hmac.compare_digest(mac, _mac(self._secret, stamp, nonce, method)):
+            raise Unauthenticated(
+                "credential does not match this worker's cluster secret "
+                "(copy the same secret file to every machine)"
+            )
+        if abs(now - issued) > self._window:
+            raise Unauthenticated(
+                f"credential is {abs(now - issued):.0f} s old or early: check the clocks "
+                f"(allowed skew {self._window:.0f} s)"
+            )
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now - self._window:
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                raise Unauthenticated("credential was already used (replayed call refused)")
+            self._seen[nonce] = now

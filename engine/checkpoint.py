@@ -1,0 +1,421 @@
+"""Checkpoints: read an mlx-lm MoE checkpoint, split it into dense weights and one file per
+expert, and describe the result in a manifest that both sides trust.
+
+Layout written by `shard`:
+    OUT/manifest.json             the model: config, MoE layers, every expert file + checksum
+    OUT/dense/                    config, tokenizer files, every weight except routed experts
+    OUT/experts/ or OUT/worker-K/ store folders: manifest.json + L{layer}/E{expert}.safetensors
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
+from tqdm import tqdm
+
+from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError
+from engine.placement import split_by_bytes
+
+MANIFEST_NAME = "manifest.json"
+SHARD_MARKER = ".shoal-shard.json"
+MANIFEST_FORMAT = "shoal-manifest"
+MANIFEST_VERSION = 1
+SEAM = "switch_mlp"
+# Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE block's routed experts: where its switch module sits and what it holds."""
+
+    layer: int
+    path: str  # module path of the switch module, e.g. "model.layers.3.mlp.switch_mlp"
+    num_experts: int
+    params: tuple[str, ...]  # parameter names relative to the switch module
+
+
+@dataclass(frozen=True)
+class ExpertFile:
+    layer: int
+    expert: int
+    file: str  # relative to a store folder
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    fingerprint: str
+    source_id: str
+    model_type: str
+    config: dict
+    layers: tuple[MoeLayer, ...]
+    experts: tuple[ExpertFile, ...]
+    dense_files: tuple[ExpertFile, ...]  # layer = expert = -1; file relative to dense/
+
+    def layer(self, layer: int) -> MoeLayer:
+        for moe_layer in self.layers:
+            if moe_layer.layer == layer:
+                return moe_layer
+        raise NotFound(f"layer {layer} has no routed experts in this model")
+
+    def expert(self, layer: int, expert: int) -> ExpertFile:
+        return self._by_key()[(layer, expert)]
+
+    def _by_key(self) -> dict[tuple[int, int], ExpertFile]:
+        return {(e.layer, e.expert): e for e in self.experts}
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization")
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **body}
+        return json.dumps(body, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, origin: str) -> Manifest:
+        try:
+            body = json.loads(text)
+            if body.get("format") != MANIFEST_FORMAT:
+                raise InvalidInput(f"{origin} is not a Shoal manifest")
+            if body.get("version") != MANIFEST_VERSION:
+                raise InvalidInput(
+                    f"{origin} has manifest version {body.get('version')}; this Shoal reads "
+                    f"version {MANIFEST_VERSION}"
+                )
+            return cls(
+                fingerprint=body["fingerprint"],
+                source_id=body["source_id"],
+                model_type=body["model_type"],
+                config=body["config"],
+                layers=tuple(
+                    MoeLayer(**{**layer, "params": tuple(layer["params"])})
+                    for layer in body["layers"]
+                ),
+                experts=tuple(ExpertFile(**e) for e in body["experts"]),
+                dense_files=tuple(ExpertFile(**e) for e in body["dense_files"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, InvalidInput):
+                raise
+            raise CorruptData(f"{origin} is not a readable Shoal manifest ({e})") from None
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise NotFound(
+            f"{folder} holds no {MANIFEST_NAME}: is it a folder written by `shoal shard`?"
+        ) from None
+    return Manifest.from_json(text, origin=str(path))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary name, flush to disk, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def expert_file_name(layer: int, expert: int) -> str:
+    return f"L{layer:03d}/E{expert:04d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------
+# Reading a source checkpoint
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a safetensors file whose header is unreadable or whose data is cut short."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise CorruptData(f"{path} is truncated or not a safetensors file")
+            header = json.loads(f.read(header_len))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        raise CorruptData(f"{path} is not a readable safetensors file") from None
+    except OSError as e:
+        raise ShoalError(f"cannot read {path}: {e.strerror}") from None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    needed = 8 + header_len + max(ends, default=0)
+    if needed > size:
+        raise CorruptData(f"{path} is truncated: its header needs {needed} bytes, file has {size}")
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("model*.safetensors"))
+
+
+def source_id(model_dir: Path, options: dict) -> str:
+    """Identify a source checkpoint cheaply (config, weight file names and sizes, options)."""
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in _weight_files(model_dir):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def get_module(model: nn.Module, path: str) -> nn.Module:
+    """The submodule at a dotted path such as "model.layers.3.mlp.switch_mlp"."""
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
+    """Every routed-expert switch module in the model, or a clear refusal."""
+    found = []
+    for path, module in model.named_modules():
+        if path.split(".")[-1] != SEAM:
+            continue
+        params = tuple(name for name, _ in tree_flatten(module.parameters()))
+        counts = {name: arr.shape[0] for name, arr in tree_flatten(module.parameters())}
+        if not params or len(set(counts.values())) != 1:
+            raise ShoalError(
+                f"{path} does not hold experts stacked on a leading axis; Shoal cannot split it"
+            )
+        match = re.search(r"layers\.(\d+)\.", path)
+        layer = int(match.group(1)) if match else len(found)
+        found.append(MoeLayer(layer, path, next(iter(counts.values())), params))
+    model_type = config.get("model_type", "?")
+    if not found:
+        if any(isinstance(config.get(k), int) and config[k] > 1 for k in _EXPERT_COUNT_KEYS):
+            raise ShoalError(
+                f"model type {model_type!r} has experts, but its MoE block does not use "
+                f"mlx-lm's `{SEAM}(x, inds)` seam, so Shoal cannot serve its experts remotely"
+            )
+        raise ShoalError(f"model type {model_type!r} is a dense model: it has no routed experts")
+    found.sort(key=lambda layer: layer.layer)
+    if len({layer.layer for layer in found}) != len(found):
+        raise ShoalError(f"model type {model_type!r} has two switch modules in one layer")
+    return tuple(found)
+
+
+def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
+    """Load any mlx-lm checkpoint lazily (weights are read only when evaluated)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise NotFound(f"{model_dir} has no config.json: is it a model folder?")
+    files = _weight_files(model_dir)
+    if not files:
+        raise NotFound(f"{model_dir} has no model*.safetensors weight files")
+    for path in files:
+        check_safetensors(path)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return load_model(model_dir, lazy=True)
+    except ValueError as e:
+        raise ShoalError(f"mlx-lm cannot load {model_dir}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CorruptData(f"{model_dir}/config.json is not valid JSON ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Writing a sharded checkpoint
+
+
+def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
+    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this model.
+
+    A marker naming the source is written before anything else, so an interrupted run can be
+    repeated into the same folder and a different model is never mixed in.
+    """
+    marker = out_dir / SHARD_MARKER
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not marker.exists():
+            raise ShoalError(
+                f"{out_dir} is not empty and was not written by `shoal shard`; "
+                "choose an empty folder"
+            )
+        earlier = json.loads(marker.read_text())
+        if earlier.get("source_id") != sid:
+            raise ShoalError(
+                f"{out_dir} already holds a different model ({earlier.get('model_type')}, "
+                "or the same one with other --quantize options); choose another folder or "
+                "remove it first"
+            )
+        stale = sorted(
+            p.name for p in out_dir.iterdir()
+            if p.is_dir() and p.name not in stores and p.name != "dense"
+        )
+        if stale:
+            raise ShoalError(
+                f"{out_dir} holds store folders from an earlier split ({', '.join(stale)}); "
+                "choose another folder or remove it first"
+            )
+    body = {"source_id": sid, "model_type": model_type}
+    write_atomic(marker, json.dumps(body).encode())
+
+
+def _copy_side_files(model_dir: Path, dense_dir: Path) -> None:
+    """Tokenizer, chat template and other small files travel with the dense part."""
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file() or path.name == "config.json" or path.name.startswith("."):
+            continue
+        if path.suffix in _WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
+            continue
+        shutil.copy2(path, dense_dir / path.name)
+
+
+def _save_dense(weights: dict[str, mx.array], dense_dir: Path) -> list[ExpertFile]:
+    shards = make_shards(weights)
+    name = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        file = name.format(i + 1, len(shards))
+        tmp = dense_dir / f".{file}.partial.safetensors"
+        mx.save_safetensors(str(tmp), shard, metadata={"format": "mlx"})
+        os.replace(tmp, dense_dir / file)
+        weight_map.update(dict.fromkeys(shard, file))
+        path = dense_dir / file
+        files.append(ExpertFile(-1, -1, file, path.stat().st_size, sha256_file(path)))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(dense_dir / "model.safetensors.index.json", json.dumps(index, indent=1).encode())
+    return files
+
+
+def _expert_tensors(
+    model: nn.Module, layer: MoeLayer
+) -> Iterator[tuple[int, dict[str, mx.array]]]:
+    """Yield (expert, its tensors) for one layer, then free the layer's stacked arrays."""
+    module = get_module(model, layer.path)
+    stacked = dict(tree_flatten(module.parameters()))
+    mx.eval(stacked)
+    for expert in range(layer.num_experts):
+        yield expert, {name: stacked[name][expert] for name in layer.params}
+    module.update(tree_map(lambda _: mx.array([]), module.parameters()))
+
+
+def _write_expert(path: Path, tensors: dict[str, mx.array], layer: int, expert: int) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial.safetensors")
+    meta = {"format": "shoal-expert", "layer": str(layer), "expert": str(expert)}
+    mx.save_safetensors(str(tmp), tensors, metadata=meta)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def _fingerprint(config: dict, dense: Iterable[ExpertFile], experts: Iterable[ExpertFile]) -> str:
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for f in sorted(dense, key=lambda f: f.file):
+        digest.update(f"{f.file}:{f.sha256};".encode())
+    for f in sorted(experts, key=lambda f: (f.layer, f.expert)):
+        digest.update(f"{f.layer}/{f.expert}:{f.sha256};".encode())
+    return digest.hexdigest()
+
+
+def store_names(workers: int | None) -> list[str]:
+    return ["experts"] if workers is None else [f"worker-{k}" for k in range(workers)]
+
+
+def shard(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    workers: int | None = None,
+    quantize_bits: int | None = None,
+    group_size: int = 64,
+    progress: bool = True,
+) -> Manifest:
+    """Split a checkpoint into OUT/dense and per-expert files in one or N store folders."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    options = {"quantize_bits": quantize_bits, "group_size": group_size}
+    if quantize_bits is not None and quantize_bits not in (2, 3, 4, 5, 6, 8):
+        raise InvalidInput(f"--quantize takes 2, 3, 4, 5, 6 or 8 bits, not {quantize_bits}")
+    if workers is not None and workers < 1:
+        raise InvalidInput(f"--workers must be at least 1, got {workers}")
+    model, config = load_source(model_dir)
+    if quantize_bits is not None:
+        if config.get("quantization"):
+            raise InvalidInput(f"{model_dir} is already quantized; drop --quantize")
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, config = quantize_model(model, config, group_size, quantize_bits)
+    layers = find_moe_layers(model, config)
+    sid = source_id(model_dir, options)
+    names = store_names(workers)
+    _check_out_dir(out_dir, sid, config.get("model_type", "?"), names)
+
+    expert_bytes = {}
+    for layer in layers:
+        module = get_module(model, layer.path)
+        per_expert = sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+        expert_bytes.update(
+            {(layer.layer, e): per_expert // layer.num_experts for e in range(layer.num_experts)}
+        )
+    groups = split_by_bytes(expert_bytes, len(names))
+    store_of = {key: names[i] for i, group in enumerate(groups) for key in group}
+
+    dense_dir = out_dir / "dense"
+    dense_dir.mkdir(parents=True, exist_ok=True)
+    switch_paths = tuple(layer.path + "." for layer in layers)
+    dense = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith(switch_paths)}
+    dense_files = _save_dense(dense, dense_dir)
+    del dense
+    config_out = dict(config)
+    save_config(config_out, dense_dir / "config.json")
+    _copy_side_files(model_dir, dense_dir)
+
+    experts = []
+    total = sum(expert_bytes.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sharding experts",
+              disable=not progress) as bar:
+        for layer in layers:
+            for expert, tensors in _expert_tensors(model, layer):
+                name = expert_file_name(layer.layer, expert)
+                path = out_dir / store_of[(layer.layer, expert)] / name
+                size = _write_expert(path, tensors, layer.layer, expert)
+                experts.append(ExpertFile(layer.layer, expert, name, size, sha256_file(path)))
+                bar.update(expert_bytes[(layer.layer, expert)])
+
+    config = json.loads((dense_dir / "config.json").read_text())
+    manifest = Manifest(
+        fingerprint=_fingerprint(config, dense_files, experts),
+        source_id=sid,
+        model_type=config["model_type"],
+        config=config,
+        layers=layers,
+        experts=tuple(experts),
+        dense_files=tuple(dense_files),
+    )
+    text = manifest.to_json().encode()
+    for name in names:
+        write_atomic(out_dir / name / MANIFEST_NAME, text)
+    write_atomic(out_dir / MANIFEST_NAME, text)
+    return manifest

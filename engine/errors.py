@@ -1,0 +1,29 @@
+"""The one exception family of Shoal: messages are written for the user.
+
+The CLIs print a ShoalError without a traceback and exit non-zero; the gRPC
+servicers map the subclasses to status codes with the same message.
+"""
+
+
+class ShoalError(Exception):
+    """An expected failure with a message a user can act on."""
+
+
+class InvalidInput(ShoalError):
+    """A request, file or argument is malformed (gRPC: INVALID_ARGUMENT)."""
+
+
+class NotFound(ShoalError):
+    """A file, expert or worker that was asked for does not exist (gRPC: NOT_FOUND)."""
+
+
+class Unauthenticated(ShoalError):
+    """A peer did not prove it holds the cluster secret (gRPC: UNAUTHENTICATED)."""
+
+
+class Unavailable(ShoalError):
+    """A worker cannot be reached or an expert has no live owner (gRPC: UNAVAILABLE)."""
+
+
+class CorruptData(ShoalError):
+    """A file's bytes do not match its recorded checksum or format (gRPC: DATA_LOSS)."""

@@ -1,0 +1,71 @@
+"""Arrays <-> wire tensors (proto `Tensor`), with the dtype and shape checks both sides rely on."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine.errors import InvalidInput
+from proto import shoal_pb2
+
+# Wire dtype name -> (numpy dtype carrying the bytes, mlx dtype). bfloat16 has no
+# numpy dtype, so its bytes travel as uint16 and are reinterpreted on arrival.
+_DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
+    "float32": (np.dtype("<f4"), mx.float32),
+    "float16": (np.dtype("<f2"), mx.float16),
+    "bfloat16": (np.dtype("<u2"), mx.bfloat16),
+    "int32": (np.dtype("<i4"), mx.int32),
+}
+_NAMES = {mlx_dtype: name for name, (_, mlx_dtype) in _DTYPES.items()}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise InvalidInput(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def to_numpy(array: mx.array) -> np.ndarray:
+    """The array's bytes as a numpy array (bfloat16 viewed as uint16), without copying twice."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.asarray(array)
+
+
+def from_numpy(array: np.ndarray, dtype_name_: str) -> mx.array:
+    out = mx.array(array)
+    return out.view(mx.bfloat16) if dtype_name_ == "bfloat16" else out
+
+
+def encode(array: np.ndarray, dtype_name_: str) -> shoal_pb2.Tensor:
+    """A numpy array (already in the wire's byte layout for `dtype_name_`) as a Tensor."""
+    return shoal_pb2.Tensor(dtype=dtype_name_, shape=array.shape, data=array.tobytes())
+
+
+def decode(
+    tensor: shoal_pb2.Tensor,
+    *,
+    what: str,
+    dtypes: tuple[str, ...] | None = None,
+    ndim: int | None = None,
+) -> np.ndarray:
+    """Check a Tensor against what the caller expects and view its bytes as numpy.
+
+    Raises InvalidInput naming `what` when the dtype, rank or byte count is wrong.
+    """
+    if tensor.dtype not in _DTYPES:
+        raise InvalidInput(f"{what}: unknown dtype {tensor.dtype!r}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise InvalidInput(f"{what}: dtype {tensor.dtype} is not one of {', '.join(dtypes)}")
+    shape = tuple(tensor.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise InvalidInput(f"{what}: expected {ndim} dimensions, got shape {shape}")
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{what}: negative dimension in shape {shape}")
+    np_dtype = _DTYPES[tensor.dtype][0]
+    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if len(tensor.data) != expected:
+        got = len(tensor.data)
+        raise InvalidInput(f"{what}: {shape} of {tensor.dtype} needs {expected} bytes, got {got}")
+    return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)

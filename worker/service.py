@@ -1,0 +1,115 @@
+"""The gRPC servicer: check the credential, decode and validate, delegate, map errors.
+
+No expert logic lives here; `Residency` owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from engine.auth import METADATA_KEY, CredentialChecker
+from engine.errors import (
+    CorruptData,
+    InvalidInput,
+    NotFound,
+    ShoalError,
+    Unauthenticated,
+    Unavailable,
+)
+from engine.tensors import decode, dtype_name, encode, to_numpy
+from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+from worker.residency import Request, Residency
+
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
+
+_STATUS = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    CorruptData: grpc.StatusCode.DATA_LOSS,
+}
+
+
+def status_for(error: ShoalError) -> grpc.StatusCode:
+    for kind, code in _STATUS.items():
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def decode_request(message: shoal_pb2.ExpertRequest) -> Request:
+    hidden = decode(message.hidden, what="hidden", dtypes=ACTIVATION_DTYPES, ndim=2)
+    rows = decode(message.rows, what="rows", dtypes=("int32",), ndim=1)
+    experts = decode(message.experts, what="experts", dtypes=("int32",), ndim=1)
+    return Request(message.layer, hidden, message.hidden.dtype, rows, experts)
+
+
+class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
+    def __init__(self, residency: Residency, node_id: str) -> None:
+        self.residency = residency
+        self.node_id = node_id
+
+    def GetInventory(self, request, context):  # noqa: N802 (gRPC's name)
+        manifest = self.residency.scan.manifest
+        return shoal_pb2.Inventory(
+            node_id=self.node_id,
+            fingerprint=manifest.fingerprint,
+            model_type=manifest.model_type,
+            protocol_version=PROTOCOL_VERSION,
+            experts=[shoal_pb2.HeldExpert(layer=lay, expert=e) for lay, e in self.residency.held()],
+            problems=list(self.residency.scan.problems),
+        )
+
+    def Compute(self, request_iterator, context) -> Iterator[shoal_pb2.ExpertReply]:  # noqa: N802
+        for message in request_iterator:
+            started = time.perf_counter()
+            try:
+                out = self.residency.compute(decode_request(message))
+            except ShoalError as e:
+                context.abort(status_for(e), f"request {message.seq}: {e}")
+            yield shoal_pb2.ExpertReply(
+                seq=message.seq,
+                output=encode(to_numpy(out), dtype_name(out.dtype)),
+                compute_seconds=time.perf_counter() - started,
+            )
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that refuses the call."""
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose `shoal-auth` credential does not prove the cluster secret."""
+
+    def __init__(self, checker: CredentialChecker) -> None:
+        self.checker = checker
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        try:
+            self.checker.check(metadata.get(METADATA_KEY), handler_call_details.method)
+        except Unauthenticated as e:
+            return _refusal(handler, str(e))
+        return handler
