@@ -9,6 +9,7 @@ worker answered first.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -37,6 +38,7 @@ class DispatchStats:
     """Counters for `--stats`; per layer, summed over every call since the last reset."""
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    worker_requests: Counter[str] = field(default_factory=Counter)  # by worker address
 
     def layer(self, layer: int) -> LayerStats:
         return self.layers.setdefault(layer, LayerStats())
@@ -81,6 +83,7 @@ class Dispatcher:
                 experts=encode(experts[pairs], "int32"),
             )
             self.cluster.links[worker].send(request)
+            self.stats.worker_requests[self.cluster.links[worker].address] += 1
             pending.append((worker, pairs, self._seq))
             stats.bytes_sent += request.ByteSize()
         out = None

@@ -1,0 +1,53 @@
+import os
+import stat
+
+import pytest
+
+from engine.auth import CredentialChecker, create_secret, load_secret, make_credential, secret_path
+from engine.errors import ShoalError, Unauthenticated
+
+METHOD = "/shoal.v1.ExpertService/Compute"
+
+
+def test_secret_file_is_private_and_not_overwritten(tmp_path):
+    path = create_secret(tmp_path / "conf" / "secret")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    first = load_secret(path)
+    with pytest.raises(ShoalError, match="already exists"):
+        create_secret(path)
+    create_secret(path, force=True)
+    assert load_secret(path) != first
+
+
+def test_secret_path_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_SECRET_FILE", str(tmp_path / "env"))
+    assert secret_path("explicit") == secret_path("explicit")
+    assert str(secret_path("explicit")) == "explicit"
+    assert secret_path(None) == tmp_path / "env"
+    monkeypatch.delenv("SHOAL_SECRET_FILE")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert secret_path(None) == tmp_path / "xdg" / "shoal" / "secret"
+
+
+def test_missing_secret_says_how_to_make_one(tmp_path):
+    with pytest.raises(ShoalError, match="shoal cluster-init"):
+        load_secret(tmp_path / "nope")
+
+
+def test_credentials_verify_and_refuse_wrong_secret_method_age_and_replay():
+    secret, other = b"a" * 64, b"b" * 64
+    checker = CredentialChecker(secret)
+    good = make_credential(secret, METHOD, now=1000.0)
+    checker.check(good, METHOD, now=1001.0)
+    with pytest.raises(Unauthenticated, match="already used"):
+        checker.check(good, METHOD, now=1002.0)
+    with pytest.raises(Unauthenticated, match="cluster secret"):
+        checker.check(make_credential(other, METHOD, now=1000.0), METHOD, now=1000.0)
+    with pytest.raises(Unauthenticated, match="cluster secret"):
+        checker.check(make_credential(secret, "/other", now=1000.0), METHOD, now=1000.0)
+    with pytest.raises(Unauthenticated, match="clocks"):
+        checker.check(make_credential(secret, METHOD, now=0.0), METHOD, now=1000.0)
+    with pytest.raises(Unauthenticated, match="missing"):
+        checker.check(None, METHOD)
+    with pytest.raises(Unauthenticated, match="malformed"):
+        checker.check("garbage", METHOD)

@@ -1,0 +1,145 @@
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from engine.checkpoint import (
+    MANIFEST_NAME,
+    check_safetensors,
+    read_manifest,
+    sha256_file,
+    shard,
+)
+from engine.errors import CorruptData, ShoalError
+
+
+def save_mlx_model(module, config: dict, out_dir):
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def dense_llama(tmp_path_factory):
+    from mlx_lm.models import llama
+
+    config = dict(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                  num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=64)
+    return save_mlx_model(llama, config, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    from mlx_lm.models import gpt_oss
+
+    config = dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4,
+                  num_experts_per_tok=2, vocab_size=64, hidden_size=32, intermediate_size=32,
+                  head_dim=16, num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])
+    return save_mlx_model(gpt_oss, config, tmp_path_factory.mktemp("gpt_oss"))
+
+
+def test_shard_writes_dense_part_one_file_per_expert_and_balanced_stores(
+    tiny_checkpoint, tmp_path
+):
+    source = tiny_checkpoint("qwen3_moe")
+    out = tmp_path / "out"
+    manifest = shard(source, out, workers=3, progress=False)
+
+    assert [layer.layer for layer in manifest.layers] == [0, 1, 2]
+    assert len(manifest.experts) == 3 * 8
+    totals = []
+    for k in range(3):
+        store = out / f"worker-{k}"
+        assert read_manifest(store).fingerprint == manifest.fingerprint
+        files = sorted(store.glob("L*/E*.safetensors"))
+        totals.append(sum(f.stat().st_size for f in files))
+    assert sum(len(list((out / f"worker-{k}").glob("L*/E*"))) for k in range(3)) == 24
+    assert max(totals) - min(totals) <= max(e.bytes for e in manifest.experts)
+    for entry in manifest.experts:
+        holders = [out / f"worker-{k}" / entry.file for k in range(3)]
+        present = [p for p in holders if p.exists()]
+        assert len(present) == 1
+        assert sha256_file(present[0]) == entry.sha256
+        assert present[0].stat().st_size == entry.bytes
+        tensors = mx.load(str(present[0]))
+        assert set(tensors) == set(manifest.layer(entry.layer).params)
+
+    index = json.loads((out / "dense" / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if ".switch_mlp." in k]
+    assert any(".mlp.gate." in k for k in index["weight_map"])
+    assert (out / "dense" / "tokenizer.json").exists()
+    assert json.loads((out / "dense" / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_shard_again_into_same_folder_is_allowed_and_gives_same_fingerprint(
+    tiny_checkpoint, tmp_path
+):
+    source = tiny_checkpoint("mixtral")
+    first = shard(source, tmp_path / "out", progress=False)
+    again = shard(source, tmp_path / "out", progress=False)
+    assert again.fingerprint == first.fingerprint
+    assert (tmp_path / "out" / "experts" / MANIFEST_NAME).exists()
+
+
+def test_shard_quantizes_experts_with_mlx_lm(tiny_checkpoint, tmp_path):
+    manifest = shard(tiny_checkpoint("mixtral"), tmp_path / "q", quantize_bits=4, group_size=32,
+                     progress=False)
+    assert manifest.quantization["bits"] == 4
+    assert "gate_proj.scales" in manifest.layers[0].params
+    float_manifest = shard(tiny_checkpoint("mixtral"), tmp_path / "f", progress=False)
+    assert manifest.experts[0].bytes < float_manifest.experts[0].bytes
+
+
+def test_shard_refuses_a_dense_model(dense_llama, tmp_path):
+    with pytest.raises(ShoalError, match="'llama' is a dense model"):
+        shard(dense_llama, tmp_path / "out", progress=False)
+
+
+def test_shard_refuses_experts_without_the_switch_mlp_seam(gpt_oss, tmp_path):
+    with pytest.raises(ShoalError, match="does not use mlx-lm's `switch_mlp"):
+        shard(gpt_oss, tmp_path / "out", progress=False)
+
+
+def test_shard_refuses_truncated_weights(tiny_checkpoint, tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), source)
+    weights = sorted(source.glob("model*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CorruptData, match="truncated"):
+        shard(source, tmp_path / "out", progress=False)
+    with pytest.raises(CorruptData, match="truncated"):
+        check_safetensors(weights)
+
+
+def test_shard_refuses_a_folder_holding_another_model(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    with pytest.raises(ShoalError, match="already holds a different model"):
+        shard(tiny_checkpoint("mixtral"), out, progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ShoalError, match="not written by `shoal shard`"):
+        shard(tiny_checkpoint("mixtral"), tmp_path / "other", progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_shard_refuses_missing_config(tmp_path):
+    with pytest.raises(ShoalError, match="no config.json"):
+        shard(tmp_path, tmp_path / "out", progress=False)
+
+
+def test_shard_command_reports_errors_without_traceback(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "shard", str(tmp_path), str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2
+    assert "shoal: error:" in run.stderr and "no config.json" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -1,0 +1,31 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.errors import InvalidInput
+from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32])
+def test_round_trip_is_bit_exact(dtype):
+    array = (mx.random.normal((3, 5)) * 100).astype(dtype)
+    name = dtype_name(dtype)
+    back = from_numpy(decode(encode(to_numpy(array), name), what="x"), name)
+    assert back.dtype == dtype
+    assert mx.array_equal(back, array).item()
+
+
+def test_decode_refuses_wrong_dtype_rank_and_size():
+    tensor = encode(np.zeros((2, 3), np.float32), "float32")
+    with pytest.raises(InvalidInput, match="not one of int32"):
+        decode(tensor, what="rows", dtypes=("int32",))
+    with pytest.raises(InvalidInput, match="expected 1 dimensions"):
+        decode(tensor, what="rows", ndim=1)
+    tensor.data = tensor.data[:-4]
+    with pytest.raises(InvalidInput, match="needs 24 bytes, got 20"):
+        decode(tensor, what="hidden")
+    tensor.dtype = "complex64"
+    with pytest.raises(InvalidInput, match="unknown dtype"):
+        decode(tensor, what="hidden")
+    with pytest.raises(InvalidInput, match="cannot travel"):
+        dtype_name(mx.uint8)

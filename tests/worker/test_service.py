@@ -1,0 +1,85 @@
+"""A real worker process refuses bad input and unauthenticated calls, and stays up."""
+
+import grpc
+import numpy as np
+import pytest
+
+from engine.auth import load_secret, make_credential
+from engine.checkpoint import shard
+from engine.tensors import encode
+from proto import shoal_pb2, shoal_pb2_grpc
+
+SERVICE = "/shoal.v1.ExpertService/"
+
+
+@pytest.fixture
+def worker(tiny_checkpoint, tmp_path, start_worker):
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, workers=2, progress=False)
+    return start_worker([out / "worker-0"])
+
+
+def credential(secret: bytes, method: str) -> list[tuple[str, str]]:
+    return [("shoal-auth", make_credential(secret, SERVICE + method))]
+
+
+def request(layer=0, width=64, rows=(0,), experts=(0,), n=1, dtype="float32"):
+    hidden = np.ones((n, width), np.float32)
+    return shoal_pb2.ExpertRequest(
+        seq=1, layer=layer, hidden=encode(hidden, dtype),
+        rows=encode(np.array(rows, np.int32), "int32"),
+        experts=encode(np.array(experts, np.int32), "int32"),
+    )
+
+
+def compute(stub, message, metadata):
+    return list(stub.Compute(iter([message]), metadata=metadata, timeout=30))
+
+
+def test_worker_refuses_bad_input_and_unauthenticated_calls_then_still_serves(
+    worker, secret_file
+):
+    secret = load_secret(secret_file)
+    channel = grpc.insecure_channel(worker.address)
+    stub = shoal_pb2_grpc.ExpertServiceStub(channel)
+    inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
+                                  metadata=credential(secret, "GetInventory"))
+    held = sorted((h.layer, h.expert) for h in inventory.experts)
+    layer, expert = held[0]
+    missing = next(e for e in range(8) if (layer, e) not in held)
+
+    for metadata, hint in [
+        ((), "missing"),
+        (credential(b"w" * 64, "GetInventory"), "cluster secret"),
+        (credential(secret, "Compute"), "cluster secret"),  # credential for another method
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert hint in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        compute(stub, request(layer, experts=(expert,)), ())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    bad = [
+        (request(layer=77), "holds no experts of layer 77"),
+        (request(layer, experts=(missing,)), f"does not hold expert(s) {missing}"),
+        (request(layer, experts=(-3,)), "does not hold expert(s) -3"),
+        (request(layer, width=63, experts=(expert,)), "width 63"),
+        (request(layer, rows=(5,), experts=(expert,)), "outside the 1 hidden states"),
+        (request(layer, rows=(0, 0), experts=(expert,)), "same length"),
+        (request(layer, experts=(expert,), dtype="int32"), "not one of float32"),
+    ]
+    truncated = request(layer, experts=(expert,))
+    truncated.hidden.data = truncated.hidden.data[:-1]
+    bad.append((truncated, "needs 256 bytes, got 255"))
+    for message, hint in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            compute(stub, message, credential(secret, "Compute"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, hint
+        assert hint in info.value.details()
+
+    replies = compute(stub, request(layer, experts=(expert,)), credential(secret, "Compute"))
+    assert replies[0].output.shape == [1, 64]
+    assert worker.proc.poll() is None
+    channel.close()
