@@ -24,6 +24,10 @@ from coordinator.dispatch import Dispatcher, DispatchStats, install
 from engine.checkpoint import Manifest, check_safetensors, read_manifest
 from engine.errors import CorruptData, InvalidInput, NotFound
 
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model"
+)
+
 
 @dataclass
 class RemoteModel:
@@ -56,6 +60,11 @@ def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, Tokenize
     if absent:
         raise CorruptData(
             f"{dense_dir} lacks {len(absent)} dense weights the model needs, e.g. {absent[0]}"
+        )
+    if not any(any(dense_dir.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise NotFound(
+            f"{dense_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the model's "
+            "tokenizer files into the source checkpoint and shard it again"
         )
     tokenizer = load_tokenizer(dense_dir)
     return model, tokenizer

