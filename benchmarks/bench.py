@@ -1,0 +1,292 @@
+"""`shoal bench`: Shoal against mlx-lm (one process, and its own two-process distributed
+generation) and against a bare gRPC echo, on one checkpoint, in one run.
+
+The checkpoint is a DeepSeek-V3-shaped MoE (engine/synthetic.py, size "bench": hidden 1024,
+64 routed experts + 1 shared, top-8, 12 layers, 4-bit), built once into the cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.echo import round_trips
+from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
+from coordinator.demo import build_once, cache_root
+from coordinator.generate import open_remote_model
+from coordinator.local import start_workers, stop_workers
+from engine.auth import create_secret, load_secret
+from engine.checkpoint import read_manifest, shard
+from engine.errors import ShoalError
+from engine.synthetic import build_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+FULL = {"size": "bench", "bits": 4, "group_size": 64, "lengths": [16, 128, 512],
+        "decode_tokens": 32,
+        "runs": 3, "echo_round_trips": 300}
+# float32: the tiny model's 4-bit scales are too narrow for mlx-lm's tensor-parallel split.
+QUICK = {"size": "tiny", "bits": None, "group_size": 32, "lengths": [16, 64], "decode_tokens": 8,
+         "runs": 1, "echo_round_trips": 50}
+WORKERS = 2
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
+    source = build_once(
+        root / "source",
+        lambda out: build_checkpoint(out, "deepseek_v3", size=settings["size"],
+                                     quantize_bits=settings["bits"],
+                                     group_size=settings["group_size"]),
+        f"the {settings['size']} DeepSeek-V3-style checkpoint",
+    )
+    sharded = build_once(root / f"sharded-w{WORKERS}",
+                         lambda out: shard(source, out, workers=WORKERS, progress=False),
+                         f"{WORKERS} worker stores")
+    return source, sharded
+
+
+def measure_single(source: Path, settings: dict) -> dict:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(source)
+    tokenizer = load_tokenizer(source)
+    figures = decode_and_prefill(model, tokenizer, config["vocab_size"],
+                                 lengths=settings["lengths"],
+                                 decode_tokens=settings["decode_tokens"], runs=settings["runs"])
+    del model
+    gc.collect()
+    return figures
+
+
+def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Path) -> dict:
+    """Decode/prefill figures, then per-layer dispatch figures of decode alone (a prefill-only
+    generation's counters subtracted from a prefill+decode one)."""
+    workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret_file,
+                            log_dir)
+    try:
+        remote = open_remote_model(sharded, [w.address for w in workers],
+                                   load_secret(secret_file))
+        try:
+            vocab = remote.manifest.config["vocab_size"]
+            figures = decode_and_prefill(remote.model, remote.tokenizer, vocab,
+                                         lengths=settings["lengths"],
+                                         decode_tokens=settings["decode_tokens"],
+                                         runs=settings["runs"])
+            figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"])
+            figures["echo"] = echo_floor(figures["dispatch"], settings["echo_round_trips"],
+                                         log_dir)
+        finally:
+            remote.close()
+    finally:
+        stop_workers(workers)
+    return figures
+
+
+def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
+    prompt = bench_prompt(vocab, 16)
+    stats = remote.dispatcher.stats
+
+    def counters(max_tokens: int) -> dict:
+        stats.layers.clear()
+        timed_generation(remote.model, remote.tokenizer, prompt, max_tokens)
+        total = stats.total()
+        return {"calls": total.calls, "seconds": total.seconds, "requests": total.requests,
+                "sent": total.bytes_sent, "received": total.bytes_received,
+                "compute": total.worker_compute_seconds, "layers": len(stats.layers)}
+
+    prefill_only, whole = counters(1), counters(tokens + 1)
+    d = {k: whole[k] - prefill_only[k] for k in whole if k != "layers"}
+    layers = whole["layers"]
+    return {
+        "tokens": tokens,
+        "moe_layers": layers,
+        "layer_ms": 1e3 * d["seconds"] / d["calls"],
+        "worker_compute_ms_per_request": 1e3 * d["compute"] / d["requests"],
+        "rpcs_per_token_per_layer": d["requests"] / (tokens * layers),
+        "workers_per_layer": d["requests"] / d["calls"],
+        "bytes_sent_per_token": d["sent"] / tokens,
+        "bytes_received_per_token": d["received"] / tokens,
+        "request_bytes": d["sent"] / d["requests"],
+        "reply_bytes": d["received"] / d["requests"],
+    }
+
+
+def echo_floor(dispatch: dict, count: int, log_dir: Path) -> dict:
+    """The same fan-out and message sizes over bare gRPC streams to echo processes."""
+    fan_out = max(1, round(dispatch["workers_per_layer"]))
+    servers = []
+    try:
+        for k in range(fan_out):
+            log_file = open(log_dir / f"echo-{k}.log", "w")  # noqa: SIM115 (kept for the process)
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.echo", "serve",
+                 "--reply-bytes", str(int(dispatch["reply_bytes"]))],
+                stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
+            ))
+        addresses = [wait_for_line(log_dir / f"echo-{k}.log", r"on (\S+:\d+)") for k in
+                     range(fan_out)]
+        seconds = round_trips(addresses, int(dispatch["request_bytes"]), count)
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(10)
+    return {"streams": fan_out, "round_trip_ms": 1e3 * seconds}
+
+
+def wait_for_line(path: Path, pattern: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(pattern, path.read_text() if path.exists() else "")
+        if match:
+            return match.group(1)
+        time.sleep(0.05)
+    raise ShoalError(f"no line matching {pattern!r} in {path} after {timeout:.0f} s")
+
+
+def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
+    """mlx-lm's own generation over mx.distributed: 2 ranks, ring backend on loopback."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable,
+               str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
+               "--mode", mode, "--out", str(out),
+               "--prompt-lengths", ",".join(map(str, settings["lengths"])),
+               "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"])]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stdout + run.stderr).strip()[-800:]
+            return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
+        return json.loads(out.read_text())
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def run(*, quick: bool = False, plot: Path | None = None) -> dict:
+    settings = QUICK if quick else FULL
+    root = cache_root() / "bench" / ("quick" if quick else "full")
+    source, sharded = prepare(settings, root)
+    secret_file = root / "secret"
+    if not secret_file.exists():
+        create_secret(secret_file)
+    log_dir = root / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    steps: list[tuple[str, Callable[[], dict]]] = [
+        ("mlx_lm_single", lambda: measure_single(source, settings)),
+        ("shoal", lambda: measure_shoal(sharded, settings, secret_file, log_dir)),
+        ("mlx_lm_tensor_parallel", lambda: measure_mlx_distributed(source, "tensor", settings)),
+        ("mlx_lm_pipeline_parallel",
+         lambda: measure_mlx_distributed(source, "pipeline", settings)),
+    ]
+    results = {}
+    for name, step in steps:
+        log(f"measuring {name} ...")
+        started = time.perf_counter()
+        results[name] = step()
+        log(f"{name} done in {time.perf_counter() - started:.0f} s")
+
+    shoal, single = results["shoal"], results["mlx_lm_single"]
+    tp = results["mlx_lm_tensor_parallel"]
+    longest = str(max(settings["lengths"]))
+    dispatch = shoal["dispatch"]
+    overhead_ms = dispatch["layer_ms"] - dispatch["worker_compute_ms_per_request"]
+    report = {
+        "machine": machine(),
+        "checkpoint": {"family": "deepseek_v3", "size": settings["size"],
+                       "bits": settings["bits"],
+                       "group_size": settings["group_size"],
+                       "experts": len(read_manifest(sharded).experts),
+                       "workers": WORKERS},
+        "settings": settings,
+        **results,
+        "layer_overhead_ms": overhead_ms,
+        "decode_ratio_vs_mlx_lm_single": ratio(shoal["decode_tps"], single["decode_tps"]),
+        f"prefill{longest}_ratio_vs_mlx_lm_single": ratio(shoal["prefill_tps"][longest],
+                                                          single["prefill_tps"][longest]),
+        "decode_ratio_vs_mlx_lm_tensor_parallel": ratio(shoal["decode_tps"],
+                                                        tp.get("decode_tps")),
+        "layer_overhead_ratio_vs_grpc_echo": ratio(overhead_ms,
+                                                   shoal["echo"]["round_trip_ms"]),
+    }
+    if "prefill512_ratio_vs_mlx_lm_single" not in report:
+        report["prefill512_ratio_vs_mlx_lm_single"] = None  # --quick does not reach 512
+    if plot is not None:
+        draw(report, plot)
+    return report
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def draw(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ShoalError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("shoal", "mlx_lm_single", "mlx_lm_tensor_parallel", "mlx_lm_pipeline_parallel"):
+        by_prompt = report[name].get("decode_tps_by_prompt")
+        if by_prompt:
+            lengths = sorted(by_prompt, key=int)
+            ax.plot([int(n) for n in lengths], [by_prompt[n] for n in lengths], marker="o",
+                    label=name.replace("_", " "))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"decode speed, {report['checkpoint']['size']} checkpoint, "
+                 f"{report['checkpoint']['workers']} local workers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(report: dict) -> str:
+    rows = [("system", "decode tok/s") + tuple(f"prefill {n}" for n in
+                                              report["settings"]["lengths"])]
+    for name in ("shoal", "mlx_lm_single", "mlx_lm_tensor_parallel", "mlx_lm_pipeline_parallel"):
+        r = report[name]
+        if "error" in r:
+            rows.append((name, r["error"][:60]))
+            continue
+        rows.append((name, f"{r['decode_tps']:.1f}")
+                    + tuple(f"{r['prefill_tps'][str(n)]:.1f}" for n in
+                            report["settings"]["lengths"]))
+    d, e = report["shoal"]["dispatch"], report["shoal"]["echo"]
+    lines = ["  ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(row))
+             for row in rows]
+    lines += [
+        "",
+        f"per-layer round trip {d['layer_ms']:.2f} ms (worker compute "
+        f"{d['worker_compute_ms_per_request']:.2f} ms, overhead {report['layer_overhead_ms']:.2f}"
+        f" ms); bare gRPC echo {e['round_trip_ms']:.2f} ms over {e['streams']} streams",
+        f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
+        f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
+    ]
+    for key in ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
+                "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo"):
+        value = report.get(key)
+        lines.append(f"{key}: {'n/a' if value is None else f'{value:.2f}'}")
+    return "\n".join(lines)
+

@@ -1,0 +1,56 @@
+"""Timing one model the same way for Shoal and for every baseline: mlx-lm's own figures."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import stream_generate
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+def bench_prompt(vocab_size: int, length: int) -> list[int]:
+    """A fixed, tokenizer-independent prompt of `length` ids (no special tokens at 0-4)."""
+    return [(7 * i + 11) % (vocab_size - 10) + 5 for i in range(length)]
+
+
+def timed_generation(
+    model: nn.Module, tokenizer: TokenizerWrapper, prompt: list[int], max_tokens: int
+) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one greedy generation, as mlx-lm reports them."""
+    responses = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens)
+    last = deque(responses, maxlen=1)[0]
+    return last.prompt_tps, last.generation_tps
+
+
+def decode_and_prefill(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    vocab_size: int,
+    *,
+    lengths: list[int],
+    decode_tokens: int,
+    runs: int,
+    after_each: Callable[[], None] = lambda: None,
+) -> dict:
+    """For each prompt length: median prefill and decode tokens/s over `runs` generations,
+    after one warm-up generation of that shape. `decode_tps` is the shortest prompt's.
+    `after_each` runs after every generation (distributed ranks synchronise there)."""
+    prompt = bench_prompt(vocab_size, max(lengths))
+    prefill, decode = {}, {}
+
+    def timed(n: int, tokens: int) -> tuple[float, float]:
+        figures = timed_generation(model, tokenizer, prompt[:n], tokens)
+        after_each()
+        return figures
+
+    for n in lengths:
+        timed(n, 4)
+        samples = [timed(n, decode_tokens) for _ in range(runs)]
+        prefill[str(n)] = statistics.median(p for p, _ in samples)
+        decode[str(n)] = statistics.median(d for _, d in samples)
+    return {"decode_tps": decode[str(min(lengths))], "decode_tps_by_prompt": decode,
+            "prefill_tps": prefill}

@@ -1,0 +1,337 @@
+"""Expert streaming benchmark: one worker serving a skewed-routing MoE at memory budgets of
+100/50/25% of its expert bytes, the OS page cache dropped before each run, against the
+drive's sequential read speed and against mlx-lm in one process under the same memory limit.
+
+    .venv/bin/python benchmarks/streaming.py [--tokens 48] [--budgets 100,50,25]
+
+The model is `shoal demo`'s (SmolLM2-135M split into 16 experts per layer, top-4: real
+weights, so routing is as skewed as a trained router makes it). Linux, as root, for dropping
+the page cache and for the cgroup memory limit; elsewhere those steps are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
+from coordinator.local import start_worker  # noqa: E402
+from coordinator.worker_stats import read_stats, run_report  # noqa: E402
+from engine.auth import create_secret, load_secret  # noqa: E402
+from engine.cache_policy import format_bytes  # noqa: E402
+from engine.checkpoint import read_manifest  # noqa: E402
+from worker.reader import open_uncached, read_into  # noqa: E402
+
+PROMPT = "Explain how rainbows form."
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Empty the OS page cache (root on Linux), else drop the given files' pages."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    if hasattr(os, "posix_fadvise"):
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "posix_fadvise(DONTNEED) on every file"
+    return "nothing (no way to drop the page cache here)"
+
+
+def sequential_bandwidth(folder: Path, size: int = 1 << 30, block: int = 8 << 20) -> float:
+    """Bytes/s of one sequential pass over a fresh file on the drive, around the page cache."""
+    import mmap
+
+    path = folder / ".shoal-bench-sequential"
+    chunk = os.urandom(block)
+    with open(path, "wb") as f:
+        for _ in range(size // block):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    drop_page_cache([path])
+    buffer = mmap.mmap(-1, block)
+    view = memoryview(buffer)
+    file = open_uncached(path)
+    started = time.perf_counter()
+    offset = 0
+    while got := read_into(file, view, offset):
+        offset += got
+    elapsed = time.perf_counter() - started
+    os.close(file.fd)
+    view.release()
+    buffer.close()
+    path.unlink()
+    return offset / elapsed
+
+
+class MemoryLimit:
+    """A cgroup (v1 or v2) with a memory limit that a command joins before it starts."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        if (CGROUP_V1 / "cgroup.procs").exists():
+            self.path = CGROUP_V1 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            self.kind = "cgroup v1 memory.limit_in_bytes"
+        else:
+            self.path = CGROUP_V2 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "memory.max").write_text(str(limit))
+            self.kind = "cgroup v2 memory.max"
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh", *cmd]
+
+    def peak(self) -> int | None:
+        for name in ("memory.max_usage_in_bytes", "memory.peak"):
+            if (self.path / name).exists():
+                return int((self.path / name).read_text())
+        return None
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+MLX_LM_SCRIPT = """
+import json, sys, time
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
+started = time.perf_counter()
+model, tokenizer = load(sys.argv[1])
+loaded = time.perf_counter() - started
+ids = json.loads(sys.argv[2])
+out, last = [], None
+for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=int(sys.argv[3]),
+                         sampler=make_sampler(temp=0.0)):
+    out.append(int(r.token)); last = r
+print(json.dumps({"tokens": out, "decode_tps": last.generation_tps, "load_s": loaded,
+                  "peak_memory": mx.get_peak_memory()}))
+"""
+
+
+def run_mlx_lm(model_dir: Path, ids: list[int], tokens: int, limit: MemoryLimit | None) -> dict:
+    cmd = [sys.executable, "-c", MLX_LM_SCRIPT, str(model_dir), json.dumps(ids), str(tokens)]
+    if limit is not None:
+        cmd = limit.wrap(cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        killed = proc.returncode in (-9, 137)
+        return {"error": "killed (out of memory)" if killed else proc.stderr.strip()[-300:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_predictors(source: Path, sharded: Path, ids: list[int], tokens: int) -> dict:
+    """Recall and precision of the lookahead's guesses in one process, decode steps only:
+    layer L+1's router on layer L's MoE input, as is and rescaled between the two norms."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from coordinator.lookahead import Lookahead
+    from engine.checkpoint import get_module
+
+    model, tokenizer = load(str(source))
+    manifest = read_manifest(sharded)
+    records: list[tuple[int, mx.array, mx.array]] = []
+
+    class Recorder(nn.Module):
+        def __init__(self, layer: int, inner: nn.Module) -> None:
+            super().__init__()
+            self.layer, self.inner = layer, inner
+
+        def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+            records.append((self.layer, x, inds))
+            return self.inner(x, inds)
+
+    for layer in manifest.layers:
+        parent, name = layer.path.rsplit(".", 1)
+        block = get_module(model, parent)
+        setattr(block, name, Recorder(layer.layer, getattr(block, name)))
+    for _ in stream_generate(model, tokenizer, mx.array(ids), max_tokens=tokens,
+                             sampler=make_sampler(temp=0.0)):
+        pass
+    out = {}
+    for rescale in (False, True):
+        lookahead = Lookahead(model, manifest, rescale=rescale)
+        for layer, x, inds in records:
+            if x.reshape(-1, x.shape[-1]).shape[0] != 1:
+                continue  # the prompt's pass: decode is what streaming serves
+            lookahead.score(layer, np.array(inds).reshape(-1))
+            lookahead.predict(layer, x, inds.shape[-1])
+        s = lookahead.stats
+        out["rescaled" if rescale else "as is"] = {"recall": s.recall, "precision": s.precision}
+    return out
+
+
+def dense_bytes(sharded: Path) -> int:
+    return sum(p.stat().st_size for p in (sharded / "dense").glob("*.safetensors"))
+
+
+def run_budget(
+    sharded: Path, store: Path, share: int, tokens: int, secret_file: Path, log_dir: Path,
+    prompt_ids: list[int] | None,
+) -> dict:
+    files = sorted(store.glob("L*/E*.safetensors"))
+    how = drop_page_cache(files)
+    worker = start_worker([store], secret_file, log_dir / f"worker-{share}.log",
+                          ["--memory-budget", f"{share}%"])
+    try:
+        remote = open_remote_model(sharded, [worker.address], load_secret(secret_file))
+        try:
+            ids = prompt_ids or encode_prompt(remote.tokenizer, PROMPT, chat=True)
+            before = read_stats(remote.cluster.links)
+            result = generate(remote.model, remote.tokenizer, ids, max_tokens=tokens)
+            after = read_stats(remote.cluster.links)
+        finally:
+            remote.close()
+        rss = peak_rss(worker.proc.pid)
+    finally:
+        worker.stop()
+    report = run_report(before, after, len(result.token_ids), remote.dispatcher.lookahead.stats)
+    (summary,) = report["workers"].values()
+    decode_seconds = sum(result.token_seconds[1:])
+    drive = summary["drives"][0]
+    return {
+        "share": share,
+        "page_cache": how,
+        "prompt_ids": ids,
+        "tokens": result.token_ids,
+        "decode_tps": result.decode_tps,
+        "prefill_tps": result.prefill_tps,
+        "hit_rate": summary["hit_rate"],
+        "prefetch_recall": summary["prefetch_recall"],
+        "prefetch_precision": summary["prefetch_precision"],
+        "hint_recall": report["hints"]["recall"],
+        "hint_precision": report["hints"]["precision"],
+        "bytes_read_per_token": summary["bytes_read_per_token"],
+        "read_bandwidth": drive["bandwidth"],
+        "drive_busy_share": drive["active_seconds"] / decode_seconds if decode_seconds else 0,
+        "budget": summary["memory_budget"],
+        "worker_peak_rss": rss,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--budgets", default="100,50,25")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+
+    from coordinator.demo import cache_root, prepare
+
+    sharded = prepare(args.experts, args.top_k, 1)
+    source = cache_root() / "demo" / f"smollm2-moe-e{args.experts}-k{args.top_k}"
+    store = sharded / "worker-0"
+    manifest = read_manifest(sharded)
+    expert_total = sum(e.bytes for e in manifest.experts)
+    print(f"model: {manifest.model_type} {len(manifest.layers)} MoE layers x "
+          f"{manifest.layers[0].num_experts} experts (top-{args.top_k}), experts "
+          f"{format_bytes(expert_total)}, dense {format_bytes(dense_bytes(sharded))}", flush=True)
+
+    seq = sequential_bandwidth(store)
+    print(f"drive sequential read (1 GiB, 8 MiB blocks, around the page cache): "
+          f"{format_bytes(seq)}/s", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        secret_file = create_secret(Path(tmp) / "secret")
+        rows, prompt_ids = [], None
+        for share in [int(s) for s in args.budgets.split(",")]:
+            row = run_budget(sharded, store, share, args.tokens, secret_file, Path(tmp),
+                             prompt_ids)
+            prompt_ids = row["prompt_ids"]
+            rows.append(row)
+            print(f"  {share}% done: {row['decode_tps']:.1f} tok/s", flush=True)
+
+    predictors = compare_predictors(source, sharded, prompt_ids, args.tokens)
+    reference = None
+    if not args.no_mlx_lm:
+        drop_page_cache(sorted(source.glob("*.safetensors")))
+        reference = run_mlx_lm(source, prompt_ids, args.tokens, None)
+        for row in rows:
+            limit_bytes = row["worker_peak_rss"] + dense_bytes(sharded)
+            limit = None
+            try:
+                limit = MemoryLimit(f"shoal-bench-{row['share']}", limit_bytes)
+                drop_page_cache(sorted(source.glob("*.safetensors")))
+                row["mlx_lm"] = run_mlx_lm(source, prompt_ids, args.tokens, limit)
+                row["mlx_lm"]["limit"] = limit_bytes
+                row["mlx_lm"]["how"] = limit.kind
+                row["mlx_lm"]["cgroup_peak"] = limit.peak()
+            except OSError as e:
+                row["mlx_lm"] = {"error": f"no memory limit possible here ({e})"}
+            finally:
+                if limit is not None:
+                    limit.close()
+
+    print()
+    print(f"page cache before each run: {rows[0]['page_cache']}; decode {args.tokens} tokens, "
+          f"prompt {len(prompt_ids)} tokens; sequential read {format_bytes(seq)}/s")
+    head = (f"{'budget':>7} {'tok/s':>6} {'hit':>6} {'pf rec':>6} {'pf prec':>7} "
+            f"{'hint rec':>8} {'hint prec':>9} {'read/tok':>10} {'read bw':>12} {'vs seq':>6} "
+            f"{'drive busy':>10} {'worker RSS':>10} {'same tokens':>11} | mlx-lm same limit")
+    print(head)
+    for row in rows:
+        bw = row["read_bandwidth"]
+        same = (reference is None or "tokens" not in reference or
+                row["tokens"] == reference["tokens"])
+        other = row.get("mlx_lm", {})
+        other_text = (f"{other['decode_tps']:.1f} tok/s (limit {format_bytes(other['limit'])})"
+                      if "decode_tps" in other else other.get("error", "-"))
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.0f}%"
+
+        print(f"{row['share']:>6}% {row['decode_tps']:>6.1f} {pct(row['hit_rate']):>6} "
+              f"{pct(row['prefetch_recall']):>6} {pct(row['prefetch_precision']):>7} "
+              f"{pct(row['hint_recall']):>8} {pct(row['hint_precision']):>9} "
+              f"{format_bytes(row['bytes_read_per_token'] or 0):>10} "
+              f"{('-' if bw is None else format_bytes(bw) + '/s'):>12} "
+              f"{('-' if bw is None else pct(bw / seq)):>6} {pct(row['drive_busy_share']):>10} "
+              f"{format_bytes(row['worker_peak_rss']):>10} {str(same):>11} | {other_text}")
+    if reference is not None and "decode_tps" in reference:
+        print(f"mlx-lm, no limit: {reference['decode_tps']:.1f} tok/s, "
+              f"peak MLX memory {format_bytes(reference['peak_memory'])}")
+    for name, figures in predictors.items():
+        print(f"lookahead predictor {name}: recall {100 * figures['recall']:.1f}%, precision "
+              f"{100 * figures['precision']:.1f}% (decode steps, one process)")
+    if args.json:
+        args.json.write_text(json.dumps({"sequential": seq, "rows": rows, "mlx_lm": reference,
+                                         "predictors": predictors}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

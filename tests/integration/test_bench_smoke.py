@@ -1,0 +1,38 @@
+"""`shoal bench --quick` runs every system end to end and prints well-formed JSON.
+
+It checks the harness, not the speed: speed is read from the printed figures (docs/benchmarks.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
+          "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo")
+
+
+@pytest.mark.slow
+def test_bench_quick_prints_a_complete_report(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "bench", "--quick", "--json"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+        env={**os.environ, "SHOAL_CACHE": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    for key in RATIOS:
+        assert key in report
+    for system in ("shoal", "mlx_lm_single", "mlx_lm_tensor_parallel",
+                   "mlx_lm_pipeline_parallel"):
+        assert report[system].get("decode_tps", 0) > 0, (system, report[system])
+        assert set(report[system]["prefill_tps"]) == {"16", "64"}
+    dispatch = report["shoal"]["dispatch"]
+    assert 1 <= dispatch["rpcs_per_token_per_layer"] <= 2  # one request per involved worker
+    assert dispatch["bytes_sent_per_token"] > 0 and report["shoal"]["echo"]["round_trip_ms"] > 0
+    assert report["decode_ratio_vs_mlx_lm_single"] > 0
+    assert report["layer_overhead_ratio_vs_grpc_echo"] > 0
