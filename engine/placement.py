@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,3 +78,143 @@ def describe_ids(ids: Sequence[int]) -> str:
         if value is not None:
             start = prev = value
     return "experts " + ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# Planning a placement from capacities and heat
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    """What one worker can hold: bytes of memory for experts, and of free disk (None: ample)."""
+
+    name: str
+    memory: int
+    disk: int | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    holders: dict[ExpertKey, tuple[str, ...]]  # expert -> the workers holding a copy
+    bytes_per_worker: dict[str, int]
+    resident: bool  # every worker's share fits in its memory (else experts stream from disk)
+    imbalance_before: float
+    imbalance_after: float
+
+    @property
+    def replicas(self) -> dict[ExpertKey, int]:
+        return {key: len(h) for key, h in self.holders.items() if len(h) > 1}
+
+
+def imbalance(
+    holders: Mapping[ExpertKey, Sequence[str]], heat: Mapping[ExpertKey, float]
+) -> float:
+    """Expected tokens of the busiest worker over the mean, summed over layers.
+
+    Each layer waits for its slowest worker, so per layer the cost is the busiest worker's
+    load; the ratio of the layers' summed maxima to their summed means is 1.0 when perfectly
+    even. An expert's tokens are assumed to split evenly over its copies.
+    """
+    workers = sorted({w for names in holders.values() for w in names})
+    per_layer: dict[int, dict[str, float]] = {}
+    for (layer, expert), names in holders.items():
+        loads = per_layer.setdefault(layer, dict.fromkeys(workers, 0.0))
+        for name in names:
+            loads[name] += heat.get((layer, expert), 0.0) / len(names)
+    peak = sum(max(loads.values()) for loads in per_layer.values())
+    mean = sum(sum(loads.values()) / len(workers) for loads in per_layer.values())
+    return peak / mean if mean > 0 else 1.0
+
+
+def _capacities(workers: Sequence[WorkerCapacity], total: int, spare: float) -> tuple[dict, bool]:
+    memory = {w.name: int(w.memory * (1.0 - spare)) for w in workers}
+    if sum(memory.values()) >= total:
+        return memory, True
+    disk = {w.name: w.disk if w.disk is not None else 1 << 62 for w in workers}
+    if sum(disk.values()) >= total:
+        return disk, False
+    raise InvalidInput(
+        f"the cluster cannot hold the model: its experts need {total / 2**30:.1f} GiB, the "
+        f"workers have {sum(memory.values()) / 2**30:.1f} GiB of memory (after {spare:.0%} "
+        f"spare) and {sum(disk.values()) / 2**30:.1f} GiB of disk"
+    )
+
+
+def _copies(
+    sizes: Mapping[ExpertKey, int], heat: Mapping[ExpertKey, float], workers: int, room: int
+) -> dict[ExpertKey, int]:
+    """How many copies of each expert: replicate the expert with the highest load per copy
+    while it alone outweighs half a worker's fair share of its layer's load (beyond that a
+    copy no longer lowers the busiest worker) and the spare bytes allow."""
+    copies = dict.fromkeys(sizes, 1)
+    layer_load: dict[int, float] = {}
+    for (layer, _), load in heat.items():
+        layer_load[layer] = layer_load.get(layer, 0.0) + load
+    heap = [(-heat[key], key) for key in sizes if heat[key] > 0]
+    heapq.heapify(heap)
+    while heap:
+        negative_load, key = heapq.heappop(heap)
+        share = layer_load[key[0]] / workers
+        if -negative_load <= share / 2 or copies[key] >= workers or sizes[key] > room:
+            continue
+        copies[key] += 1
+        room -= sizes[key]
+        heapq.heappush(heap, (-heat[key] / copies[key], key))
+    return copies
+
+
+def plan_placement(
+    workers: Sequence[WorkerCapacity],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None = None,
+    *,
+    spare: float = 0.1,
+    current: Mapping[ExpertKey, Sequence[str]] | None = None,
+) -> Placement:
+    """Place every expert on at least one worker, hot ones on several, within capacity, so the
+    busiest worker's expected load per layer is as low as greedy packing makes it.
+
+    In the spirit of DeepSeek's EPLB: first decide copy counts (replicas for the experts with
+    the highest load per copy), then, layer by layer, put copies heaviest first on the least
+    loaded worker that has room and no copy yet. Heat defaults to uniform. `imbalance_before`
+    is that of `current` (default: a byte-balanced split without replicas).
+    """
+    if not workers:
+        raise InvalidInput("a placement needs at least one worker")
+    if len({w.name for w in workers}) != len(workers):
+        raise InvalidInput("worker names must be unique")
+    if not 0.0 <= spare < 1.0:
+        raise InvalidInput(f"spare must be between 0 and 100%, got {spare:.0%}")
+    heat = {key: float((heat or {}).get(key, 0.0 if heat else 1.0)) for key in sizes}
+    if not any(heat.values()):
+        heat = dict.fromkeys(sizes, 1.0)
+    total = sum(sizes.values())
+    capacity, resident = _capacities(workers, total, spare)
+    names = [w.name for w in workers]
+    copies = _copies(sizes, heat, len(workers), sum(capacity.values()) - total)
+
+    holders: dict[ExpertKey, list[str]] = {key: [] for key in sizes}
+    used = dict.fromkeys(names, 0)
+    for layer in sorted({layer for layer, _ in sizes}):
+        load = dict.fromkeys(names, 0.0)
+        items = [(heat[key] / copies[key], key) for key in sizes if key[0] == layer
+                 for _ in range(copies[key])]
+        for share, key in sorted(items, key=lambda item: (-item[0], -sizes[item[1]], item[1])):
+            fits = [n for n in names
+                    if n not in holders[key] and used[n] + sizes[key] <= capacity[n]]
+            if not fits:
+                if holders[key]:
+                    continue  # a replica that no longer fits is simply not made
+                raise InvalidInput(
+                    f"expert {key[0]}/{key[1]} ({sizes[key] / 2**20:.1f} MiB) fits on no "
+                    "worker: the capacities are too uneven for one-expert-per-file placement"
+                )
+            chosen = min(fits, key=lambda n: (load[n], used[n] / max(capacity[n], 1), n))
+            holders[key].append(chosen)
+            load[chosen] += share
+            used[chosen] += sizes[key]
+    final = {key: tuple(sorted(h)) for key, h in holders.items()}
+    if current is None:
+        groups = split_by_bytes(sizes, len(names)) if len(sizes) >= len(names) else [list(sizes)]
+        current = {key: (names[i],) for i, group in enumerate(groups) for key in group}
+    return Placement(final, used, resident, imbalance(current, heat), imbalance(final, heat))

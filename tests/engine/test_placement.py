@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 
 from engine.errors import InvalidInput, Unavailable
-from engine.placement import describe_ids, routing_table, split_by_bytes
+from engine.placement import (
+    WorkerCapacity,
+    describe_ids,
+    imbalance,
+    plan_placement,
+    routing_table,
+    split_by_bytes,
+)
 
 
 def test_split_by_bytes_balances_and_covers_every_expert():
@@ -40,3 +47,53 @@ def test_routing_table_names_every_missing_expert():
 def test_describe_ids():
     assert describe_ids([7, 1, 2, 3]) == "experts 1-3, 7"
     assert describe_ids(np.array([4]).tolist()) == "experts 4"
+
+
+def skewed_heat(layers: int = 3, experts: int = 16) -> dict:
+    """Zipf-like: expert 0 of each layer gets far more tokens than the rest."""
+    return {(layer, e): 1000.0 / (e + 1) ** 1.2 for layer in range(layers) for e in range(experts)}
+
+
+def test_plan_places_every_expert_within_capacity():
+    sizes = {(layer, e): 100 for layer in range(3) for e in range(16)}
+    workers = [WorkerCapacity("a", 2000), WorkerCapacity("b", 1000), WorkerCapacity("c", 3000)]
+    plan = plan_placement(workers, sizes, skewed_heat(), spare=0.0)
+    assert set(plan.holders) == set(sizes)
+    assert all(plan.holders[key] for key in sizes)
+    for w in workers:
+        held = sum(sizes[k] for k, names in plan.holders.items() if w.name in names)
+        assert held == plan.bytes_per_worker[w.name] <= w.memory
+    assert plan.resident
+
+
+def test_plan_replicates_hot_experts_and_lowers_imbalance():
+    sizes = {(layer, e): 10 for layer in range(3) for e in range(16)}
+    workers = [WorkerCapacity(n, 10_000) for n in "abcd"]
+    plan = plan_placement(workers, sizes, skewed_heat())
+    assert plan.replicas.get((0, 0), 1) >= 2
+    assert (0, 15) not in plan.replicas
+    assert plan.imbalance_after < plan.imbalance_before
+    assert plan.imbalance_after < 1.3
+
+
+def test_plan_with_uniform_heat_needs_no_replicas_and_is_even():
+    sizes = {(layer, e): 10 for layer in range(2) for e in range(8)}
+    plan = plan_placement([WorkerCapacity("a", 1000), WorkerCapacity("b", 1000)], sizes)
+    assert plan.replicas == {}
+    assert plan.imbalance_after == pytest.approx(1.0)
+
+
+def test_plan_streams_from_disk_when_memory_is_short_and_refuses_when_disk_is_too():
+    sizes = {(0, e): 100 for e in range(10)}
+    workers = [WorkerCapacity("a", 200, disk=1000), WorkerCapacity("b", 200, disk=1000)]
+    plan = plan_placement(workers, sizes)
+    assert not plan.resident
+    small = [WorkerCapacity("a", 200, disk=300), WorkerCapacity("b", 200, disk=300)]
+    with pytest.raises(InvalidInput, match="cannot hold the model"):
+        plan_placement(small, sizes)
+
+
+def test_imbalance_counts_the_busiest_worker_per_layer():
+    heat = {(0, 0): 3.0, (0, 1): 1.0}
+    assert imbalance({(0, 0): ("a",), (0, 1): ("b",)}, heat) == pytest.approx(1.5)
+    assert imbalance({(0, 0): ("a", "b"), (0, 1): ("b",)}, heat) == pytest.approx(1.25)
