@@ -419,3 +419,74 @@ def shard(
         write_atomic(out_dir / name / MANIFEST_NAME, text)
     write_atomic(out_dir / MANIFEST_NAME, text)
     return manifest
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes for planning
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What placement planning needs to know about a model, from a manifest or a config."""
+
+    model_type: str
+    experts: dict[tuple[int, int], int]  # (layer, expert) -> bytes
+    dense_bytes: int
+    top_k: int
+    estimated: bool  # True when computed from a config rather than read from real files
+
+
+def _top_k(config: dict) -> int:
+    text = config.get("text_config", {})
+    return int(config.get("num_experts_per_tok") or text.get("num_experts_per_tok") or 1)
+
+
+def sizes_from_manifest(manifest: Manifest) -> ModelSizes:
+    experts = {(e.layer, e.expert): e.bytes for e in manifest.experts}
+    dense = sum(f.bytes for f in manifest.dense_files)
+    return ModelSizes(manifest.model_type, experts, dense, _top_k(manifest.config), False)
+
+
+def estimate_sizes(config: dict) -> ModelSizes:
+    """Byte sizes from a config alone (a model not downloaded yet): mlx-lm builds the module
+    tree lazily, so no weight is ever allocated; quantization follows the config's entry."""
+    from engine.experts import build_skeleton
+
+    model = build_skeleton(config)
+    quantization = config.get("quantization")
+    if quantization:
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=lambda _, m: hasattr(m, "to_quantized")
+            and m.weight.shape[-1] % quantization["group_size"] == 0,
+        )
+    layers = find_moe_layers(model, config)
+    experts = {}
+    expert_total = 0
+    for layer in layers:
+        module_bytes = sum(a.nbytes for _, a in tree_flatten(get_module(model, layer.path)
+                                                            .parameters()))
+        expert_total += module_bytes
+        per_expert = module_bytes // layer.num_experts
+        experts.update({(layer.layer, e): per_expert for e in range(layer.num_experts)})
+    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    return ModelSizes(config.get("model_type", "?"), experts, total - expert_total,
+                      _top_k(config), True)
+
+
+def read_sizes(path: Path) -> ModelSizes:
+    """Sizes of a sharded model folder (its manifest), or estimated from a config.json."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).exists():
+        return sizes_from_manifest(read_manifest(path))
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"{path} is neither a sharded model folder nor a config.json") from None
+    except json.JSONDecodeError as e:
+        raise CorruptData(f"{config_path} is not valid JSON ({e})") from None
+    return estimate_sizes(config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -163,41 +163,22 @@ def _copies(
     return copies
 
 
-def plan_placement(
-    workers: Sequence[WorkerCapacity],
+def _pack(
     sizes: Mapping[ExpertKey, int],
-    heat: Mapping[ExpertKey, float] | None = None,
-    *,
-    spare: float = 0.1,
-    current: Mapping[ExpertKey, Sequence[str]] | None = None,
-) -> Placement:
-    """Place every expert on at least one worker, hot ones on several, within capacity, so the
-    busiest worker's expected load per layer is as low as greedy packing makes it.
-
-    In the spirit of DeepSeek's EPLB: first decide copy counts (replicas for the experts with
-    the highest load per copy), then, layer by layer, put copies heaviest first on the least
-    loaded worker that has room and no copy yet. Heat defaults to uniform. `imbalance_before`
-    is that of `current` (default: a byte-balanced split without replicas).
-    """
-    if not workers:
-        raise InvalidInput("a placement needs at least one worker")
-    if len({w.name for w in workers}) != len(workers):
-        raise InvalidInput("worker names must be unique")
-    if not 0.0 <= spare < 1.0:
-        raise InvalidInput(f"spare must be between 0 and 100%, got {spare:.0%}")
-    heat = {key: float((heat or {}).get(key, 0.0 if heat else 1.0)) for key in sizes}
-    if not any(heat.values()):
-        heat = dict.fromkeys(sizes, 1.0)
-    total = sum(sizes.values())
-    capacity, resident = _capacities(workers, total, spare)
-    names = [w.name for w in workers]
-    copies = _copies(sizes, heat, len(workers), sum(capacity.values()) - total)
-
+    heat: Mapping[ExpertKey, float],
+    copies: Mapping[ExpertKey, int],
+    names: list[str],
+    capacity: Mapping[str, int],
+) -> tuple[dict[ExpertKey, tuple[str, ...]], dict[str, int]]:
+    """Layer by layer, each copy (heaviest first) to the least loaded worker with room."""
+    by_layer: dict[int, list[ExpertKey]] = {}
+    for key in sizes:
+        by_layer.setdefault(key[0], []).append(key)
     holders: dict[ExpertKey, list[str]] = {key: [] for key in sizes}
     used = dict.fromkeys(names, 0)
-    for layer in sorted({layer for layer, _ in sizes}):
+    for layer in sorted(by_layer):
         load = dict.fromkeys(names, 0.0)
-        items = [(heat[key] / copies[key], key) for key in sizes if key[0] == layer
+        items = [(heat[key] / copies[key], key) for key in by_layer[layer]
                  for _ in range(copies[key])]
         for share, key in sorted(items, key=lambda item: (-item[0], -sizes[item[1]], item[1])):
             fits = [n for n in names
@@ -213,8 +194,88 @@ def plan_placement(
             holders[key].append(chosen)
             load[chosen] += share
             used[chosen] += sizes[key]
-    final = {key: tuple(sorted(h)) for key, h in holders.items()}
+    return {key: tuple(sorted(h)) for key, h in holders.items()}, used
+
+
+def plan_placement(
+    workers: Sequence[WorkerCapacity],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None = None,
+    *,
+    spare: float = 0.1,
+    current: Mapping[ExpertKey, Sequence[str]] | None = None,
+) -> Placement:
+    """Place every expert on at least one worker, hot ones on several, within capacity, so the
+    busiest worker's expected load per layer is as low as greedy packing makes it.
+
+    In the spirit of DeepSeek's EPLB: first decide copy counts (replicas for the experts with
+    the highest load per copy), then, layer by layer, put copies heaviest first on the least
+    loaded worker that has room and no copy yet. Heat defaults to uniform. `imbalance_before`
+    is that of `current` (default: the same packing without replicas).
+    """
+    if not workers:
+        raise InvalidInput("a placement needs at least one worker")
+    if len({w.name for w in workers}) != len(workers):
+        raise InvalidInput("worker names must be unique")
+    if not 0.0 <= spare < 1.0:
+        raise InvalidInput(f"spare must be between 0 and 100%, got {spare:.0%}")
+    heat = {key: float((heat or {}).get(key, 0.0 if heat else 1.0)) for key in sizes}
+    if not any(heat.values()):
+        heat = dict.fromkeys(sizes, 1.0)
+    total = sum(sizes.values())
+    capacity, resident = _capacities(workers, total, spare)
+    names = [w.name for w in workers]
+    copies = _copies(sizes, heat, len(workers), sum(capacity.values()) - total)
+
+    holders, used = _pack(sizes, heat, copies, names, capacity)
     if current is None:
-        groups = split_by_bytes(sizes, len(names)) if len(sizes) >= len(names) else [list(sizes)]
-        current = {key: (names[i],) for i, group in enumerate(groups) for key in group}
-    return Placement(final, used, resident, imbalance(current, heat), imbalance(final, heat))
+        current = _pack(sizes, heat, dict.fromkeys(sizes, 1), names, capacity)[0]
+    return Placement(holders, used, resident, imbalance(current, heat), imbalance(holders, heat))
+
+
+@dataclass(frozen=True)
+class SpeedAssumptions:
+    """The figures a decode-speed bound rests on; printed with every estimate."""
+
+    memory_gbps: float = 400.0  # unified memory bandwidth of each Mac, GB/s
+    disk_gbps: float = 5.0  # SSD read bandwidth, GB/s
+    round_trip_ms: float = 0.3  # one MoE layer's request and reply over Thunderbolt
+
+
+def decode_bound(
+    placement: Placement,
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None,
+    capacities: Sequence[WorkerCapacity],
+    *,
+    top_k: int,
+    dense_bytes: int,
+    assume: SpeedAssumptions = SpeedAssumptions(),
+) -> dict:
+    """An upper bound on decode tokens/s: each token reads the dense weights once on the
+    coordinator, and in every MoE layer waits for the busiest worker to read its chosen
+    experts (from memory, or from disk for the share of its bytes beyond its memory) plus one
+    network round trip. Compute is assumed to keep up with memory, so real speed is lower."""
+    heat = {key: float((heat or {}).get(key, 1.0)) for key in sizes}
+    memory = {w.name: w.memory for w in capacities}
+    layer_heat: dict[int, float] = {}
+    for (layer, _), h in heat.items():
+        layer_heat[layer] = layer_heat.get(layer, 0.0) + h
+    seconds = dense_bytes / (assume.memory_gbps * 1e9)
+    for layer in sorted(layer_heat):
+        read: dict[str, float] = {}
+        for (lay, expert), names in placement.holders.items():
+            if lay != layer or not layer_heat[layer]:
+                continue
+            chosen = min(1.0, top_k * heat[(lay, expert)] / layer_heat[layer])
+            for name in names:
+                read[name] = read.get(name, 0.0) + chosen * sizes[(lay, expert)] / len(names)
+        worst = 0.0
+        for name, nbytes in read.items():
+            held = placement.bytes_per_worker[name]
+            on_disk = 0.0 if held <= memory[name] else 1.0 - memory[name] / held
+            worst = max(worst, nbytes * (1 - on_disk) / (assume.memory_gbps * 1e9)
+                        + nbytes * on_disk / (assume.disk_gbps * 1e9))
+        seconds += worst + assume.round_trip_ms / 1e3
+    return {"tokens_per_second": 1.0 / seconds, "seconds_per_token": seconds,
+            "assumptions": asdict(assume)}

@@ -1,0 +1,89 @@
+"""`shoal plan`: the placement planner as a what-if tool, and how its answer is shown."""
+
+from __future__ import annotations
+
+from engine.cache_policy import parse_budget
+from engine.checkpoint import ModelSizes
+from engine.errors import InvalidInput, ShoalError
+from engine.placement import SpeedAssumptions, WorkerCapacity, decode_bound, plan_placement
+
+
+def parse_worker_capacity(text: str) -> WorkerCapacity:
+    """NAME=MEMORY[:DISK], sizes like 192G or 1.5T."""
+    name, _, sizes = text.partition("=")
+    memory, _, disk = sizes.partition(":")
+    if not name or not memory:
+        raise InvalidInput(f"--worker {text!r} is not NAME=MEMORY[:DISK], e.g. studio=192G:2T")
+    try:
+        budget = [parse_budget(s).bytes for s in (memory, disk) if s]
+    except ShoalError:
+        raise InvalidInput(f"--worker {text!r}: sizes look like 64G, 512M or 2T") from None
+    if None in budget:
+        raise InvalidInput(f"--worker {text!r}: give sizes, not percentages")
+    return WorkerCapacity(name, budget[0], budget[1] if len(budget) > 1 else None)
+
+
+def plan_report(
+    sizes: ModelSizes,
+    workers: list[WorkerCapacity],
+    heat: dict | None,
+    spare: float,
+    assume: SpeedAssumptions,
+) -> dict:
+    """Everything `shoal plan` says, as plain data (also its --json output)."""
+    report = {
+        "model": {"model_type": sizes.model_type, "estimated_from_config": sizes.estimated,
+                  "experts": len(sizes.experts), "expert_bytes": sum(sizes.experts.values()),
+                  "dense_bytes": sizes.dense_bytes, "top_k": sizes.top_k},
+        "heat": "uniform" if heat is None else "from file",
+    }
+    try:
+        plan = plan_placement(workers, sizes.experts, heat, spare=spare)
+    except InvalidInput as e:
+        return {**report, "fits": False, "reason": str(e)}
+    per_worker = {w.name: {"memory": w.memory, "disk": w.disk, "experts": 0, "bytes": 0,
+                           "replica_copies": 0} for w in workers}
+    for key, names in plan.holders.items():
+        for name in names:
+            per_worker[name]["experts"] += 1
+            per_worker[name]["bytes"] += sizes.experts[key]
+            per_worker[name]["replica_copies"] += len(names) > 1
+    return {
+        **report,
+        "fits": True,
+        "resident": plan.resident,
+        "workers": per_worker,
+        "replicas": {f"{layer}/{expert}": n for (layer, expert), n in plan.replicas.items()},
+        "imbalance_before": plan.imbalance_before,
+        "imbalance_after": plan.imbalance_after,
+        "decode_bound": decode_bound(plan, sizes.experts, heat, workers, top_k=sizes.top_k,
+                                     dense_bytes=sizes.dense_bytes, assume=assume),
+    }
+
+
+def print_plan(report: dict) -> None:
+    gib = 2**30
+    m = report["model"]
+    source = "estimated from its config" if m["estimated_from_config"] else "from its manifest"
+    print(f"model {m['model_type']} ({source}): {m['experts']} experts, "
+          f"{m['expert_bytes'] / gib:.1f} GiB of experts, {m['dense_bytes'] / gib:.1f} GiB "
+          f"dense (on the coordinator), top-{m['top_k']}; heat {report['heat']}")
+    if not report["fits"]:
+        print(f"does not fit: {report['reason']}")
+        return
+    where = "in memory" if report["resident"] else "only by streaming experts from disk"
+    print(f"fits {where}")
+    print(f"  {'worker':<16} {'memory':>9} {'disk':>9} {'experts':>8} {'GiB':>8} {'replicas':>9}")
+    for name, w in report["workers"].items():
+        disk = "-" if w["disk"] is None else f"{w['disk'] / gib:.0f}G"
+        print(f"  {name:<16} {w['memory'] / gib:>8.0f}G {disk:>9} {w['experts']:>8} "
+              f"{w['bytes'] / gib:>8.1f} {w['replica_copies']:>9}")
+    print(f"predicted imbalance (busiest worker / mean, per layer): "
+          f"{report['imbalance_before']:.2f} before, {report['imbalance_after']:.2f} after "
+          f"({len(report['replicas'])} experts replicated)")
+    bound = report["decode_bound"]
+    a = bound["assumptions"]
+    print(f"decode at most ~{bound['tokens_per_second']:.1f} tokens/s, assuming "
+          f"{a['memory_gbps']:.0f} GB/s memory, {a['disk_gbps']:.0f} GB/s disk, "
+          f"{a['round_trip_ms']:.2f} ms network round trip per MoE layer, and compute that "
+          "keeps up with memory")
