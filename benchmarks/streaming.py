@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
+from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
 from coordinator.local import start_worker  # noqa: E402
 from coordinator.worker_stats import read_stats, run_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
@@ -131,8 +131,11 @@ out, last = [], None
 for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=int(sys.argv[3]),
                          sampler=make_sampler(temp=0.0)):
     out.append(int(r.token)); last = r
+import resource, platform
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"tokens": out, "decode_tps": last.generation_tps, "load_s": loaded,
-                  "peak_memory": mx.get_peak_memory()}))
+                  "peak_memory": mx.get_peak_memory(),
+                  "peak_rss": rss if platform.system() == "Darwin" else rss * 1024}))
 """
 
 
@@ -199,42 +202,61 @@ def dense_bytes(sharded: Path) -> int:
 
 def run_budget(
     sharded: Path, store: Path, share: int, tokens: int, secret_file: Path, log_dir: Path,
-    prompt_ids: list[int] | None,
+    prompt_ids: list[int] | None, *, lookahead: bool = True,
 ) -> dict:
+    """One worker at `share`% of its expert bytes; stats cover the decode steps only (read
+    after the first token, so the prompt's pass, which reads nearly everything, is left out)."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
     files = sorted(store.glob("L*/E*.safetensors"))
     how = drop_page_cache(files)
     worker = start_worker([store], secret_file, log_dir / f"worker-{share}.log",
                           ["--memory-budget", f"{share}%"])
     try:
         remote = open_remote_model(sharded, [worker.address], load_secret(secret_file))
+        if not lookahead:
+            remote.dispatcher.lookahead = None
         try:
             ids = prompt_ids or encode_prompt(remote.tokenizer, PROMPT, chat=True)
-            before = read_stats(remote.cluster.links)
-            result = generate(remote.model, remote.tokenizer, ids, max_tokens=tokens)
+            connected = read_stats(remote.cluster.links)
+            out = []
+            for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
+                                            max_tokens=tokens, sampler=make_sampler(temp=0.0)):
+                out.append(int(response.token))
+                if len(out) == 1:
+                    before = read_stats(remote.cluster.links)
+                    started = time.perf_counter()
+            decode_seconds = time.perf_counter() - started
             after = read_stats(remote.cluster.links)
         finally:
             remote.close()
         rss = peak_rss(worker.proc.pid)
     finally:
         worker.stop()
-    report = run_report(before, after, len(result.token_ids), remote.dispatcher.lookahead.stats)
+    hints = remote.dispatcher.lookahead.stats if lookahead else None
+    (prefill,) = run_report(connected, before, 0, None)["workers"].values()
+    report = run_report(before, after, 0, hints)  # 0: per forward pass, one per decode token
     (summary,) = report["workers"].values()
-    decode_seconds = sum(result.token_seconds[1:])
     drive = summary["drives"][0]
     return {
         "share": share,
+        "lookahead": lookahead,
         "page_cache": how,
         "prompt_ids": ids,
-        "tokens": result.token_ids,
-        "decode_tps": result.decode_tps,
-        "prefill_tps": result.prefill_tps,
+        "tokens": out,
+        "decode_tps": (len(out) - 1) / decode_seconds,
+        "hit_rate_without_prefetch": summary["hit_rate_without_prefetch"],
         "hit_rate": summary["hit_rate"],
         "prefetch_recall": summary["prefetch_recall"],
         "prefetch_precision": summary["prefetch_precision"],
-        "hint_recall": report["hints"]["recall"],
-        "hint_precision": report["hints"]["precision"],
+        "hint_recall": report["hints"]["recall"] if hints else None,
+        "hint_precision": report["hints"]["precision"] if hints else None,
         "bytes_read_per_token": summary["bytes_read_per_token"],
         "read_bandwidth": drive["bandwidth"],
+        "prefill_read_bandwidth": prefill["drives"][0]["bandwidth"],
+        "prefill_bytes_read": prefill["bytes_read"],
         "drive_busy_share": drive["active_seconds"] / decode_seconds if decode_seconds else 0,
         "budget": summary["memory_budget"],
         "worker_peak_rss": rss,
@@ -247,6 +269,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="100,50,25")
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--without-lookahead", default="25", metavar="SHARES",
+                        help="budgets to run again with no prefetch hints (default 25)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
@@ -269,9 +293,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         secret_file = create_secret(Path(tmp) / "secret")
         rows, prompt_ids = [], None
-        for share in [int(s) for s in args.budgets.split(",")]:
+        runs = [(int(s), True) for s in args.budgets.split(",")]
+        runs += [(int(s), False) for s in args.without_lookahead.split(",") if s]
+        for share, lookahead in runs:
             row = run_budget(sharded, store, share, args.tokens, secret_file, Path(tmp),
-                             prompt_ids)
+                             prompt_ids, lookahead=lookahead)
             prompt_ids = row["prompt_ids"]
             rows.append(row)
             print(f"  {share}% done: {row['decode_tps']:.1f} tok/s", flush=True)
@@ -282,7 +308,12 @@ def main() -> None:
         drop_page_cache(sorted(source.glob("*.safetensors")))
         reference = run_mlx_lm(source, prompt_ids, args.tokens, None)
         for row in rows:
-            limit_bytes = row["worker_peak_rss"] + dense_bytes(sharded)
+            if not row["lookahead"] or "peak_rss" not in reference:
+                continue
+            # What mlx-lm needed with every weight in memory, less the expert bytes that the
+            # worker at this budget leaves on the drive (plus 32 MiB of slack).
+            missing = expert_total * (100 - row["share"]) // 100
+            limit_bytes = reference["peak_rss"] - missing + (32 << 20)
             limit = None
             try:
                 limit = MemoryLimit(f"shoal-bench-{row['share']}", limit_bytes)
@@ -300,31 +331,44 @@ def main() -> None:
     print()
     print(f"page cache before each run: {rows[0]['page_cache']}; decode {args.tokens} tokens, "
           f"prompt {len(prompt_ids)} tokens; sequential read {format_bytes(seq)}/s")
-    head = (f"{'budget':>7} {'tok/s':>6} {'hit':>6} {'pf rec':>6} {'pf prec':>7} "
+    print("budget: share of the worker's expert bytes (hints: router lookahead on/off); hit: "
+          "expert uses found in memory (cache alone / with prefetch); pf: the worker's "
+          "prefetches; hint: the coordinator's guesses; figures over decode steps only")
+    head = (f"{'budget':>11} {'tok/s':>6} {'hit':>11} {'pf rec':>6} {'pf prec':>7} "
             f"{'hint rec':>8} {'hint prec':>9} {'read/tok':>10} {'read bw':>12} {'vs seq':>6} "
-            f"{'drive busy':>10} {'worker RSS':>10} {'same tokens':>11} | mlx-lm same limit")
+            f"{'drive busy':>10} {'prefill bw':>12} {'worker RSS':>10} {'same tokens':>11} "
+            "| mlx-lm, same limit")
     print(head)
     for row in rows:
-        bw = row["read_bandwidth"]
+        bw, pbw = row["read_bandwidth"], row["prefill_read_bandwidth"]
         same = (reference is None or "tokens" not in reference or
                 row["tokens"] == reference["tokens"])
         other = row.get("mlx_lm", {})
         other_text = (f"{other['decode_tps']:.1f} tok/s (limit {format_bytes(other['limit'])})"
-                      if "decode_tps" in other else other.get("error", "-"))
+                      if "decode_tps" in other else other.get("error", "-")
+                      + (f" (limit {format_bytes(other['limit'])})" if "limit" in other else ""))
 
         def pct(v):
             return "-" if v is None else f"{100 * v:.0f}%"
 
-        print(f"{row['share']:>6}% {row['decode_tps']:>6.1f} {pct(row['hit_rate']):>6} "
+        hit = f"{pct(row['hit_rate_without_prefetch'])}/{pct(row['hit_rate'])}"
+        budget = f"{row['share']}% " + ("hints" if row["lookahead"] else "none")
+        print(f"{budget:>11} {row['decode_tps']:>6.1f} {hit:>11} "
               f"{pct(row['prefetch_recall']):>6} {pct(row['prefetch_precision']):>7} "
               f"{pct(row['hint_recall']):>8} {pct(row['hint_precision']):>9} "
               f"{format_bytes(row['bytes_read_per_token'] or 0):>10} "
               f"{('-' if bw is None else format_bytes(bw) + '/s'):>12} "
               f"{('-' if bw is None else pct(bw / seq)):>6} {pct(row['drive_busy_share']):>10} "
+              f"{('-' if pbw is None else format_bytes(pbw) + '/s'):>12} "
               f"{format_bytes(row['worker_peak_rss']):>10} {str(same):>11} | {other_text}")
     if reference is not None and "decode_tps" in reference:
-        print(f"mlx-lm, no limit: {reference['decode_tps']:.1f} tok/s, "
-              f"peak MLX memory {format_bytes(reference['peak_memory'])}")
+        print(f"mlx-lm, no limit: {reference['decode_tps']:.1f} tok/s, peak RSS "
+              f"{format_bytes(reference['peak_rss'])}, peak MLX memory "
+              f"{format_bytes(reference['peak_memory'])}")
+        limited = [r["mlx_lm"] for r in rows if "how" in r.get("mlx_lm", {})]
+        if limited:
+            print(f"mlx-lm limits: {limited[0]['how']} = its unlimited peak RSS less the expert "
+                  "bytes the worker leaves on the drive at that budget, plus 32 MiB")
     for name, figures in predictors.items():
         print(f"lookahead predictor {name}: recall {100 * figures['recall']:.1f}%, precision "
               f"{100 * figures['precision']:.1f}% (decode steps, one process)")

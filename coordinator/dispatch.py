@@ -3,7 +3,9 @@
 Per layer call: group the (token, expert) pairs by the worker that serves the expert, send one
 request to every involved worker before waiting for any, then place each worker's outputs
 back into the (..., k, hidden) result in a fixed order, so the result never depends on which
-worker answered first.
+worker answered first. A worker lost in the middle of a call is routed around when other
+workers hold its experts (the call is redone; experts keep no state), else the call fails
+naming the experts left without a live owner.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import mlx.nn as nn
 import numpy as np
 
 from coordinator.cluster import Cluster
+from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
-from engine.errors import ShoalError
+from engine.errors import ShoalError, Unavailable
 from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
 from proto import shoal_pb2
 
@@ -51,6 +54,16 @@ class DispatchStats:
         return total
 
 
+MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: int, error: Unavailable) -> None:
+        super().__init__(str(error))
+        self.worker = worker
+        self.error = error
+
+
 class Dispatcher:
     """Sends one MoE layer's expert work to the workers and gathers the results."""
 
@@ -58,17 +71,36 @@ class Dispatcher:
         self.cluster = cluster
         self.stats = DispatchStats()
         self._seq = 0
+        self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
+        for _ in range(MAX_ATTEMPTS - 1):
+            self.cluster.refresh()
+            try:
+                return self._call(layer, x, inds)
+            except _WorkerFailed as failed:
+                self.cluster.lost(failed.worker, failed.error)
+        self.cluster.refresh()
+        try:
+            return self._call(layer, x, inds)
+        except _WorkerFailed as failed:
+            raise failed.error from None
+
+    def _call(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         started = time.perf_counter()
         *lead, k = inds.shape
         width = x.shape[-1]
-        hidden = to_numpy(x.reshape(-1, width))
+        # x and inds are evaluated: reshape their buffers in numpy, not as new MLX graph nodes
+        hidden = to_numpy(x).reshape(-1, width)
         wire_dtype = dtype_name(x.dtype)
-        experts = np.asarray(inds.reshape(-1)).astype(np.int32, copy=False)
+        experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
         tokens = np.repeat(np.arange(hidden.shape[0], dtype=np.int32), k)
         owner = self.cluster.owners[layer][experts]
+        hints = {}
+        if self.lookahead is not None:
+            self.lookahead.score(layer, experts)
+            hints = self.lookahead.hints(layer, x, k, self.cluster.owners, self.cluster.links)
 
         stats = self.stats.layer(layer)
         pending = []
@@ -82,15 +114,23 @@ class Dispatcher:
                 hidden=encode(hidden[needed], wire_dtype),
                 rows=encode(rows.astype(np.int32), "int32"),
                 experts=encode(experts[pairs], "int32"),
+                prefetch=hints.pop(worker, None),
             )
             self.cluster.links[worker].send(request)
             self.stats.worker_requests[self.cluster.links[worker].address] += 1
             pending.append((worker, pairs, self._seq))
             stats.bytes_sent += request.ByteSize()
+        for worker, hint in hints.items():  # a hint alone gets no reply
+            self.cluster.links[worker].send(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint))
         out = None
-        for worker, pairs, seq in pending:
+        for index, (worker, pairs, seq) in enumerate(pending):
             link = self.cluster.links[worker]
-            reply = link.receive()
+            try:
+                reply = link.receive()
+            except Unavailable as e:
+                for other, _, _ in pending[index + 1:]:
+                    self.cluster.links[other].reset()  # their replies to this call are moot
+                raise _WorkerFailed(worker, e) from None
             if reply.seq != seq:
                 raise ShoalError(f"worker {link.address} answered request {reply.seq}, not {seq}")
             values = decode(reply.output, what=f"output of {link.address}", ndim=2)

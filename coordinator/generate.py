@@ -21,6 +21,8 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster import Cluster, connect
 from coordinator.dispatch import Dispatcher, DispatchStats, install
+from coordinator.lookahead import Lookahead
+from coordinator.membership import Membership
 from engine.checkpoint import Manifest, check_safetensors, read_manifest
 from engine.errors import CorruptData, InvalidInput, NotFound
 
@@ -70,12 +72,27 @@ def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, Tokenize
     return model, tokenizer
 
 
-def open_remote_model(model_dir: Path, addresses: list[str], secret: bytes) -> RemoteModel:
+def open_remote_model(
+    model_dir: Path,
+    addresses: list[str],
+    secret: bytes,
+    *,
+    membership: Membership | None = None,
+    wait: float = 30.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> RemoteModel:
+    """The dense model here, the experts on the workers at `addresses`, or, with a
+    `membership`, on whichever of its workers are healthy (waiting up to `wait` seconds
+    until every expert has an owner; workers may leave and come back afterwards)."""
     manifest = read_manifest(Path(model_dir))
     model, tokenizer = load_dense(model_dir, manifest)
-    cluster = connect(addresses, secret, manifest)
+    if membership is None:
+        cluster = connect(addresses, secret, manifest)
+    else:
+        cluster = membership.join(manifest, wait=wait, on_wait=on_wait)
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
+    dispatcher.lookahead = Lookahead(model, manifest)
     mx.eval(model.parameters())
     return RemoteModel(model, tokenizer, manifest, cluster, dispatcher)
 

@@ -81,7 +81,10 @@ def start_workers(
     workers: list[LocalWorker] = []
     try:
         for index, stores in enumerate(store_groups):
-            workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log"))
+            # Found by address, not by Bonjour: advertising would only announce several
+            # workers that share this machine's node id.
+            workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log",
+                                        ("--no-advertise",)))
     except BaseException:
         stop_workers(workers)
         raise

@@ -1,4 +1,4 @@
-"""Build mlx-lm's own switch module over a subset of one layer's experts, and run it.
+"""Build mlx-lm's own switch module for one MoE layer and run it one expert at a time.
 
 The module class, activation and quantization all come from the model's mlx-lm
 architecture, so a worker computes exactly what the single-process model would.
@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.checkpoint import MoeLayer, get_module
-from engine.errors import CorruptData, InvalidInput, ShoalError
+from engine.errors import CorruptData, ShoalError
 
 
 def build_skeleton(config: dict) -> nn.Module:
@@ -59,53 +57,46 @@ def _quantize_like_checkpoint(
     )
 
 
-@dataclass(frozen=True)
-class LayerExperts:
-    """The experts of one MoE layer that this process holds, ready to run."""
+class ExpertRunner:
+    """One MoE layer's switch module (mlx-lm's class, quantized like the checkpoint), run one
+    expert at a time on that expert's own tensors.
 
-    layer: MoeLayer
-    expert_ids: tuple[int, ...]  # global ids, ascending; local index = position here
-    local_index: np.ndarray  # (num_experts,) int32: global id -> local index, -1 if not held
-    module: nn.Module
+    The tensors are given to the module as one-expert stacks (`w[None]`, a view, no copy), so a
+    worker can keep any subset of a layer's experts in memory, each in its own arrays, and
+    evict or load them one by one. The result for a (token, expert) pair is the same
+    computation as in the single-process model: mlx-lm's module applied to that expert.
+    Not thread-safe: the caller serialises MLX work.
+    """
 
-    def __call__(self, hidden: mx.array, rows: np.ndarray, experts: np.ndarray) -> mx.array:
-        """output[i] = expert experts[i] applied to hidden[rows[i]]; shape (m, hidden_size)."""
-        local = mx.array(self.local_index[experts])[:, None]
-        out = self.module(hidden[mx.array(rows)], local)
-        return out[:, 0, :]
-
-
-def build_layer_experts(
-    skeleton: nn.Module,
-    config: dict,
-    layer: MoeLayer,
-    tensors: dict[int, dict[str, mx.array]],
-) -> LayerExperts:
-    """Stack the given experts' tensors (expert id -> name -> array) into the layer's module."""
-    if not tensors:
-        raise InvalidInput(f"layer {layer.layer}: no experts given")
-    ids = tuple(sorted(tensors))
-    for expert in ids:
-        if not 0 <= expert < layer.num_experts:
-            raise InvalidInput(f"layer {layer.layer} has no expert {expert}")
-        if set(tensors[expert]) != set(layer.params):
-            raise CorruptData(
-                f"expert {layer.layer}/{expert} holds tensors {sorted(tensors[expert])}, "
-                f"expected {sorted(layer.params)}"
-            )
-    stacked = {name: mx.stack([tensors[e][name] for e in ids]) for name in layer.params}
-    module = get_module(skeleton, layer.path)
-    _quantize_like_checkpoint(module, layer.path, config, stacked)
-    expected = dict(tree_flatten(module.parameters()))
-    for name, array in stacked.items():
-        if name not in expected or tuple(expected[name].shape[1:]) != tuple(array.shape[1:]):
+    def __init__(
+        self, skeleton: nn.Module, config: dict, layer: MoeLayer, sample: dict[str, mx.array]
+    ) -> None:
+        self.layer = layer
+        self.module = get_module(skeleton, layer.path)
+        one = {name: array[None] for name, array in self.check(sample, "sample").items()}
+        _quantize_like_checkpoint(self.module, layer.path, config, one)
+        expected = dict(tree_flatten(self.module.parameters()))
+        for name, array in one.items():
             shape = None if name not in expected else tuple(expected[name].shape[1:])
+            if shape != tuple(array.shape[1:]):
+                raise CorruptData(
+                    f"expert tensor {layer.path}.{name} has shape {tuple(array.shape[1:])}, "
+                    f"the model expects {shape}"
+                )
+        self._index_cache: dict[int, mx.array] = {}
+
+    def check(self, tensors: dict[str, mx.array], what: str) -> dict[str, mx.array]:
+        """Refuse an expert file whose tensors are not the ones this layer's module holds."""
+        if set(tensors) != set(self.layer.params):
             raise CorruptData(
-                f"expert tensor {layer.path}.{name} has shape {tuple(array.shape[1:])}, "
-                f"the model expects {shape}"
+                f"{what} holds tensors {sorted(tensors)}, expected {sorted(self.layer.params)}"
             )
-    module.update(tree_unflatten(list(stacked.items())))
-    mx.eval(module.parameters())
-    local_index = np.full(layer.num_experts, -1, dtype=np.int32)
-    local_index[list(ids)] = np.arange(len(ids), dtype=np.int32)
-    return LayerExperts(layer, ids, local_index, module)
+        return tensors
+
+    def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
+        """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""
+        self.module.update(tree_unflatten([(name, a[None]) for name, a in tensors.items()]))
+        n = hidden.shape[0]
+        if n not in self._index_cache:
+            self._index_cache[n] = mx.zeros((n, 1), dtype=mx.int32)
+        return self.module(hidden, self._index_cache[n])[:, 0, :]

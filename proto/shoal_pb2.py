@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/shoal.proto\x12\x08shoal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x90\x01\n\rExpertRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x06hidden\x18\x03 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x1e\n\x04rows\x18\x04 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12!\n\x07\x65xperts\x18\x05 \x01(\x0b\x32\x10.shoal.v1.Tensor\"U\n\x0b\x45xpertReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x06output\x18\x02 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\"\x12\n\x10InventoryRequest\"+\n\nHeldExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\x98\x01\n\tInventory\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12%\n\x07\x65xperts\x18\x05 \x03(\x0b\x32\x14.shoal.v1.HeldExpert\x12\x10\n\x08problems\x18\x06 \x03(\t2\x8f\x01\n\rExpertService\x12?\n\x0cGetInventory\x12\x1a.shoal.v1.InventoryRequest\x1a\x13.shoal.v1.Inventory\x12=\n\x07\x43ompute\x12\x17.shoal.v1.ExpertRequest\x1a\x15.shoal.v1.ExpertReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/shoal.proto\x12\x08shoal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xba\x01\n\rExpertRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x06hidden\x18\x03 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x1e\n\x04rows\x18\x04 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12!\n\x07\x65xperts\x18\x05 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12(\n\x08prefetch\x18\x06 \x01(\x0b\x32\x16.shoal.v1.PrefetchHint\".\n\x0cPrefetchHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"U\n\x0b\x45xpertReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x06output\x18\x02 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\"\x12\n\x10InventoryRequest\"+\n\nHeldExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\xc2\x01\n\tInventory\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12%\n\x07\x65xperts\x18\x05 \x03(\x0b\x32\x14.shoal.v1.HeldExpert\x12\x10\n\x08problems\x18\x06 \x03(\t\x12\x15\n\rmemory_budget\x18\x07 \x01(\x04\x12\x11\n\tfree_disk\x18\x08 \x01(\x04\"\x0e\n\x0cStatsRequest\"g\n\nDriveStats\x12\x0e\n\x06\x66older\x18\x01 \x01(\t\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\r\n\x05reads\x18\x03 \x01(\x04\x12\x16\n\x0e\x61\x63tive_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\t\"\xea\x03\n\x0bWorkerStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rmemory_budget\x18\x02 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x18\n\x10resident_experts\x18\x05 \x01(\r\x12\x14\n\x0cheld_experts\x18\x06 \x01(\r\x12\x0e\n\x06passes\x18\x07 \x01(\x04\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65mands\x18\t \x01(\x04\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04\x12\x15\n\rprefetch_hits\x18\x0c \x01(\x04\x12\x15\n\rprefetch_late\x18\r \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x0e \x01(\x04\x12\x15\n\rprefetch_used\x18\x0f \x01(\x04\x12\x1a\n\x12prefetch_cancelled\x18\x10 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x11 \x01(\x04\x12\r\n\x05loads\x18\x12 \x01(\x04\x12\x11\n\tevictions\x18\x13 \x01(\x04\x12$\n\x06\x64rives\x18\x14 \x03(\x0b\x32\x14.shoal.v1.DriveStats\x12\x10\n\x08problems\x18\x15 \x03(\t\x12\x19\n\x11read_buffer_bytes\x18\x16 \x01(\x04\x32\xca\x01\n\rExpertService\x12?\n\x0cGetInventory\x12\x1a.shoal.v1.InventoryRequest\x1a\x13.shoal.v1.Inventory\x12=\n\x07\x43ompute\x12\x17.shoal.v1.ExpertRequest\x1a\x15.shoal.v1.ExpertReply(\x01\x30\x01\x12\x39\n\x08GetStats\x12\x16.shoal.v1.StatsRequest\x1a\x15.shoal.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=83
   _globals['_EXPERTREQUEST']._serialized_start=86
-  _globals['_EXPERTREQUEST']._serialized_end=230
-  _globals['_EXPERTREPLY']._serialized_start=232
-  _globals['_EXPERTREPLY']._serialized_end=317
-  _globals['_INVENTORYREQUEST']._serialized_start=319
-  _globals['_INVENTORYREQUEST']._serialized_end=337
-  _globals['_HELDEXPERT']._serialized_start=339
-  _globals['_HELDEXPERT']._serialized_end=382
-  _globals['_INVENTORY']._serialized_start=385
-  _globals['_INVENTORY']._serialized_end=537
-  _globals['_EXPERTSERVICE']._serialized_start=540
-  _globals['_EXPERTSERVICE']._serialized_end=683
+  _globals['_EXPERTREQUEST']._serialized_end=272
+  _globals['_PREFETCHHINT']._serialized_start=274
+  _globals['_PREFETCHHINT']._serialized_end=320
+  _globals['_EXPERTREPLY']._serialized_start=322
+  _globals['_EXPERTREPLY']._serialized_end=407
+  _globals['_INVENTORYREQUEST']._serialized_start=409
+  _globals['_INVENTORYREQUEST']._serialized_end=427
+  _globals['_HELDEXPERT']._serialized_start=429
+  _globals['_HELDEXPERT']._serialized_end=472
+  _globals['_INVENTORY']._serialized_start=475
+  _globals['_INVENTORY']._serialized_end=669
+  _globals['_STATSREQUEST']._serialized_start=671
+  _globals['_STATSREQUEST']._serialized_end=685
+  _globals['_DRIVESTATS']._serialized_start=687
+  _globals['_DRIVESTATS']._serialized_end=790
+  _globals['_WORKERSTATS']._serialized_start=793
+  _globals['_WORKERSTATS']._serialized_end=1283
+  _globals['_EXPERTSERVICE']._serialized_start=1286
+  _globals['_EXPERTSERVICE']._serialized_end=1488
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,28 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("seq", "layer", "hidden", "rows", "experts")
+    __slots__ = ("seq", "layer", "hidden", "rows", "experts", "prefetch")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     layer: int
     hidden: Tensor
     rows: Tensor
     experts: Tensor
-    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prefetch: PrefetchHint
+    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchHint, _Mapping]] = ...) -> None: ...
+
+class PrefetchHint(_message.Message):
+    __slots__ = ("layer", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertReply(_message.Message):
     __slots__ = ("seq", "output", "compute_seconds")
@@ -53,17 +63,87 @@ class HeldExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems")
+    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FREE_DISK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     fingerprint: str
     model_type: str
     protocol_version: int
     experts: _containers.RepeatedCompositeFieldContainer[HeldExpert]
     problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    memory_budget: int
+    free_disk: int
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DriveStats(_message.Message):
+    __slots__ = ("folder", "bytes_read", "reads", "active_seconds", "failed")
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    folder: str
+    bytes_read: int
+    reads: int
+    active_seconds: float
+    failed: str
+    def __init__(self, folder: _Optional[str] = ..., bytes_read: _Optional[int] = ..., reads: _Optional[int] = ..., active_seconds: _Optional[float] = ..., failed: _Optional[str] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("node_id", "memory_budget", "expert_bytes", "resident_bytes", "resident_experts", "held_experts", "passes", "tokens", "demands", "hits", "misses", "prefetch_hits", "prefetch_late", "prefetch_issued", "prefetch_used", "prefetch_cancelled", "prefetch_wasted", "loads", "evictions", "drives", "problems", "read_buffer_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEMANDS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_LATE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_WASTED_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRIVES_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    READ_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    memory_budget: int
+    expert_bytes: int
+    resident_bytes: int
+    resident_experts: int
+    held_experts: int
+    passes: int
+    tokens: int
+    demands: int
+    hits: int
+    misses: int
+    prefetch_hits: int
+    prefetch_late: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_cancelled: int
+    prefetch_wasted: int
+    loads: int
+    evictions: int
+    drives: _containers.RepeatedCompositeFieldContainer[DriveStats]
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    read_buffer_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., memory_budget: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., resident_experts: _Optional[int] = ..., held_experts: _Optional[int] = ..., passes: _Optional[int] = ..., tokens: _Optional[int] = ..., demands: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., prefetch_late: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., drives: _Optional[_Iterable[_Union[DriveStats, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., read_buffer_bytes: _Optional[int] = ...) -> None: ...

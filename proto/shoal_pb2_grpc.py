@@ -44,6 +44,11 @@ class ExpertServiceStub:
                 request_serializer=proto_dot_shoal__pb2.ExpertRequest.SerializeToString,
                 response_deserializer=proto_dot_shoal__pb2.ExpertReply.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/shoal.v1.ExpertService/GetStats',
+                request_serializer=proto_dot_shoal__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.WorkerStats.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -63,6 +68,13 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Cache, prefetch and drive counters, for `shoal generate --stats` and `shoal workers`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Compute,
                     request_deserializer=proto_dot_shoal__pb2.ExpertRequest.FromString,
                     response_serializer=proto_dot_shoal__pb2.ExpertReply.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=proto_dot_shoal__pb2.StatsRequest.FromString,
+                    response_serializer=proto_dot_shoal__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class ExpertService:
             '/shoal.v1.ExpertService/Compute',
             proto_dot_shoal__pb2.ExpertRequest.SerializeToString,
             proto_dot_shoal__pb2.ExpertReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ExpertService/GetStats',
+            proto_dot_shoal__pb2.StatsRequest.SerializeToString,
+            proto_dot_shoal__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Workers keep their node id in the config folder: never the real ~/.config in tests."""
+    folder = tmp_path_factory.mktemp("config")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CONFIG_HOME", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_secret(tmp_path_factory.mktemp("secret") / "secret")

@@ -3,22 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
 import threading
-import uuid
 from concurrent import futures
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.advert import DEFAULT_CLUSTER, Advert, check_name, inventory_digest
 from engine.auth import CredentialChecker, load_secret, secret_path
+from engine.cache_policy import (
+    DEFAULT_MEMORY_SHARE,
+    BudgetSpec,
+    format_bytes,
+    parse_budget,
+    resolve_budget,
+)
 from engine.errors import ShoalError
-from proto import GRPC_OPTIONS, shoal_pb2_grpc
+from engine.interfaces import advertised_addresses, is_wildcard, local_interfaces
+from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+from worker.advertise import Advertiser, load_node_id, node_id_path
+from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.service import AuthInterceptor, ExpertServicer
-from worker.store import scan_stores
+from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
 
@@ -48,12 +61,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--secret-file", metavar="PATH",
         help="cluster secret (default: $SHOAL_SECRET_FILE, else ~/.config/shoal/secret)",
     )
-    parser.add_argument("--node-id", help="name reported to the coordinator (default: host name)")
+    parser.add_argument(
+        "--node-id",
+        help="name reported to the coordinator (default: a stable id made once per machine and "
+        "kept in ~/.config/shoal/node-id; give each worker its own when several share a machine)",
+    )
+    parser.add_argument(
+        "--cluster", default=DEFAULT_CLUSTER, metavar="NAME",
+        help=f"cluster name announced on the local network (default {DEFAULT_CLUSTER!r}); "
+        "coordinators use only the workers of their own cluster",
+    )
+    parser.add_argument(
+        "--interface", metavar="NAME",
+        help="announce only this interface's address (e.g. bridge0 for Thunderbolt Bridge); "
+        "default: every physical interface",
+    )
+    parser.add_argument(
+        "--no-advertise", action="store_true",
+        help="do not announce this worker with Bonjour (coordinators then need its address)",
+    )
     parser.add_argument(
         "--no-verify", action="store_true",
         help="skip checksum verification at start (sizes are still checked)",
     )
+    parser.add_argument(
+        "--memory-budget", metavar="SIZE",
+        help="memory for expert tensors, e.g. 512M, 24G, or 50%% of this worker's expert bytes; "
+        "experts beyond it stay on the drives and are read when routed (default: "
+        f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
+    )
+    parser.add_argument(
+        "--verify-reads", action="store_true",
+        help="check the checksum of every expert read from a drive, not only at start",
+    )
+    parser.add_argument(
+        "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
+        help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
+    )
     return parser.parse_args(argv)
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory (macOS and Linux); 16 GiB where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str]:
+    """The budget in bytes and how it was chosen, for the start-up line."""
+    spec = parse_budget(args.memory_budget) if args.memory_budget else BudgetSpec()
+    physical = physical_memory()
+    budget = resolve_budget(spec, expert_bytes, physical)
+    how = (f"--memory-budget {args.memory_budget}" if args.memory_budget else
+           f"default {DEFAULT_MEMORY_SHARE:.0%} of {format_bytes(physical)} physical memory")
+    return budget, how
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -63,14 +126,46 @@ def serve(args: argparse.Namespace) -> None:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
     if not scan.held:
         raise ShoalError(f"no intact expert files in {', '.join(map(str, args.store))}")
-    residency = Residency(scan)
-    node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    check_name(args.cluster, "cluster name")
+    addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
+    if args.readers < 1:
+        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
+    expert_bytes = scan.expert_bytes()
+    budget, how = choose_budget(args, expert_bytes)
+    resident = min(budget, expert_bytes)
+    print(
+        f"shoal-worker: memory budget {format_bytes(budget)} ({how}); experts "
+        f"{format_bytes(expert_bytes)}, {resident / expert_bytes:.0%} of them fit in memory"
+        + ("" if budget >= expert_bytes else "; the rest are read from the drives when routed"),
+        flush=True,
+    )
+    residency = Residency(
+        scan, budget=budget, readers_per_drive=args.readers, verify_reads=args.verify_reads,
+        report=lambda m: print(f"shoal-worker: warning: {m}", file=sys.stderr, flush=True),
+    )
+    if residency.streaming:
+        # Evicted experts' memory goes back to the system instead of MLX's buffer cache.
+        mx.set_cache_limit(4 * residency.reader.buffer_bytes)
+
+    def note(message: str) -> None:
+        print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
+
+    node_id = check_name(args.node_id, "node id") if args.node_id else load_node_id(
+        node_id_path(), log=note
+    )
+    memory_budget = residency.budget
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16),
         interceptors=[AuthInterceptor(CredentialChecker(secret))],
         options=GRPC_OPTIONS,
     )
-    shoal_pb2_grpc.add_ExpertServiceServicer_to_server(ExpertServicer(residency, node_id), server)
+    shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
+        ExpertServicer(residency, node_id, memory_budget), server
+    )
+    liveness = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(liveness, server)
+    for service in ("", shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name):
+        liveness.set(service, health_pb2.HealthCheckResponse.SERVING)
     try:
         port = server.add_insecure_port(f"{args.host}:{args.port}")
     except RuntimeError:
@@ -86,12 +181,38 @@ def serve(args: argparse.Namespace) -> None:
         f"on {args.host}:{port}",
         flush=True,
     )
+    advertiser = None
+    if addresses:
+        advert = Advert(
+            node_id=node_id, cluster=args.cluster, protocol=PROTOCOL_VERSION,
+            model=scan.manifest.fingerprint, inventory=inventory_digest(residency.held()),
+            experts=len(scan.held), memory_budget=memory_budget,
+            free_disk=free_disk(scan.folders),
+        )
+        advertiser = Advertiser(
+            advert, addresses, port,
+            log=lambda m: print(f"shoal-worker {node_id}: {m}", flush=True),
+        )
+        advertiser.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
+    if advertiser is not None:
+        advertiser.close()
     server.stop(grace=2).wait(5)
     print(f"shoal-worker {node_id}: stopped", flush=True)
+
+
+def announced_addresses(host: str, interface: str | None) -> list[str]:
+    """The IPv4 addresses to announce: --interface's, else --host's, else every physical one."""
+    if not interface and not is_wildcard(host):
+        try:
+            return [socket.gethostbyname(host)]
+        except OSError as e:
+            raise ShoalError(f"cannot resolve --host {host!r}: {e}") from None
+    return advertised_addresses(host, interface, local_interfaces())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,24 +1,38 @@
-"""What this worker holds in memory, and the expert compute that serves a request.
+"""What this worker keeps in memory under its budget, and the expert compute that serves a request.
 
-Today every held expert is loaded at start; this is the one place that decides which
-experts are resident and runs them.
+Experts live in a cache of decoded tensors holding at most `budget` bytes of expert files.
+A request's experts that are not resident are read from the drives (`worker/reader.py`) with
+demand priority and computed as they arrive; prefetch hints from the coordinator start reads
+of the experts it expects next. Which experts stay is decided by `engine/cache_policy.py`
+(heat and recency; hot experts pinned). Whatever the budget, every requested expert is
+computed from its own tensors: the budget changes the speed, never the result.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
 import threading
-from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from engine.errors import InvalidInput
-from engine.experts import LayerExperts, build_layer_experts, build_skeleton
+from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
+from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
+from engine.experts import ExpertRunner, build_skeleton
+from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy
-from worker.store import StoreScan, read_expert
+from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool, ReadJob, read_file
+from worker.store import StoreScan
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
+WAIT_SECONDS = 600.0  # a demand read that takes longer than this is reported as a failure
+
+Key = tuple[int, int]
+_ABSENT, _LOADING, _READY = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -32,30 +46,442 @@ class Request:
     experts: np.ndarray  # (m,) int32
 
 
-class Residency:
-    """The worker's experts, one mlx-lm switch module per layer, and the lock that serialises
-    MLX work (MLX evaluation is not meant to run from several threads at once)."""
+@dataclass
+class CacheCounters:
+    """Counts since the worker started; `demands` counts each distinct expert of a request."""
 
-    def __init__(self, scan: StoreScan) -> None:
+    passes: int = 0  # forward passes seen (a request whose layer is not above the last one's)
+    tokens: int = 0  # (token, expert) pairs computed
+    demands: int = 0
+    hits: int = 0  # resident when asked for
+    misses: int = 0  # had to wait for a read
+    prefetch_hits: int = 0  # hits thanks to a prefetch
+    prefetch_late: int = 0  # misses whose read a prefetch had already started
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_cancelled: int = 0  # stale hints dropped before their read started
+    prefetch_wasted: int = 0  # read by a prefetch, evicted without being asked for
+    loads: int = 0  # expert files read from a drive
+    evictions: int = 0
+
+
+@dataclass
+class WorkerSnapshot:
+    """Everything `GetStats` reports, taken under the cache's lock."""
+
+    budget: int
+    expert_bytes: int
+    resident_bytes: int
+    resident_experts: int
+    held_experts: int
+    buffer_bytes: int
+    counters: CacheCounters
+    drives: list[DriveStats]
+    problems: list[str] = field(default_factory=list)
+
+
+class _Entry:
+    __slots__ = ("index", "state", "tensors", "job", "error")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state = _LOADING
+        self.tensors: dict[str, mx.array] | None = None
+        self.job: ReadJob | None = None
+        self.error: ShoalError | None = None
+
+
+class ExpertCache:
+    """Decoded experts in memory, at most `capacity` bytes; loads go through the reader pool.
+
+    One lock guards the state; numpy arrays indexed by expert number mirror it so that the
+    eviction policy runs vectorised. Reader threads finish loads through `_loaded`.
+    """
+
+    def __init__(
+        self,
+        keys: list[Key],
+        sizes: np.ndarray,
+        copies: dict[Key, list[tuple[int, Path]]],
+        capacity: int,
+        reader: ReaderPool,
+        decode: Callable[[Key, memoryview], dict[str, mx.array]],
+        *,
+        sha256: dict[Key, str] | None,
+        report: Callable[[str], None],
+    ) -> None:
+        self.keys = keys
+        self.index = {key: i for i, key in enumerate(keys)}
+        self.sizes = sizes
+        self.capacity = capacity
+        self._copies = copies
+        self._reader = reader
+        self._decode = decode
+        self._sha256 = sha256
+        self._report = report
+        n = len(keys)
+        self._state = np.zeros(n, dtype=np.int8)
+        self._users = np.zeros(n, dtype=np.int32)
+        self._speculative = np.zeros(n, dtype=bool)  # loaded by a prefetch, not yet asked for
+        self._last_used = np.zeros(n, dtype=np.int64)
+        self._entries: dict[int, _Entry] = {}
+        self._used = 0
+        self._uses = 0
+        self._last_layer = sys.maxsize
+        self.heat = Heat(n)
+        self.counters = CacheCounters()
+        self._cond = threading.Condition()
+
+    # -- what is resident -------------------------------------------------------------
+
+    def resident_bytes(self) -> tuple[int, int]:
+        with self._cond:
+            ready = self._state == _READY
+            return int(self.sizes[ready].sum()), int(ready.sum())
+
+    def snapshot_counters(self) -> CacheCounters:
+        with self._cond:
+            return CacheCounters(**vars(self.counters))
+
+    def warm(self, order: Iterable[int]) -> None:
+        """Load experts in `order` while they fit, without evicting any; wait for them."""
+        with self._cond:
+            for i in order:
+                if self._used + self.sizes[i] <= self.capacity and self._state[i] == _ABSENT:
+                    self._used += int(self.sizes[i])
+                    self._load(i, demand=True)
+            while (self._state == _LOADING).any():
+                self._cond.wait()
+
+    # -- demand ---------------------------------------------------------------------
+
+    def demand(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> Lease:
+        """Ask for a request's distinct experts; returns a lease to take them as they are ready."""
+        idx = np.array([self.index[(layer, int(e))] for e in experts], dtype=np.int64)
+        with self._cond:
+            if layer <= self._last_layer:
+                self.counters.passes += 1
+                self.heat.advance()
+            self._last_layer = layer
+            self.heat.add(idx, tokens)
+            self.counters.tokens += int(tokens.sum())
+            self._cancel_stale(layer, set(idx.tolist()))
+            self._uses += 1
+            self._last_used[idx] = self._uses
+            lease = Lease(self, idx)
+            for pos, i in enumerate(idx.tolist()):
+                c = self.counters
+                c.demands += 1
+                state = self._state[i]
+                if state == _ABSENT:
+                    c.misses += 1
+                    lease.pending.append(pos)
+                    continue
+                entry = self._entries[i]
+                self._users[i] += 1
+                lease.held[pos] = entry
+                if self._speculative[i]:
+                    self._speculative[i] = False
+                    c.prefetch_used += 1
+                    if state == _READY:
+                        c.hits += 1
+                        c.prefetch_hits += 1
+                    else:
+                        c.misses += 1
+                        c.prefetch_late += 1
+                        self._reader.promote(entry.job)
+                elif state == _READY:
+                    c.hits += 1
+                else:
+                    c.misses += 1
+            self._start_pending(lease)
+        return lease
+
+    def _start_pending(self, lease: Lease) -> None:
+        while lease.pending:
+            pos = lease.pending[0]
+            i = int(lease.idx[pos])
+            if self._state[i] != _ABSENT:  # another request started it meanwhile
+                self._users[i] += 1
+                lease.held[pos] = self._entries[i]
+                lease.pending.pop(0)
+                continue
+            if not self._reserve(i, demand=True):
+                return
+            lease.pending.pop(0)
+            self._users[i] += 1
+            lease.held[pos] = self._load(i, demand=True)
+
+    def _take(self, lease: Lease) -> list[tuple[int, dict[str, mx.array]]]:
+        """Block until some of the lease's experts are ready; return those not yet taken."""
+        waited = 0.0
+        while True:
+            for entry in lease.held.values():
+                if entry.state == _ABSENT and entry.error is not None:
+                    raise entry.error
+            ready = [(pos, e) for pos, e in lease.held.items() if e.state == _READY and not
+                     lease.taken[pos]]
+            if ready:
+                for pos, _ in ready:
+                    lease.taken[pos] = True
+                return [(pos, e.tensors) for pos, e in ready]
+            self._start_pending(lease)
+            if not self._cond.wait(timeout=5.0):
+                waited += 5.0
+                if waited >= WAIT_SECONDS:
+                    raise Unavailable(f"expert reads made no progress for {WAIT_SECONDS:.0f} s")
+
+    def _done(self, lease: Lease, pos: int) -> None:
+        entry = lease.held.pop(pos, None)
+        if entry is not None and self._entries.get(entry.index) is entry:
+            self._users[entry.index] -= 1
+        self._cond.notify_all()
+
+    # -- prefetch -------------------------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
+        """Start reading experts that a hint says will be asked for soon, if there is room
+        that no pinned, in-use or earlier-prefetched expert occupies. Never blocks."""
+        with self._cond:
+            for expert in experts:
+                i = self.index.get((layer, expert))
+                if i is None or self._state[i] != _ABSENT:
+                    continue
+                if not self._reserve(i, demand=False):
+                    return
+                self._speculative[i] = True
+                self.counters.prefetch_issued += 1
+                self._load(i, demand=False)
+
+    def _cancel_stale(self, layer: int, demanded: set[int]) -> None:
+        """Drop queued prefetches of this layer that it did not ask for, and of earlier layers."""
+        for i in np.flatnonzero(self._speculative & (self._state == _LOADING)).tolist():
+            if self.keys[i][0] > layer or i in demanded:
+                continue
+            entry = self._entries[i]
+            if self._reader.cancel(entry.job):
+                self._forget(i)
+                self.counters.prefetch_cancelled += 1
+
+    # -- loading and evicting (with the lock held) ------------------------------------------
+
+    def _reserve(self, i: int, *, demand: bool) -> bool:
+        need = self._used + int(self.sizes[i]) - self.capacity
+        if need > 0:
+            heat = self.heat.values()
+            ready = self._state == _READY
+            pins = pinned(heat, self.sizes, ready, int(PIN_SHARE * self.capacity))
+            evictable = ready & (self._users == 0)
+            if not demand:
+                evictable &= ~pins & ~self._speculative
+            victims = choose_victims(heat, self._last_used, self.sizes, evictable, pins, need)
+            if victims is None and demand:
+                self._cancel_stale(sys.maxsize, set())  # queued guesses give way to demand
+                need = self._used + int(self.sizes[i]) - self.capacity
+                victims = choose_victims(heat, self._last_used, self.sizes, evictable, pins, need)
+            if victims is None:
+                return False
+            for v in victims.tolist():
+                if self._speculative[v]:
+                    self.counters.prefetch_wasted += 1
+                self._forget(v)
+                self.counters.evictions += 1
+        self._used += int(self.sizes[i])
+        return True
+
+    def _load(self, i: int, *, demand: bool) -> _Entry:
+        entry = _Entry(i)
+        self._entries[i] = entry
+        self._state[i] = _LOADING
+        key = self.keys[i]
+        entry.job = self._reader.submit(
+            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded
+        )
+        return entry
+
+    def _forget(self, i: int) -> None:
+        entry = self._entries.pop(i)
+        entry.state = _ABSENT
+        entry.tensors = None
+        self._state[i] = _ABSENT
+        self._speculative[i] = False
+        self._users[i] = 0  # leases holding a failed entry see its error, not a count
+        self._used -= int(self.sizes[i])
+
+    def _loaded(self, job: ReadJob) -> None:
+        """On a reader thread: check and decode a finished read, then publish it."""
+        tensors, error = None, None
+        try:
+            tensors = self._check_and_decode(job)
+        except ShoalError as e:
+            error = e
+        finally:
+            self._reader.release(job)
+        with self._cond:
+            i = self.index[job.key]
+            entry = self._entries.get(i)
+            if entry is None or entry.job is not job:
+                return  # cancelled meanwhile
+            self.counters.loads += error is None
+            if error is None:
+                entry.tensors = tensors
+                entry.state = _READY
+                self._state[i] = _READY
+            else:
+                entry.error = error
+                self._forget(i)
+            self._cond.notify_all()
+        if error is not None:
+            self._report(str(error))
+
+    def _check_and_decode(self, job: ReadJob) -> dict[str, mx.array]:
+        layer, expert = job.key
+        if job.error is not None:
+            paths = ", ".join(str(p) for _, p in self._copies[job.key])
+            reason = job.error.strerror or str(job.error)
+            raise NotFound(f"expert {layer}/{expert} cannot be read from {paths}: {reason}")
+        view = job.buffer[: job.size]
+        expected = None if self._sha256 is None else self._sha256[job.key]
+        if expected is not None and hashlib.sha256(view).hexdigest() != expected:
+            self._find_good_copy(job, view, expected)
+        origin = str(next(iter(job.sources))) if len(job.sources) == 1 else (
+            f"expert {layer}/{expert} (read from {', '.join(map(str, sorted(job.sources)))})"
+        )
+        return self._decode(job.key, view, origin)
+
+    def _find_good_copy(self, job: ReadJob, view: memoryview, expected: str) -> None:
+        """A read failed its checksum: check each copy alone, drop the bad ones, keep a good one."""
+        for drive, path in list(self._copies[job.key]):
+            try:
+                read_file(path, job.buffer, job.size)
+                good = hashlib.sha256(view).hexdigest() == expected
+            except OSError as e:
+                self._report(f"{path}: cannot be read ({e.strerror or e}); not served")
+                good = False
+            else:
+                if not good:
+                    self._report(f"{path}: checksum does not match the manifest; not served")
+            if good:
+                return
+            with self._cond:
+                self._copies[job.key] = [c for c in self._copies[job.key] if c != (drive, path)]
+        layer, expert = job.key
+        raise CorruptData(f"expert {layer}/{expert}: no intact copy left (see the problems)")
+
+
+class Lease:
+    """One request's hold on its experts: take them as they become ready, then give them back."""
+
+    def __init__(self, cache: ExpertCache, idx: np.ndarray) -> None:
+        self.cache = cache
+        self.idx = idx
+        self.pending: list[int] = []  # positions whose load could not start yet (no room)
+        self.held: dict[int, _Entry] = {}
+        self.taken = [False] * len(idx)
+
+    def take(self) -> list[tuple[int, dict[str, mx.array]]]:
+        with self.cache._cond:
+            return self.cache._take(self)
+
+    def done(self, positions: Iterable[int]) -> None:
+        with self.cache._cond:
+            for pos in positions:
+                self.cache._done(self, pos)
+            self.cache._start_pending(self)
+
+    def close(self) -> None:
+        with self.cache._cond:
+            for pos in list(self.held):
+                self.cache._done(self, pos)
+            self.pending.clear()
+
+
+class Residency:
+    """The worker's experts: which are in memory, reads of the others, and the compute.
+
+    MLX work runs under one lock (MLX evaluation is not meant to run from several threads
+    at once); reads and decoding run on the reader threads.
+    """
+
+    def __init__(
+        self,
+        scan: StoreScan,
+        *,
+        budget: int | None = None,
+        readers_per_drive: int = READERS_PER_DRIVE,
+        verify_reads: bool = False,
+        warm: bool = True,
+        report: Callable[[str], None] | None = None,
+    ) -> None:
         self.scan = scan
-        config = scan.manifest.config
+        manifest = scan.manifest
+        config = manifest.config
         self.hidden_size = int(config.get("hidden_size") or config["text_config"]["hidden_size"])
-        by_layer: dict[int, dict[int, dict[str, mx.array]]] = defaultdict(dict)
-        for (layer, expert), path in sorted(scan.held.items()):
-            by_layer[layer][expert] = read_expert(path)
+        self.problems: list[str] = list(scan.problems)
+        self._problems_lock = threading.Lock()
+        self._echo = report
+        files = {(e.layer, e.expert): e for e in manifest.experts}
+        keys = sorted(scan.copies)
+        sizes = np.array([files[k].bytes for k in keys], dtype=np.int64)
+        self.expert_bytes = int(sizes.sum())
+        self.budget = self.expert_bytes if budget is None else int(budget)
+        largest = int(sizes.max())
+        if self.budget < largest:
+            raise InvalidInput(
+                f"a memory budget of {self.budget} bytes cannot hold even one expert "
+                f"({largest} bytes); give at least that much"
+            )
+        drives = len(scan.folders)
+        self.reader = ReaderPool(
+            scan.folders, largest, readers_per_drive * drives + 2,
+            readers_per_drive=readers_per_drive, on_problem=self._problem,
+        )
         skeleton = build_skeleton(config)
-        self.layers: dict[int, LayerExperts] = {
-            layer: build_layer_experts(skeleton, config, scan.manifest.layer(layer), tensors)
-            for layer, tensors in by_layer.items()
-        }
+        self.runners: dict[int, ExpertRunner] = {}
+        self._held_mask: dict[int, np.ndarray] = {}
+        for layer, expert in keys:
+            moe = manifest.layer(layer)
+            if layer not in self.runners:
+                sample = placeholders(scan.copies[(layer, expert)][0][1])
+                self.runners[layer] = ExpertRunner(skeleton, config, moe, sample)
+                self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
+            self._held_mask[layer][expert] = True
+        self.cache = ExpertCache(
+            keys, sizes, {k: list(v) for k, v in scan.copies.items()}, self.budget,
+            self.reader, self._decode,
+            sha256={k: files[k].sha256 for k in keys} if verify_reads else None,
+            report=self._problem,
+        )
         self._lock = threading.Lock()
+        if warm:
+            self.cache.warm(range(len(keys)))
+
+    @property
+    def layers(self) -> dict[int, ExpertRunner]:
+        return self.runners
+
+    @property
+    def streaming(self) -> bool:
+        """True when the budget cannot hold every expert at once."""
+        return self.budget < self.expert_bytes
 
     def held(self) -> list[tuple[int, int]]:
-        return [(layer, e) for layer, le in sorted(self.layers.items()) for e in le.expert_ids]
+        return list(self.cache.keys)
 
-    def validate(self, request: Request) -> LayerExperts:
-        layer = self.layers.get(request.layer)
-        if layer is None:
+    def _problem(self, message: str) -> None:
+        with self._problems_lock:
+            if message in self.problems:
+                return
+            self.problems.append(message)
+        if self._echo is not None:
+            self._echo(message)
+
+    def _decode(self, key: Key, view: memoryview, origin: str) -> dict[str, mx.array]:
+        return self.runners[key[0]].check(tensors_from_buffer(view, origin=origin), origin)
+
+    def validate(self, request: Request) -> ExpertRunner:
+        runner = self.runners.get(request.layer)
+        if runner is None:
             raise InvalidInput(f"this worker holds no experts of layer {request.layer}")
         n, width = request.hidden.shape
         if width != self.hidden_size:
@@ -68,22 +494,72 @@ class Residency:
             raise InvalidInput("rows and experts must be non-empty and of the same length")
         if request.rows.min() < 0 or request.rows.max() >= n:
             raise InvalidInput(f"a row index is outside the {n} hidden states sent")
-        bad = request.experts[
-            (request.experts < 0)
-            | (request.experts >= layer.layer.num_experts)
-            | (layer.local_index[np.clip(request.experts, 0, layer.layer.num_experts - 1)] < 0)
-        ]
+        held = self._held_mask[request.layer]
+        experts = request.experts
+        inside = np.clip(experts, 0, held.size - 1)
+        bad = experts[(experts < 0) | (experts >= held.size) | ~held[inside]]
         if bad.size:
             shown = ", ".join(str(e) for e in sorted(set(bad.tolist()))[:8])
             raise InvalidInput(
                 f"layer {request.layer}: this worker does not hold expert(s) {shown}"
             )
-        return layer
+        return runner
 
     def compute(self, request: Request) -> mx.array:
         """Validate, then run the experts; returns (m, hidden_size) in the activation dtype."""
-        layer = self.validate(request)
+        runner = self.validate(request)
+        unique, inverse = np.unique(request.experts, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        counts = np.bincount(inverse, minlength=unique.size)
+        rows_of = np.split(request.rows[np.argsort(inverse, kind="stable")],
+                           np.cumsum(counts)[:-1])
+        hidden = from_numpy(request.hidden, request.dtype)
+        parts: list[mx.array | None] = [None] * unique.size
+        lease = self.cache.demand(request.layer, unique, counts)
+        try:
+            remaining = unique.size
+            while remaining:
+                ready = lease.take()
+                with self._lock:
+                    outs = [runner(tensors, hidden[mx.array(rows_of[pos])])
+                            for pos, tensors in ready]
+                    mx.eval(outs)
+                for (pos, _), out in zip(ready, outs, strict=True):
+                    parts[pos] = out
+                lease.done(pos for pos, _ in ready)
+                remaining -= len(ready)
+        finally:
+            lease.close()
+        order = np.argsort(inverse, kind="stable")
         with self._lock:
-            out = layer(from_numpy(request.hidden, request.dtype), request.rows, request.experts)
+            out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
             mx.eval(out)
         return out
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
+        """A hint: these experts of `layer` will probably be asked for next. Never fails."""
+        held = self._held_mask.get(layer)
+        if held is None:
+            return
+        wanted = [e for e in experts if 0 <= e < held.size and held[e]]
+        if wanted and self.streaming:
+            self.cache.prefetch(layer, wanted)
+
+    def snapshot(self) -> WorkerSnapshot:
+        resident, count = self.cache.resident_bytes()
+        with self._problems_lock:
+            problems = list(self.problems)
+        return WorkerSnapshot(
+            budget=self.budget,
+            expert_bytes=self.expert_bytes,
+            resident_bytes=resident,
+            resident_experts=count,
+            held_experts=len(self.cache.keys),
+            buffer_bytes=self.reader.buffer_bytes * self.reader.buffer_count,
+            counters=self.cache.snapshot_counters(),
+            drives=self.reader.drive_stats(),
+            problems=problems,
+        )
+
+    def close(self) -> None:
+        self.reader.close()

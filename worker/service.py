@@ -22,8 +22,13 @@ from engine.errors import (
 from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.residency import Request, Residency
+from worker.store import free_disk
 
 ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
+# Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
+# (no more than the Bonjour advert does), and it keeps "alive but holding another secret"
+# (unauthenticated) apart from "not answering" (unreachable). Every Shoal method needs it.
+UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
 
 _STATUS = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
@@ -49,9 +54,10 @@ def decode_request(message: shoal_pb2.ExpertRequest) -> Request:
 
 
 class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, residency: Residency, node_id: str) -> None:
+    def __init__(self, residency: Residency, node_id: str, memory_budget: int = 0) -> None:
         self.residency = residency
         self.node_id = node_id
+        self.memory_budget = memory_budget
 
     def GetInventory(self, request, context):  # noqa: N802 (gRPC's name)
         manifest = self.residency.scan.manifest
@@ -61,12 +67,18 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             model_type=manifest.model_type,
             protocol_version=PROTOCOL_VERSION,
             experts=[shoal_pb2.HeldExpert(layer=lay, expert=e) for lay, e in self.residency.held()],
-            problems=list(self.residency.scan.problems),
+            problems=self.residency.snapshot().problems,
+            memory_budget=self.memory_budget,
+            free_disk=free_disk(self.residency.scan.folders),
         )
 
     def Compute(self, request_iterator, context) -> Iterator[shoal_pb2.ExpertReply]:  # noqa: N802
         for message in request_iterator:
             started = time.perf_counter()
+            if message.HasField("prefetch"):
+                self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
+            if not message.HasField("hidden"):
+                continue  # a hint alone: no reply
             try:
                 out = self.residency.compute(decode_request(message))
             except ShoalError as e:
@@ -76,6 +88,28 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                 output=encode(to_numpy(out), dtype_name(out.dtype)),
                 compute_seconds=time.perf_counter() - started,
             )
+
+
+    def GetStats(self, request, context):  # noqa: N802
+        snap = self.residency.snapshot()
+        return shoal_pb2.WorkerStats(
+            node_id=self.node_id,
+            memory_budget=snap.budget,
+            expert_bytes=snap.expert_bytes,
+            resident_bytes=snap.resident_bytes,
+            resident_experts=snap.resident_experts,
+            held_experts=snap.held_experts,
+            read_buffer_bytes=snap.buffer_bytes,
+            drives=[
+                shoal_pb2.DriveStats(
+                    folder=str(d.folder), bytes_read=d.bytes_read, reads=d.reads,
+                    active_seconds=d.active_seconds, failed=d.failed or "",
+                )
+                for d in snap.drives
+            ],
+            problems=snap.problems,
+            **vars(snap.counters),
+        )
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -94,7 +128,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose `shoal-auth` credential does not prove the cluster secret."""
+    """Refuses every call whose `shoal-auth` credential does not prove the cluster secret,
+    except the liveness checks (UNAUTHENTICATED_PREFIXES)."""
 
     def __init__(self, checker: CredentialChecker) -> None:
         self.checker = checker
@@ -105,8 +140,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         try:
             self.checker.check(metadata.get(METADATA_KEY), handler_call_details.method)

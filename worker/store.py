@@ -1,21 +1,23 @@
 """Expert files on one or more store folders (one per drive): what is there and intact.
 
 A store folder holds the model's manifest and some expert files. Every file is checked
-against the manifest's checksum before it is served; a bad file is reported, never
-deleted, so no copy of an expert is lost by the check itself.
+against the manifest's checksum before it is served (read around the OS page cache, so the
+check does not fill memory); a bad file is reported, never deleted, so no copy of an expert
+is lost by the check itself. Every intact copy is kept: a worker reads from all its drives.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-
-from engine.checkpoint import Manifest, read_manifest, sha256_file
+from engine.checkpoint import Manifest, read_manifest
 from engine.errors import InvalidInput, ShoalError
+from worker.reader import sha256_uncached
 
 ExpertKey = tuple[int, int]
+Copy = tuple[int, Path]  # (index of the store folder, i.e. the drive; the file in it)
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,14 @@ class StoreScan:
 
     manifest: Manifest
     folders: tuple[Path, ...]
-    held: dict[ExpertKey, Path]  # (layer, expert) -> a verified file
+    held: dict[ExpertKey, Path]  # (layer, expert) -> a verified file (the first copy)
     problems: tuple[str, ...]  # human-readable: corrupt or unreadable files, with their paths
+    copies: dict[ExpertKey, tuple[Copy, ...]]  # every verified copy, one per store folder
+
+    def expert_bytes(self) -> int:
+        """Bytes of all distinct experts held (one copy of each)."""
+        sizes = {(e.layer, e.expert): e.bytes for e in self.manifest.experts}
+        return sum(sizes[key] for key in self.held)
 
 
 def scan_stores(folders: list[Path], *, verify: bool = True) -> StoreScan:
@@ -40,20 +48,34 @@ def scan_stores(folders: list[Path], *, verify: bool = True) -> StoreScan:
                 f"store folders hold different models: {first_folder} has "
                 f"{manifest.fingerprint[:12]}, {folder} has {other.fingerprint[:12]}"
             )
-    held: dict[ExpertKey, Path] = {}
+    copies: dict[ExpertKey, list[Copy]] = {}
     problems: list[str] = []
-    for folder, _ in manifests:
+    for drive, (folder, _) in enumerate(manifests):
         for entry in manifest.experts:
-            key = (entry.layer, entry.expert)
             path = folder / entry.file
-            if key in held or not path.exists():
+            if not path.exists():
                 continue
             problem = _check_file(path, entry.bytes, entry.sha256 if verify else None)
             if problem:
                 problems.append(problem)
             else:
-                held[key] = path
-    return StoreScan(manifest, tuple(f for f, _ in manifests), held, tuple(problems))
+                copies.setdefault((entry.layer, entry.expert), []).append((drive, path))
+    held = {key: found[0][1] for key, found in sorted(copies.items())}
+    return StoreScan(
+        manifest, tuple(f for f, _ in manifests), held, tuple(problems),
+        {key: tuple(found) for key, found in sorted(copies.items())},
+    )
+
+
+def free_disk(folders: tuple[Path, ...]) -> int:
+    """Free bytes on the drives of the store folders, each drive counted once."""
+    free: dict[int, int] = {}
+    for folder in folders:
+        try:
+            free.setdefault(folder.stat().st_dev, shutil.disk_usage(folder).free)
+        except OSError:
+            continue  # a drive that went away has no free space to offer
+    return sum(free.values())
 
 
 def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
@@ -61,15 +83,9 @@ def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
         actual = path.stat().st_size
         if actual != size:
             return f"{path}: {actual} bytes, the manifest says {size}; not served"
-        if sha256 is not None and sha256_file(path) != sha256:
+        if sha256 is not None and sha256_uncached(path, size) != sha256:
             return f"{path}: checksum does not match the manifest; not served"
     except OSError as e:
         return f"{path}: cannot be read ({e.strerror}); not served"
     return None
 
-
-def read_expert(path: Path) -> dict[str, mx.array]:
-    try:
-        return mx.load(str(path))
-    except (OSError, RuntimeError, ValueError) as e:
-        raise ShoalError(f"cannot read expert file {path}: {e}") from None

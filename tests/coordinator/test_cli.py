@@ -24,6 +24,7 @@ def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
 
 @pytest.mark.parametrize("args", [
     ("--help",), ("shard", "--help"), ("generate", "--help"), ("cluster-init", "--help"),
+    ("workers", "--help"), ("plan", "--help"), ("bench", "--help"), ("demo", "--help"),
 ])
 def test_every_command_explains_itself(args):
     run = shoal(*args)

@@ -1,0 +1,148 @@
+"""Router lookahead: while layer L's experts run, guess layer L+1's and tell their owners.
+
+The guess applies layer L+1's own router to layer L's MoE input, rescaled from layer L's
+post-attention norm to layer L+1's (the residual stream changes little from one layer to the
+next, so this ranks L+1's experts much as L+1 will). Guesses travel as `PrefetchHint`s on
+the existing Compute stream and only ever start reads on the workers: a wrong guess costs a
+read, never a result. Only workers that cannot keep all their experts in memory get hints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine.checkpoint import Manifest, get_module
+from proto import shoal_pb2
+
+
+@dataclass
+class LookaheadStats:
+    """Set-level agreement of each prediction with the experts the next layer then used."""
+
+    predictions: int = 0
+    predicted: int = 0  # distinct experts guessed, summed over predictions
+    used: int = 0  # distinct experts the predicted layers then used
+    correct: int = 0  # guessed and used
+    hints_sent: int = 0
+
+    @property
+    def recall(self) -> float:
+        return self.correct / self.used if self.used else 0.0
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.predicted if self.predicted else 0.0
+
+
+@dataclass(frozen=True)
+class _Next:
+    layer: int
+    router: nn.Module
+    scale: mx.array | None  # this layer's norm weight -> the next layer's, or None
+
+
+def _norm_weight(model: nn.Module, switch_path: str) -> mx.array | None:
+    """The post-attention norm weight of the decoder layer that holds a switch module."""
+    parts = switch_path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            norm = get_module(model, ".".join(parts[:cut]) + ".post_attention_layernorm")
+        except (KeyError, AttributeError, IndexError, ValueError, TypeError):
+            continue
+        weight = getattr(norm, "weight", None)
+        return weight if isinstance(weight, mx.array) else None
+    return None
+
+
+class Lookahead:
+    """Predicts the next MoE layer's experts from this layer's input and builds the hints."""
+
+    def __init__(
+        self, model: nn.Module, manifest: Manifest, *, extra: int = 0, rescale: bool = True
+    ) -> None:
+        self.extra = extra  # guess top-(k + extra) experts per token
+        self.stats = LookaheadStats()
+        self._next: dict[int, _Next] = {}
+        self._guess: dict[int, np.ndarray] = {}  # layer -> distinct experts guessed for it
+        self._sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
+        self._streaming: dict[object, bool] = {}  # link -> its worker reads experts from disk
+        layers = list(manifest.layers)
+        for this, nxt in zip(layers, layers[1:], strict=False):
+            block = get_module(model, nxt.path.rsplit(".", 1)[0])
+            router = getattr(block, "gate", None)
+            if router is None:
+                continue
+            scale = None
+            if rescale:
+                here, there = _norm_weight(model, this.path), _norm_weight(model, nxt.path)
+                if here is not None and there is not None and here.shape == there.shape:
+                    safe = mx.where(mx.abs(here) > 1e-6, here, 1e-6)
+                    scale = (there.astype(mx.float32) / safe.astype(mx.float32)).astype(here.dtype)
+            self._next[this.layer] = _Next(nxt.layer, router, scale)
+
+    def predict(self, layer: int, x: mx.array, k: int) -> tuple[int, np.ndarray] | None:
+        """(next MoE layer, distinct experts it will probably use) for MoE input `x` of `layer`."""
+        nxt = self._next.get(layer)
+        if nxt is None:
+            return None
+        h = x.reshape(-1, x.shape[-1])
+        if nxt.scale is not None:
+            h = h * nxt.scale
+        out = nxt.router(h)
+        if isinstance(out, tuple):  # routers that pick their own experts (e.g. deepseek_v3)
+            inds = out[0]
+        else:
+            width = min(k + self.extra, out.shape[-1])
+            inds = mx.argpartition(-out, kth=width - 1, axis=-1)[..., :width]
+        guess = np.unique(np.asarray(inds))
+        self._guess[nxt.layer] = guess
+        return nxt.layer, guess
+
+    def score(self, layer: int, experts: np.ndarray) -> None:
+        """Compare the guess made for `layer` (if any) with the experts it actually used."""
+        guess = self._guess.pop(layer, None)
+        if guess is None:
+            return
+        used = np.unique(experts)
+        s = self.stats
+        s.predictions += 1
+        s.predicted += guess.size
+        s.used += used.size
+        s.correct += np.intersect1d(guess, used, assume_unique=True).size
+
+    def hints(
+        self, layer: int, x: mx.array, k: int, owners: dict[int, np.ndarray], links: list
+    ) -> dict[int, shoal_pb2.PrefetchHint]:
+        """Per worker index, the hint for the next layer's experts it serves, for streaming
+        workers only."""
+        if not any(self._is_streaming(link) for link in links):
+            return {}  # every expert is in memory somewhere: guessing would only cost time
+        predicted = self.predict(layer, x, k)
+        if predicted is None:
+            return {}
+        nxt, guess = predicted
+        owner = owners[nxt][guess]
+        out = {}
+        for worker in np.unique(owner).tolist():
+            if worker < 0 or not self._is_streaming(links[worker]):
+                continue
+            mine = guess[owner == worker]
+            out[worker] = shoal_pb2.PrefetchHint(layer=nxt, experts=mine.tolist())
+        self.stats.hints_sent += len(out)
+        return out
+
+    def _is_streaming(self, link) -> bool:
+        known = self._streaming.get(link)
+        if known is None:
+            inventory = link.inventory
+            if inventory is None or not inventory.memory_budget:
+                known = True  # a worker that does not say: hints are harmless
+            else:
+                held = sum(self._sizes.get((h.layer, h.expert), 0) for h in inventory.experts)
+                known = inventory.memory_budget < held
+            self._streaming[link] = known
+        return known

@@ -1,0 +1,435 @@
+"""Membership: which workers of the cluster are up, what they hold, and the path to each.
+
+Workers come from Bonjour or a cluster config (coordinator/discovery.py). For each one the
+membership picks the best path (engine/interfaces.py), checks liveness with the standard
+grpc.health.v1 service every CHECK_INTERVAL, and verifies it with an authenticated handshake
+(GetInventory, which needs the cluster secret). Bonjour is never the liveness signal: a
+crashed worker stays in mDNS caches for a long time. States: connecting, healthy,
+unreachable, incompatible (other protocol or model), unauthenticated (other secret).
+
+The transitions are pure functions over frozen `Member`s; `Membership` is the thin threaded
+shell that feeds them check results.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from coordinator.cluster import Cluster, WorkerLink, held, incompatibility, layer_sizes
+from coordinator.discovery import Browser, Candidate
+from engine.advert import DEFAULT_CLUSTER, Advert
+from engine.cache_policy import format_bytes
+from engine.checkpoint import Manifest
+from engine.errors import Unauthenticated, Unavailable
+from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
+from engine.placement import ExpertKey, routing_table
+
+CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
+CHECK_TIMEOUT = 1.0
+DEAD_AFTER = 2.0  # no good health check for this long: unreachable
+HANDSHAKE_TIMEOUT = 5.0
+RETRY_AFTER = 5.0  # a refused handshake (other secret, other model) is tried again this often
+STATES = ("connecting", "healthy", "unreachable", "incompatible", "unauthenticated")
+
+
+@dataclass(frozen=True)
+class Member:
+    key: str  # Bonjour instance name or configured address
+    node_id: str
+    address: str  # HOST:PORT in use
+    route: Route
+    state: str  # one of STATES
+    detail: str = ""  # why it is not healthy, for the user
+    experts: frozenset[ExpertKey] = frozenset()  # from the handshake
+    advert: Advert | None = None
+    memory_budget: int = 0
+    free_disk: int = 0
+    rtt_ms: float | None = None  # smoothed health-check round trip
+    last_ok: float = 0.0  # monotonic time of the last good check (first: when it appeared)
+    handshake_at: float = -math.inf
+
+    @property
+    def experts_held(self) -> int:
+        if self.experts or self.advert is None:
+            return len(self.experts)
+        return self.advert.experts
+
+
+def member_for(
+    candidate: Candidate,
+    local: Sequence[Interface],
+    *,
+    prefer: str | None,
+    manifest: Manifest | None,
+    now: float,
+) -> Member:
+    """A worker just announced or configured: its path (--interface `prefer` first, then the
+    interface its cluster config names, then the ranking), and whether its advert already
+    shows it cannot serve this model (then it is never connected to)."""
+    route = choose_route([host for host, _ in candidate.endpoints], local,
+                         prefer or candidate.interface)
+    port = next(p for host, p in candidate.endpoints if host == route.address)
+    address = f"{route.address}:{port}"
+    advert = candidate.advert
+    problem = advert and incompatibility(address, advert.protocol, advert.model, manifest)
+    return Member(
+        key=candidate.key,
+        node_id=advert.node_id if advert else (candidate.node_id or address),
+        address=address,
+        route=route,
+        state="incompatible" if problem else "connecting",
+        detail=problem or "",
+        advert=advert,
+        memory_budget=advert.memory_budget if advert else 0,
+        free_disk=advert.free_disk if advert else 0,
+        last_ok=now,
+    )
+
+
+def after_check(
+    member: Member, now: float, *, rtt: float | None = None, failure: str | None = None
+) -> Member:
+    """Fold one health check into a member. A good check after an outage starts a new
+    handshake; failures mark it unreachable once no check has succeeded for DEAD_AFTER."""
+    if failure is None:
+        rtt_ms = 1e3 * (rtt or 0.0)
+        smoothed = rtt_ms if member.rtt_ms is None else 0.7 * member.rtt_ms + 0.3 * rtt_ms
+        if member.state == "unreachable":
+            return replace(member, state="connecting", detail="", last_ok=now, rtt_ms=smoothed)
+        return replace(member, last_ok=now, rtt_ms=smoothed)
+    if member.state != "unreachable" and now - member.last_ok >= DEAD_AFTER:
+        return replace(member, state="unreachable", detail=failure, rtt_ms=None)
+    return member
+
+
+def needs_handshake(member: Member, now: float) -> bool:
+    if member.state == "connecting":
+        return True
+    refused = member.state in ("unauthenticated", "incompatible")
+    return refused and now - member.handshake_at >= RETRY_AFTER
+
+
+def duplicate_ids(members: Iterable[Member]) -> dict[str, list[str]]:
+    """Node ids claimed by more than one live worker -> their addresses. (A stale entry of a
+    worker that restarted elsewhere is unreachable, and does not count.)"""
+    by_id: dict[str, list[str]] = {}
+    for member in members:
+        if member.state != "unreachable":
+            by_id.setdefault(member.node_id, []).append(member.address)
+    return {node_id: sorted(a) for node_id, a in by_id.items() if len(a) > 1}
+
+
+def member_rows(members: Sequence[Member]) -> list[dict]:
+    """What `shoal workers` shows, as plain data (also its --json)."""
+    duplicates = duplicate_ids(members)
+    return [
+        {
+            "node_id": m.node_id,
+            "address": m.address,
+            "interface": m.route.interface,
+            "path": m.route.kind,
+            "state": m.state,
+            "detail": m.detail,
+            "experts": m.experts_held,
+            "memory_budget": m.memory_budget,
+            "free_disk": m.free_disk,
+            "rtt_ms": None if m.rtt_ms is None else round(m.rtt_ms, 3),
+            "duplicate_node_id": m.node_id in duplicates,
+            "model": m.advert.model if m.advert else None,
+        }
+        for m in members
+    ]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    header = ("NODE ID", "ADDRESS", "PATH", "STATE", "EXPERTS", "MEMORY", "RTT")
+    lines = [header]
+    for r in rows:
+        path = f"{r['interface']} ({r['path']})" if r["interface"] else r["path"]
+        rtt = "-" if r["rtt_ms"] is None else f"{r['rtt_ms']:.1f} ms"
+        state = r["state"] + (" (duplicate id)" if r["duplicate_node_id"] else "")
+        lines.append((r["node_id"], r["address"], path, state, str(r["experts"]),
+                      _size(r["memory_budget"]), rtt))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = "\n".join(
+        "  ".join(cell.rjust(w) if i in (4, 5, 6) else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+        for line in lines
+    )
+    notes = [f"{r['node_id']} ({r['address']}): {r['detail']}" for r in rows if r["detail"]]
+    notes += [
+        f"node id {node_id} is used by several workers ({', '.join(addresses)}): give each "
+        "its own --node-id, or delete the copied ~/.config/shoal/node-id"
+        for node_id, addresses in _duplicates_of(rows).items()
+    ]
+    return text + "".join(f"\n  {note}" for note in notes)
+
+
+def _duplicates_of(rows: Sequence[dict]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for r in rows:
+        if r["duplicate_node_id"]:
+            found.setdefault(r["node_id"], []).append(r["address"])
+    return found
+
+
+def _size(count: int) -> str:
+    return format_bytes(count) if count else "-"
+
+
+class Membership:
+    """The live view of one cluster's workers; thread-safe. `version` changes whenever the set
+    of healthy workers (or what they hold) changes, which is what a Cluster follows."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        cluster: str = DEFAULT_CLUSTER,
+        manifest: Manifest | None = None,
+        interface: str | None = None,
+        local: Sequence[Interface] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.manifest = manifest
+        self._secret = secret
+        self._local = list(local_interfaces() if local is None else local)
+        self._bind = select_interface(interface, self._local) if interface else None
+        self._prefer = self._bind[0].name if self._bind else None
+        self._log = log
+        self._members: dict[str, Member] = {}
+        self._links: dict[str, WorkerLink] = {}
+        self._stops: dict[str, threading.Event] = {}
+        self._changed = threading.Condition()
+        self._healthy: tuple = ()
+        self._browser: Browser | None = None
+        self._closed = False
+        self.version = 0
+
+    # sources -------------------------------------------------------------------------
+
+    def browse(self) -> None:
+        """Find workers of this cluster with Bonjour (on --interface only, if given)."""
+        interfaces = [i.address for i in self._bind] if self._bind else None
+        self._browser = Browser(self.cluster, self.offer, self.withdraw, interfaces=interfaces)
+
+    def add_static(self, candidates: Iterable[Candidate]) -> None:
+        """Workers from a cluster config; host names are resolved here, once."""
+        for candidate in candidates:
+            endpoints = []
+            for host, port in candidate.endpoints:
+                endpoints += [(ip, port) for ip in _resolve(host)] or [(host, port)]
+            self.offer(replace(candidate, endpoints=tuple(dict.fromkeys(endpoints))))
+
+    def offer(self, candidate: Candidate) -> None:
+        """A worker appeared or changed its announcement."""
+        with self._changed:
+            if self._closed:
+                return
+            member = member_for(candidate, self._local, prefer=self._prefer,
+                                manifest=self.manifest, now=time.monotonic())
+            old = self._members.get(candidate.key)
+            if old and (old.address, old.advert) == (member.address, member.advert):
+                return  # a repeated announcement
+            self._forget_locked(candidate.key)
+            self._set_locked(member)
+            if member.state == "incompatible":
+                self._say(f"ignoring worker {member.node_id}: {member.detail}")
+                return
+            link = WorkerLink(member.address, self._secret)
+            stop = threading.Event()
+            self._links[member.key], self._stops[member.key] = link, stop
+            threading.Thread(target=self._probe, args=(member.key, link, stop),
+                             name=f"probe {member.address}", daemon=True).start()
+
+    def withdraw(self, key: str) -> None:
+        """A worker said goodbye on Bonjour (it stopped cleanly)."""
+        with self._changed:
+            member = self._members.get(key)
+            self._forget_locked(key)
+            self._members.pop(key, None)
+            self._set_locked(None)
+        if member is not None and member.state == "healthy":
+            self._say(f"worker {member.node_id} left")
+
+    # liveness ------------------------------------------------------------------------
+
+    def _probe(self, key: str, link: WorkerLink, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                rtt, failure = link.check_health(CHECK_TIMEOUT), None
+            except Unavailable as e:
+                rtt, failure = None, str(e)
+            now = time.monotonic()
+            with self._changed:
+                if stop.is_set():
+                    return
+                before = self._members[key]
+                member = after_check(before, now, rtt=rtt, failure=failure)
+                self._set_locked(member)
+            if member.state == "unreachable" and before.state != "unreachable":
+                self._say(f"worker {member.node_id} is unreachable: {failure}")
+            if failure is None and needs_handshake(member, now):
+                self._handshake(key, link, stop)
+            stop.wait(CHECK_INTERVAL)
+
+    def _handshake(self, key: str, link: WorkerLink, stop: threading.Event) -> None:
+        changes: dict = {"handshake_at": time.monotonic()}
+        try:
+            inventory = link.fetch_inventory(timeout=HANDSHAKE_TIMEOUT)
+        except Unauthenticated as e:
+            changes.update(state="unauthenticated", detail=str(e))
+        except Unavailable as e:
+            changes.update(detail=str(e))  # the next health check decides
+        else:
+            problem = incompatibility(link.address, inventory.protocol_version,
+                                      inventory.fingerprint, self.manifest)
+            changes.update(
+                node_id=inventory.node_id,
+                state="incompatible" if problem else "healthy",
+                detail=problem or "",
+                experts=frozenset() if problem else held(inventory),
+                memory_budget=inventory.memory_budget,
+                free_disk=inventory.free_disk,
+            )
+        with self._changed:
+            if stop.is_set():
+                return
+            before = self._members[key]
+            changes["node_id"] = changes.get("node_id") or before.node_id
+            member = replace(before, **changes)
+            self._set_locked(member)
+            duplicated = duplicate_ids(self._members.values()).get(member.node_id)
+        if duplicated and member.state == "healthy":
+            self._say(f"warning: node id {member.node_id} is used by several workers "
+                      f"({', '.join(duplicated)}): give each its own --node-id")
+        if member.state != before.state and member.state != "connecting":
+            if member.state == "healthy":
+                self._say(f"worker {member.node_id} at {member.address} via "
+                          f"{member.route.describe()}: {member.experts_held} experts")
+            else:
+                self._say(f"worker {member.node_id} is {member.state}: {member.detail}")
+
+    def report_failure(self, link: WorkerLink, detail: str) -> None:
+        """A call on `link` failed: take its worker out now rather than at the next check."""
+        with self._changed:
+            for key, known in self._links.items():
+                if known is link and self._members[key].state != "unreachable":
+                    self._set_locked(replace(self._members[key], state="unreachable",
+                                             detail=detail, rtt_ms=None))
+
+    # state ---------------------------------------------------------------------------
+
+    def _set_locked(self, member: Member | None) -> None:
+        if member is not None:
+            self._members[member.key] = member
+        # A worker gets a new link only as a new member, which starts out "connecting": so a
+        # changed link always passes through a version without it.
+        healthy = tuple(
+            (m.key, m.address, m.experts) for m in self._members.values() if m.state == "healthy"
+        )
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self.version += 1
+        self._changed.notify_all()
+
+    def _forget_locked(self, key: str) -> None:
+        stop, link = self._stops.pop(key, None), self._links.pop(key, None)
+        if stop is not None:
+            stop.set()
+        if link is not None:
+            link.close()
+
+    def snapshot(self) -> list[Member]:
+        with self._changed:
+            return sorted(self._members.values(), key=lambda m: (m.node_id, m.key))
+
+    def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]:
+        """(version, links, holdings) of the healthy workers, in a fixed order."""
+        with self._changed:
+            healthy = sorted((m for m in self._members.values() if m.state == "healthy"),
+                             key=lambda m: (m.node_id, m.key))
+            return self.version, [self._links[m.key] for m in healthy], [
+                m.experts for m in healthy
+            ]
+
+    def settle(self, timeout: float, *, at_least: float = 0.0) -> list[Member]:
+        """Wait (bounded) until every worker found so far has answered or timed out; with
+        Bonjour, browse for `at_least` seconds first. For `shoal workers`."""
+        started = time.monotonic()
+        deadline = started + timeout
+        with self._changed:
+            while (now := time.monotonic()) < deadline:
+                pending = any(m.state == "connecting" for m in self._members.values())
+                if not pending and now - started >= at_least:
+                    break
+                self._changed.wait(min(deadline - now, 0.2))
+        return self.snapshot()
+
+    def join(
+        self, manifest: Manifest, *, wait: float, on_wait: Callable[[str], None] | None = None
+    ) -> Cluster:
+        """A Cluster that follows this membership, once every expert has a live owner.
+        Waits at most `wait` seconds, then raises Unavailable naming the experts missing."""
+        layers = layer_sizes(manifest)
+        deadline = time.monotonic() + wait
+        said = None
+        with self._changed:
+            while True:
+                version, links, holdings = self.live()
+                try:
+                    owners = routing_table(layers, holdings)
+                except Unavailable as e:
+                    missing = str(e)
+                else:
+                    return Cluster(links, owners, layers, holdings, self, version)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Unavailable(
+                        f"waited {wait:.0f} s for the workers of cluster {self.cluster!r}: "
+                        f"{missing}{self._problems_locked()}. Is `shoal-worker --cluster "
+                        f"{self.cluster}` running on every Mac, and can multicast reach this "
+                        "one? `shoal workers` shows what is found (see docs/operations.md)"
+                    )
+                if on_wait and said != len(holdings):
+                    said = len(holdings)
+                    on_wait(f"waiting up to {remaining:.0f} s for workers of cluster "
+                            f"{self.cluster!r} ({len(holdings)} healthy; {missing})")
+                self._changed.wait(min(remaining, 1.0))
+
+    def _problems_locked(self) -> str:
+        bad = [m for m in self._members.values() if m.state != "healthy"]
+        return "".join(f"; {m.node_id} {m.state}" + (f" ({m.detail})" if m.detail else "")
+                       for m in bad)
+
+    def _say(self, message: str) -> None:
+        if self._log is not None:
+            self._log(message)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+        if self._browser is not None:
+            self._browser.close()
+        with self._changed:
+            for key in list(self._links):
+                self._forget_locked(key)
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def stderr_log(message: str) -> None:
+    print(f"shoal: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,141 @@
+"""Membership rules as pure functions: which workers count, liveness, duplicates, configs."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from coordinator.discovery import (
+    Candidate,
+    parse_cluster_config,
+    read_cluster_config,
+    same_cluster,
+)
+from coordinator.membership import (
+    DEAD_AFTER,
+    RETRY_AFTER,
+    after_check,
+    duplicate_ids,
+    format_table,
+    member_for,
+    member_rows,
+    needs_handshake,
+)
+from engine.advert import Advert
+from engine.errors import InvalidInput
+from engine.interfaces import Interface
+from proto import PROTOCOL_VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = [Interface("lo0", "127.0.0.1", 8), Interface("en0", "10.0.0.5", 24, "Wi-Fi"),
+         Interface("bridge0", "169.254.7.1", 16)]
+
+
+class FakeManifest:
+    fingerprint = "f" * 64
+    model_type = "qwen3_moe"
+
+
+def advert(**changes) -> Advert:
+    base = Advert("studio-a", "desk", PROTOCOL_VERSION, "f" * 64, "0" * 16, 12, 1 << 30, 1 << 40)
+    return replace(base, **changes)
+
+
+def candidate(**changes) -> Candidate:
+    return Candidate("studio-a._shoal._tcp.local.",
+                     (("10.0.0.9", 50551), ("169.254.3.4", 50551)), advert(**changes))
+
+
+def test_only_the_same_cluster_counts():
+    assert same_cluster(advert(), "desk")
+    assert not same_cluster(advert(cluster="other"), "desk")
+
+
+def test_a_new_member_takes_the_thunderbolt_path_and_waits_for_its_handshake():
+    member = member_for(candidate(), LOCAL, prefer=None, manifest=FakeManifest(), now=5.0)
+    assert member.address == "169.254.3.4:50551"
+    assert member.route.describe() == "bridge0 (thunderbolt)"
+    assert (member.state, member.node_id, member.experts_held) == ("connecting", "studio-a", 12)
+    assert needs_handshake(member, now=5.0)
+    wifi = member_for(candidate(), LOCAL, prefer="en0", manifest=FakeManifest(), now=5.0)
+    assert wifi.address == "10.0.0.9:50551"
+
+
+def test_other_models_and_protocols_are_incompatible_without_connecting():
+    other_model = member_for(candidate(model="e" * 64), LOCAL, prefer=None,
+                             manifest=FakeManifest(), now=0.0)
+    assert other_model.state == "incompatible" and "different model" in other_model.detail
+    old = member_for(candidate(protocol=PROTOCOL_VERSION + 1), LOCAL, prefer=None,
+                     manifest=None, now=0.0)
+    assert old.state == "incompatible" and "protocol" in old.detail
+    anything = member_for(candidate(model="e" * 64), LOCAL, prefer=None, manifest=None, now=0.0)
+    assert anything.state == "connecting"  # `shoal workers` without --model judges no model
+
+
+def test_liveness_tolerates_one_slow_check_but_not_an_outage():
+    member = replace(member_for(candidate(), LOCAL, prefer=None, manifest=None, now=0.0),
+                     state="healthy")
+    member = after_check(member, 1.0, rtt=0.002)
+    assert member.rtt_ms == pytest.approx(2.0) and member.last_ok == 1.0
+    blip = after_check(member, 1.5, failure="UNAVAILABLE")
+    assert blip.state == "healthy"
+    gone = after_check(blip, 1.0 + DEAD_AFTER, failure="UNAVAILABLE: connection refused")
+    assert gone.state == "unreachable" and "refused" in gone.detail and gone.rtt_ms is None
+    back = after_check(gone, 9.0, rtt=0.004)
+    assert back.state == "connecting" and back.detail == "" and needs_handshake(back, 9.0)
+
+
+def test_refused_handshakes_are_retried_now_and_then():
+    member = replace(member_for(candidate(), LOCAL, prefer=None, manifest=None, now=0.0),
+                     state="unauthenticated", handshake_at=10.0)
+    assert not needs_handshake(member, 10.0 + RETRY_AFTER / 2)
+    assert needs_handshake(member, 10.0 + RETRY_AFTER)
+    assert not needs_handshake(replace(member, state="healthy"), 100.0)
+
+
+def test_a_duplicated_node_id_is_reported_unless_one_copy_is_a_dead_entry():
+    a = member_for(candidate(), LOCAL, prefer=None, manifest=None, now=0.0)
+    b = replace(a, key="studio-a-2._shoal._tcp.local.", address="10.0.0.10:50551")
+    assert duplicate_ids([a, b]) == {"studio-a": ["10.0.0.10:50551", "169.254.3.4:50551"]}
+    assert duplicate_ids([a, replace(b, state="unreachable")]) == {}
+    rows = member_rows([a, b])
+    assert all(r["duplicate_node_id"] for r in rows)
+    table = format_table(rows)
+    assert "duplicate id" in table and "node id studio-a is used by several workers" in table
+    assert "bridge0 (thunderbolt)" in table and "1.0 GiB" in table
+
+
+def test_shipped_cluster_configs_parse():
+    two = read_cluster_config(REPO / "cluster-configs" / "two-macs-thunderbolt.toml")
+    assert len(two.workers) == 2 and two.interface == "bridge0"
+    assert two.workers[0].endpoints[0] == ("169.254.10.2", 50551)
+    four = read_cluster_config(REPO / "cluster-configs" / "four-macs-thunderbolt.toml")
+    assert len(four.workers) == 4 and all(w.interface == "bridge0" for w in four.workers)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"workers": [{"address": "a:1"}]}, "give the cluster a name"),
+    ({"name": "desk"}, "list the workers"),
+    ({"name": "desk", "workers": [{"address": "a"}]}, "is not HOST:PORT"),
+    ({"name": "desk", "workers": [{"address": "a:99999"}]}, "is not HOST:PORT"),
+    ({"name": "desk", "workers": [{"adress": "a:1"}]}, "unknown setting(s) adress"),
+    ({"name": "desk", "nodes": []}, "unknown setting(s) nodes"),
+    ({"name": "desk", "workers": [{"address": "a:1"}, {"address": "a:1"}]}, "listed twice"),
+    ({"name": "two words", "workers": [{"address": "a:1"}]}, "cluster name"),
+])
+def test_cluster_config_mistakes_are_explained(data, message):
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_cluster_config(data, "desk.toml")
+
+
+def test_a_config_worker_interface_applies_unless_the_command_line_names_one():
+    config = parse_cluster_config({"name": "desk", "interface": "en0", "workers": [
+        {"addresses": ["169.254.3.4:50551", "10.0.0.9:50551"]},
+        {"addresses": ["169.254.3.5:50551", "10.0.0.8:50551"], "interface": "bridge0"},
+    ]}, "desk.toml")
+    first, second = (member_for(c, LOCAL, prefer=None, manifest=None, now=0.0)
+                     for c in config.workers)
+    assert first.address == "10.0.0.9:50551" and second.address == "169.254.3.5:50551"
+    assert first.node_id == "10.0.0.9:50551"  # until its handshake says otherwise
+    forced = member_for(config.workers[1], LOCAL, prefer="en0", manifest=None, now=0.0)
+    assert forced.address == "10.0.0.8:50551"

@@ -1,0 +1,108 @@
+"""Workers that keep only part of their experts in memory give exactly mlx-lm's output, and
+the stats say that they read from their drives (with prefetch hints) to do it."""
+
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+from coordinator.generate import open_remote_model
+from coordinator.worker_stats import read_stats, run_report
+from engine.auth import load_secret
+from engine.checkpoint import shard
+from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
+
+NEW_TOKENS = 8
+
+
+@pytest.mark.slow
+def test_tokens_identical_at_budgets_of_100_50_and_10_percent(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    source = tiny_checkpoint("qwen3_moe", quantize_bits=4)
+    reference, _ = load_model(source)
+    expected = greedy_tokens(reference, PROMPT, NEW_TOKENS)
+    sharded = tmp_path / "sharded"
+    manifest = shard(source, sharded, progress=False)
+    keys = sorted((e.layer, e.expert) for e in manifest.experts)
+    # Halves, so that 10% of a worker's experts is still more than one expert.
+    first, second = make_stores(sharded, tmp_path / "stores", [keys[::2], keys[1::2]])
+    # The second worker has two drives: its experts split between them, some on both.
+    other_drive = tmp_path / "stores" / "store-1-drive-b"
+    shutil.copytree(second, other_drive)
+    for index, path in enumerate(sorted(second.glob("L*/E*.safetensors"))):
+        if index % 3 == 0:
+            path.unlink()  # only on drive b
+        elif index % 3 == 1:
+            (other_drive / path.relative_to(second)).unlink()  # only on drive a
+    secret = load_secret(secret_file)
+    for share in ("100%", "50%", "10%"):
+        workers = [start_worker([first], "--memory-budget", share),
+                   start_worker([second, other_drive], "--memory-budget", share)]
+        remote = open_remote_model(sharded, [w.address for w in workers], secret)
+        try:
+            before = read_stats(remote.cluster.links)
+            tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
+            after = read_stats(remote.cluster.links)
+        finally:
+            remote.close()
+            for worker in workers:
+                worker.stop()
+        assert tokens == expected, share
+        report = run_report(before, after, NEW_TOKENS, remote.dispatcher.lookahead.stats)
+        summaries = [report["workers"][w.address] for w in workers]
+        if share == "100%":
+            assert all(s["hit_rate"] == 1.0 and s["bytes_read"] == 0 for s in summaries)
+        else:
+            assert all(s["bytes_read"] > 0 and s["hit_rate"] < 1.0 for s in summaries), share
+            assert report["hints"]["predictions"] > 0
+            assert sum(s["prefetch_issued"] for s in summaries) > 0
+        assert all(not s["problems"] for s in summaries)
+        drives = summaries[1]["drives"]
+        assert len(drives) == 2
+        if share == "10%":
+            assert all(d["bytes_read"] > 0 for d in drives)
+
+
+@pytest.mark.slow
+def test_a_file_corrupted_or_removed_while_serving_is_reported_with_its_path(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    source = tiny_checkpoint("qwen3_moe", quantize_bits=4)
+    sharded = tmp_path / "sharded"
+    shard(source, sharded, progress=False)
+    store = sharded / "experts"
+    spare = tmp_path / "spare-drive"
+    shutil.copytree(store, spare)
+    worker = start_worker([store, spare], "--memory-budget", "10%", "--verify-reads")
+    files = sorted(store.glob("L*/E*.safetensors"))
+    # After start: one copy corrupted (its twin on the spare drive is intact), one expert
+    # removed from both drives, so it has no copy left.
+    corrupt, gone = files[0], files[-1]
+    data = bytearray(corrupt.read_bytes())
+    data[-1] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    gone.unlink()
+    (spare / gone.relative_to(store)).unlink()
+    secret = load_secret(secret_file)
+    remote = open_remote_model(sharded, [worker.address], secret)
+    link = remote.cluster.links[0]
+    try:
+        layer, expert = (int(gone.parent.name[1:]), int(gone.stem[1:]))
+        dispatcher = remote.dispatcher
+        hidden = mx.ones((1, 1, 64))
+        # Every expert of the first and last layer, one by one, then the corrupt one again:
+        # the budget holds about two experts, so that one is read from a drive again.
+        order = [(lay, e) for lay in (0, layer) for e in range(8) if (lay, e) != (layer, expert)]
+        for lay, e in [*order, (0, 0)]:
+            out = dispatcher(lay, hidden, mx.array([[[e]]]))
+            assert out.shape == (1, 1, 1, 64)
+        with pytest.raises(Exception, match=str(gone)):
+            dispatcher(layer, hidden, mx.array([[[expert]]]))
+        stats = link.fetch_stats()
+    finally:
+        remote.close()
+    assert any(str(corrupt) in p and "checksum" in p for p in stats.problems), stats.problems
+    assert any(str(gone) in p for p in stats.problems), stats.problems
+    assert worker.proc.poll() is None

@@ -1,0 +1,127 @@
+import hashlib
+import mmap
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from worker.reader import ALIGN, Chunk, ReaderPool, plan_chunks, read_file, sha256_uncached
+
+
+def test_chunks_go_to_the_drive_expected_to_finish_first():
+    a, b = Path("a"), Path("b")
+    # Equal drives, nothing queued: chunks alternate, ties to the lower drive.
+    plan = plan_chunks(4 * 100, [(0, a), (1, b)], {}, {0: 100.0, 1: 100.0}, chunk_bytes=100)
+    assert [c.drive for c in plan] == [0, 1, 0, 1]
+    assert [c.offset for c in plan] == [0, 100, 200, 300]
+    # Drive 1 is three times as fast: it gets three chunks of every four.
+    plan = plan_chunks(8 * 100, [(0, a), (1, b)], {}, {0: 100.0, 1: 300.0}, chunk_bytes=100)
+    assert sum(c.drive == 1 for c in plan) == 6
+    # Drive 0 has two seconds of work queued: everything goes to drive 1 first.
+    plan = plan_chunks(2 * 100, [(0, a), (1, b)], {0: 2.0}, {0: 100.0, 1: 100.0}, 100)
+    assert plan == [Chunk(1, b, 0, 100), Chunk(1, b, 100, 100)]
+    # The last chunk is shorter.
+    assert [c.length for c in plan_chunks(250, [(0, a)], {}, {0: 1.0}, 100)] == [100, 100, 50]
+
+
+@pytest.fixture
+def two_drives(tmp_path):
+    """The same 50 KB file (not a multiple of the block size) in two store folders."""
+    data = os.urandom(50_000 + 123)
+    folders = [tmp_path / "drive-a", tmp_path / "drive-b"]
+    for folder in folders:
+        (folder / "L000").mkdir(parents=True)
+        (folder / "L000" / "E0000.safetensors").write_bytes(data)
+    return data, folders
+
+
+def read(pool, key, size, copies, demand=True):
+    done = threading.Event()
+    box = {}
+
+    def on_done(job):
+        box["bytes"] = None if job.error else bytes(job.buffer[: job.size])
+        box["job"] = job
+        pool.release(job)
+        done.set()
+
+    pool.submit(key, size, copies, demand=demand, on_done=on_done)
+    assert done.wait(30)
+    return box
+
+
+def test_a_read_split_over_two_folders_returns_the_same_bytes(two_drives):
+    data, folders = two_drives
+    path = Path("L000/E0000.safetensors")
+    pool = ReaderPool(folders, len(data), 2, readers_per_drive=2, chunk_bytes=ALIGN)
+    try:
+        box = read(pool, (0, 0), len(data), [(0, folders[0] / path), (1, folders[1] / path)])
+        assert box["bytes"] == data
+        assert box["job"].sources == {folders[0] / path, folders[1] / path}
+        stats = pool.drive_stats()
+        assert all(s.bytes_read > 0 for s in stats)
+        assert sum(s.bytes_read for s in stats) == len(data)
+    finally:
+        pool.close()
+    assert sha256_uncached(folders[1] / path, len(data)) == hashlib.sha256(data).hexdigest()
+    buffer = mmap.mmap(-1, len(data) + ALIGN)  # page-aligned, as O_DIRECT wants
+    read_file(folders[0] / path, memoryview(buffer), len(data))
+    assert bytes(buffer[: len(data)]) == data
+
+
+def test_a_drive_that_disappears_is_reported_and_its_copy_elsewhere_is_read(two_drives):
+    data, folders = two_drives
+    path = Path("L000/E0000.safetensors")
+    problems = []
+    pool = ReaderPool(folders, len(data), 2, readers_per_drive=1, chunk_bytes=ALIGN,
+                      on_problem=problems.append)
+    try:
+        shutil.rmtree(folders[0])
+        box = read(pool, (0, 0), len(data), [(0, folders[0] / path), (1, folders[1] / path)])
+        assert box["bytes"] == data
+        assert pool.failed_drives() == {0}
+        assert any(str(folders[0]) in p and "failed" in p for p in problems)
+        # With no copy left, the read fails instead of returning anything.
+        box = read(pool, (0, 1), len(data), [(0, folders[0] / path)])
+        assert box["bytes"] is None and box["job"].error is not None
+    finally:
+        pool.close()
+
+
+def test_demand_reads_are_served_before_queued_prefetches(two_drives):
+    data, folders = two_drives
+    copies = [(0, folders[0] / "L000" / "E0000.safetensors")]
+    pool = ReaderPool(folders[:1], len(data), 8, readers_per_drive=1)
+    order, gate, first_started = [], threading.Event(), threading.Event()
+
+    def on_done(name):
+        def finish(job):
+            if name == "blocker":
+                first_started.set()
+                gate.wait(30)  # holds the only reader thread until everything is queued
+            order.append(name)
+            pool.release(job)
+        return finish
+
+    try:
+        pool.submit((0, 0), len(data), copies, demand=False, on_done=on_done("blocker"))
+        assert first_started.wait(30)
+        for name in ("prefetch-1", "prefetch-2"):
+            pool.submit((0, 0), len(data), copies, demand=False, on_done=on_done(name))
+        pool.submit((0, 0), len(data), copies, demand=True, on_done=on_done("demand"))
+        promoted = pool.submit((0, 0), len(data), copies, demand=False,
+                               on_done=on_done("promoted"))
+        pool.promote(promoted)
+        cancelled = pool.submit((0, 0), len(data), copies, demand=False,
+                                on_done=on_done("cancelled"))
+        assert pool.cancel(cancelled)
+        gate.set()
+        for _ in range(100):
+            if len(order) == 5:
+                break
+            threading.Event().wait(0.05)
+        assert order == ["blocker", "demand", "promoted", "prefetch-1", "prefetch-2"]
+    finally:
+        pool.close()

@@ -1,0 +1,108 @@
+"""The cache in one process: any budget computes the same as every expert in memory; hints
+fill the cache without pushing out hot experts; a bad copy is found by its checksum."""
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import shard
+from engine.errors import ShoalError
+from worker.residency import Request, Residency
+from worker.store import scan_stores
+
+
+@pytest.fixture(scope="module")
+def store(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("residency") / "out"
+    shard(tiny_checkpoint("qwen3_moe", quantize_bits=4), out, progress=False)
+    return out / "experts"
+
+
+def random_request(rng, layer=None):
+    n = int(rng.integers(1, 12))
+    m = int(rng.integers(1, 3 * n))
+    return Request(
+        int(rng.integers(0, 3)) if layer is None else layer,
+        rng.standard_normal((n, 64)).astype(np.float32), "float32",
+        rng.integers(0, n, m).astype(np.int32), rng.integers(0, 8, m).astype(np.int32),
+    )
+
+
+def test_small_budgets_compute_exactly_what_a_full_one_does(store):
+    scan = scan_stores([store])
+    full = Residency(scan)
+    rng = np.random.default_rng(0)
+    for share in (0.5, 0.1):
+        small = Residency(scan, budget=int(share * full.expert_bytes))
+        try:
+            for _ in range(25):
+                request = random_request(rng)
+                small.prefetch((request.layer + 1) % 3, rng.integers(0, 8, 3).tolist())
+                assert np.array_equal(np.array(full.compute(request)),
+                                      np.array(small.compute(request)))
+            snap = small.snapshot()
+            assert snap.resident_bytes <= small.budget
+            assert snap.counters.misses > 0 and snap.counters.loads > 0
+        finally:
+            small.close()
+    assert full.snapshot().counters.misses == 0
+    full.close()
+
+
+def test_hints_fill_the_cache_but_never_push_out_a_hot_expert(store):
+    scan = scan_stores([store])
+    size = max(e.bytes for e in scan.manifest.experts)
+    residency = Residency(scan, budget=4 * size, warm=False)
+    rng = np.random.default_rng(1)
+    try:
+        hot = Request(0, rng.standard_normal((8, 64)).astype(np.float32), "float32",
+                      np.arange(8, dtype=np.int32), np.zeros(8, dtype=np.int32))
+        for _ in range(3):
+            residency.compute(hot)  # expert 0/0: 8 tokens a pass, pinned
+        residency.prefetch(1, range(8))
+        residency.prefetch(2, range(8))
+        residency.compute(hot)
+        counters = residency.snapshot().counters
+        assert counters.hits == 3 and counters.misses == 1
+        assert counters.prefetch_issued >= 1
+        first = Request(1, hot.hidden, "float32", hot.rows, np.zeros(8, dtype=np.int32))
+        residency.compute(first)  # expert 1/0 was hinted: read ahead of its demand
+        counters = residency.snapshot().counters
+        assert counters.prefetch_hits + counters.prefetch_late == 1
+    finally:
+        residency.close()
+
+
+def test_a_corrupt_copy_is_reported_with_its_path_and_the_good_copy_served(store, tmp_path):
+    import shutil
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(store, first)
+    shutil.copytree(store, second)
+    scan = scan_stores([first, second])
+    problems = []
+    size = max(e.bytes for e in scan.manifest.experts)
+    residency = Residency(scan, budget=2 * size, verify_reads=True, warm=False,
+                          report=problems.append)
+    reference = Residency(scan_stores([store]))
+    victim = first / scan.manifest.expert(0, 3).file
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    request = Request(0, np.ones((1, 64), np.float32), "float32", np.zeros(1, np.int32),
+                      np.array([3], np.int32))
+    try:
+        assert np.array_equal(np.array(residency.compute(request)),
+                              np.array(reference.compute(request)))
+        assert any(str(victim) in p and "checksum" in p for p in problems)
+        (second / scan.manifest.expert(0, 3).file).write_bytes(bytes(data))
+        other = Request(0, request.hidden, "float32", request.rows, np.array([4], np.int32))
+        residency.compute(other)
+        residency.compute(Request(0, request.hidden, "float32", request.rows,
+                                  np.array([5], np.int32)))  # 0/3 is evicted by now
+        with pytest.raises(ShoalError, match="no intact copy"):
+            residency.compute(request)
+        assert np.array_equal(np.array(residency.compute(other)),
+                              np.array(reference.compute(other)))  # the rest still works
+    finally:
+        residency.close()
+        reference.close()

@@ -1,0 +1,474 @@
+"""Expert file reads for a worker whose experts do not all fit in memory.
+
+Positioned reads go into reusable page-aligned buffers, from a few reader threads per drive
+(one `--store` folder is one drive). Each drive has a demand queue, served first, and a
+prefetch queue. Files are read around the OS page cache where the platform allows it
+(`O_DIRECT` on Linux, `F_NOCACHE` on macOS, else `posix_fadvise(DONTNEED)` after the read),
+so the worker's memory budget is what it really uses. An expert with copies on several
+drives is read in chunks, each sent to the drive expected to finish it first; a drive that
+fails is reported and its chunks are read from another copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import mmap
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the block size
+CHUNK_BYTES = 1 << 20  # an expert's read is split in chunks of this size (the last may be shorter)
+READERS_PER_DRIVE = 4  # queue depth per drive: SSDs reach full speed only with several reads
+INITIAL_BANDWIDTH = 1e9  # bytes/s assumed for a drive before its first read is measured
+_BANDWIDTH_WEIGHT = 0.2  # weight of each new measurement in a drive's moving average
+
+Key = tuple[int, int]  # (layer, expert)
+
+if sys.platform == "darwin":
+    import fcntl
+
+    _F_NOCACHE: int | None = getattr(fcntl, "F_NOCACHE", 48)
+else:
+    _F_NOCACHE = None
+
+
+def round_up(value: int, to: int = ALIGN) -> int:
+    return -(-value // to) * to
+
+
+# ---------------------------------------------------------------------------------------
+# Opening and reading files around the page cache
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    fd: int
+    direct: bool  # O_DIRECT: offsets, lengths and buffers must be ALIGN-ed
+    drop_after: bool  # no way to bypass the cache at open: drop the pages after reading
+
+
+def open_uncached(path: Path) -> OpenFile:
+    """Open for reading without filling the OS page cache, as far as the platform allows."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return OpenFile(os.open(path, os.O_RDONLY | direct), True, False)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT (tmpfs)
+                raise
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    if _F_NOCACHE is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, _F_NOCACHE, 1)
+            return OpenFile(fd, False, False)
+    return OpenFile(fd, False, hasattr(os, "posix_fadvise"))
+
+
+def read_into(file: OpenFile, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset` with positioned reads; returns the bytes read (short at EOF)."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            got = os.preadv(file.fd, [view[done:]], offset + done)
+        else:  # the descriptor is this thread's own, so seeking is safe
+            os.lseek(file.fd, offset + done, os.SEEK_SET)
+            if hasattr(os, "readv"):
+                got = os.readv(file.fd, [view[done:]])
+            else:  # no scatter reads (Windows): one copy more
+                data = os.read(file.fd, len(view) - done)
+                got = len(data)
+                view[done : done + got] = data
+        done += got
+        if got == 0 or (file.direct and got % ALIGN):  # end of file
+            break
+    if file.drop_after:
+        os.posix_fadvise(file.fd, offset, done, os.POSIX_FADV_DONTNEED)
+    return done
+
+
+def read_file(path: Path, buffer: memoryview, size: int) -> None:
+    """Read a whole file of `size` bytes into `buffer`: page-aligned (an mmap) and at least
+    round_up(size) long, as O_DIRECT needs."""
+    file = open_uncached(path)
+    try:
+        got = read_into(file, buffer[: round_up(size) if file.direct else size], 0)
+    finally:
+        os.close(file.fd)
+    if got != size:
+        raise OSError(errno.EIO, f"read {got} bytes, expected {size}")
+
+
+def sha256_uncached(path: Path, size: int, chunk: int = 8 << 20) -> str:
+    """The file's SHA-256, read around the page cache (so checking a store does not fill it)."""
+    digest = hashlib.sha256()
+    buffer = mmap.mmap(-1, chunk)
+    file = open_uncached(path)
+    try:
+        view = memoryview(buffer)
+        offset = 0
+        while offset < size:
+            got = read_into(file, view, offset)
+            if got == 0:
+                break
+            digest.update(view[: min(got, size - offset)])
+            offset += got
+        view.release()
+    finally:
+        os.close(file.fd)
+        buffer.close()
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: which drive reads which chunk (pure)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    drive: int
+    path: Path
+    offset: int
+    length: int
+
+
+def plan_chunks(
+    size: int,
+    copies: Sequence[tuple[int, Path]],
+    backlog: Mapping[int, float],
+    bandwidth: Mapping[int, float],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> list[Chunk]:
+    """Split a read of `size` bytes into chunks, each on the drive expected to finish it first.
+
+    `copies` are (drive, path) of intact copies of the file; `backlog` the seconds of reading
+    already queued on each drive and `bandwidth` its bytes per second. Ties go to the lower
+    drive, so the plan is deterministic.
+    """
+    finish = {drive: backlog.get(drive, 0.0) for drive, _ in copies}
+    chunks = []
+    for offset in range(0, max(size, 1), chunk_bytes):
+        length = min(chunk_bytes, size - offset)
+        drive, path = min(
+            copies, key=lambda c: (finish[c[0]] + length / bandwidth[c[0]], c[0])
+        )
+        finish[drive] += length / bandwidth[drive]
+        chunks.append(Chunk(drive, path, offset, length))
+    return chunks
+
+
+# ---------------------------------------------------------------------------------------
+# The pool of reader threads
+
+
+@dataclass
+class DriveStats:
+    folder: Path
+    bytes_read: int = 0
+    reads: int = 0
+    active_seconds: float = 0.0  # time with at least one read in flight on this drive
+    failed: str | None = None  # why the drive was taken out of service
+
+
+@dataclass(eq=False)
+class ReadJob:
+    """One expert file read into one buffer, possibly in chunks from several drives."""
+
+    key: Key
+    size: int
+    copies: list[tuple[int, Path]]
+    demand: bool
+    on_done: Callable[[ReadJob], None]
+    buffer: memoryview | None = None
+    remaining: int = 0  # chunks not yet read
+    started: bool = False  # a chunk is being read or was read: too late to cancel
+    cancelled: bool = False
+    error: OSError | None = None
+    sources: set[Path] = field(default_factory=set)  # the files its bytes came from
+    _slot: int = -1
+
+
+class _Drive:
+    def __init__(self, index: int, folder: Path) -> None:
+        self.index = index
+        self.stats = DriveStats(folder)
+        self.bandwidth = INITIAL_BANDWIDTH
+        self.queued = {True: 0, False: 0}  # bytes queued, by demand
+        self.demand: deque[tuple[ReadJob, Chunk]] = deque()
+        self.prefetch: deque[tuple[ReadJob, Chunk]] = deque()
+        self.in_flight = 0
+        self.active_since = 0.0
+
+
+class ReaderPool:
+    """Reader threads per drive, a demand and a prefetch queue per drive, reusable buffers.
+
+    `submit` returns at once; the job's `on_done` runs on a reader thread when all its chunks
+    are in the buffer (or it failed), and must call `release(job)` to give the buffer back.
+    """
+
+    def __init__(
+        self,
+        folders: Sequence[Path],
+        buffer_bytes: int,
+        buffers: int,
+        *,
+        readers_per_drive: int = READERS_PER_DRIVE,
+        chunk_bytes: int = CHUNK_BYTES,
+        on_problem: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.chunk_bytes = round_up(chunk_bytes)
+        self.buffer_bytes = round_up(buffer_bytes)
+        self._on_problem = on_problem
+        self._drives = [_Drive(i, Path(f)) for i, f in enumerate(folders)]
+        self._memory = [mmap.mmap(-1, self.buffer_bytes) for _ in range(max(buffers, 1))]
+        self._views = [memoryview(m) for m in self._memory]
+        self._free = list(range(len(self._memory)))
+        self._waiting = {True: deque(), False: deque()}  # jobs waiting for a buffer, by demand
+        self._cond = threading.Condition()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._serve, args=(drive,), daemon=True,
+                             name=f"shoal-reader-{drive.index}-{n}")
+            for drive in self._drives for n in range(readers_per_drive)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def buffer_count(self) -> int:
+        return len(self._memory)
+
+    def drive_stats(self) -> list[DriveStats]:
+        with self._cond:
+            now = time.perf_counter()
+            out = []
+            for d in self._drives:
+                s = DriveStats(**vars(d.stats))
+                if d.in_flight:
+                    s.active_seconds += now - d.active_since
+                out.append(s)
+            return out
+
+    def failed_drives(self) -> set[int]:
+        with self._cond:
+            return {d.index for d in self._drives if d.stats.failed}
+
+    # -- jobs --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        key: Key,
+        size: int,
+        copies: Sequence[tuple[int, Path]],
+        *,
+        demand: bool,
+        on_done: Callable[[ReadJob], None],
+    ) -> ReadJob:
+        if size > self.buffer_bytes:
+            raise ValueError(f"{size} bytes do not fit a {self.buffer_bytes}-byte read buffer")
+        job = ReadJob(key, size, list(copies), demand, on_done)
+        with self._cond:
+            self._waiting[demand].append(job)
+            self._dispatch()
+        return job
+
+    def promote(self, job: ReadJob) -> None:
+        """A prefetch that is now needed: move whatever of it is still queued to demand."""
+        with self._cond:
+            if job.demand or job.cancelled:
+                return
+            job.demand = True
+            if job in self._waiting[False]:
+                self._waiting[False].remove(job)
+                self._waiting[True].appendleft(job)
+                self._dispatch()
+                return
+            for drive in self._drives:
+                moved = [item for item in drive.prefetch if item[0] is job]
+                for item in moved:
+                    drive.prefetch.remove(item)
+                    drive.demand.append(item)
+                    drive.queued[False] -= item[1].length
+                    drive.queued[True] += item[1].length
+            self._cond.notify_all()
+
+    def cancel(self, job: ReadJob) -> bool:
+        """Drop a job none of whose chunks has started; False if it is too late."""
+        with self._cond:
+            if job.started or job.cancelled:
+                return False
+            job.cancelled = True
+            if job in self._waiting[job.demand]:
+                self._waiting[job.demand].remove(job)
+                return True
+            for drive in self._drives:
+                for queue in (drive.demand, drive.prefetch):
+                    for item in [item for item in queue if item[0] is job]:
+                        queue.remove(item)
+                        drive.queued[queue is drive.demand] -= item[1].length
+            self._give_back(job)
+            return True
+
+    def release(self, job: ReadJob) -> None:
+        """Give a finished job's buffer back to the pool."""
+        with self._cond:
+            self._give_back(job)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- internals (called with self._cond held) -----------------------------------------
+
+    def _give_back(self, job: ReadJob) -> None:
+        if job._slot >= 0:
+            self._free.append(job._slot)
+            job._slot = -1
+            job.buffer = None
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Give free buffers to waiting jobs, demand first, and queue their chunks."""
+        while self._free and (self._waiting[True] or self._waiting[False]):
+            job = (self._waiting[True] or self._waiting[False]).popleft()
+            job._slot = self._free.pop()
+            job.buffer = self._views[job._slot]
+            chunks = self._plan(job)
+            if not chunks:
+                self._fail_later(job)
+                continue
+            job.remaining = len(chunks)
+            for chunk in chunks:
+                self._queue(job, chunk)
+        self._cond.notify_all()
+
+    def _plan(self, job: ReadJob) -> list[Chunk]:
+        live = [(d, p) for d, p in job.copies if not self._drives[d].stats.failed]
+        if not live:
+            return []
+        backlog = {}
+        for drive in {d for d, _ in live}:
+            state = self._drives[drive]
+            queued = state.queued[True] + (0 if job.demand else state.queued[False])
+            backlog[drive] = queued / state.bandwidth
+        bandwidth = {d.index: d.bandwidth for d in self._drives}
+        return plan_chunks(job.size, live, backlog, bandwidth, self.chunk_bytes)
+
+    def _queue(self, job: ReadJob, chunk: Chunk) -> None:
+        drive = self._drives[chunk.drive]
+        (drive.demand if job.demand else drive.prefetch).append((job, chunk))
+        drive.queued[job.demand] += chunk.length
+
+    def _fail_later(self, job: ReadJob) -> None:
+        paths = ", ".join(str(p) for _, p in job.copies)
+        job.error = OSError(errno.ENODEV, f"no working drive holds a copy ({paths})")
+        job.remaining = 0
+        job.started = True
+        threading.Thread(target=job.on_done, args=(job,), daemon=True).start()
+
+    def _next(self, drive: _Drive) -> tuple[ReadJob, Chunk] | None:
+        while not self._closed:
+            queue = drive.demand or drive.prefetch
+            if queue:
+                job, chunk = queue.popleft()
+                drive.queued[queue is drive.demand] -= chunk.length
+                job.started = True
+                if drive.in_flight == 0:
+                    drive.active_since = time.perf_counter()
+                drive.in_flight += 1
+                return job, chunk
+            self._cond.wait()
+        return None
+
+    # -- the reader threads ------------------------------------------------------------
+
+    def _serve(self, drive: _Drive) -> None:
+        while True:
+            with self._cond:
+                item = self._next(drive)
+            if item is None:
+                return
+            job, chunk = item
+            started = time.perf_counter()
+            error = None
+            try:
+                self._read_chunk(job, chunk)
+            except OSError as e:
+                error = e
+            elapsed = time.perf_counter() - started
+            self._finish_chunk(drive, job, chunk, error, elapsed)
+
+    def _read_chunk(self, job: ReadJob, chunk: Chunk) -> None:
+        file = open_uncached(chunk.path)
+        try:
+            length = round_up(chunk.length) if file.direct else chunk.length
+            view = job.buffer[chunk.offset : chunk.offset + length]
+            got = read_into(file, view, chunk.offset)
+        finally:
+            os.close(file.fd)
+        if got < chunk.length:
+            raise OSError(errno.EIO, f"{chunk.path} is shorter than the manifest says")
+
+    def _finish_chunk(
+        self, drive: _Drive, job: ReadJob, chunk: Chunk, error: OSError | None, elapsed: float
+    ) -> None:
+        problem = None
+        with self._cond:
+            drive.in_flight -= 1
+            if drive.in_flight == 0:
+                drive.stats.active_seconds += time.perf_counter() - drive.active_since
+            if error is None:
+                drive.stats.bytes_read += chunk.length
+                drive.stats.reads += 1
+                if chunk.length >= ALIGN and elapsed > 0:
+                    rate = chunk.length / elapsed
+                    drive.bandwidth += _BANDWIDTH_WEIGHT * (rate - drive.bandwidth)
+                job.sources.add(chunk.path)
+                job.remaining -= 1
+            else:
+                problem = self._take_out(drive, chunk, error)
+                others = [(d, p) for d, p in job.copies
+                          if p != chunk.path and not self._drives[d].stats.failed]
+                job.copies = [(d, p) for d, p in job.copies if p != chunk.path]
+                if others:  # read this chunk again from another copy
+                    bandwidth = {d.index: d.bandwidth for d in self._drives}
+                    replan = plan_chunks(chunk.length, others, {}, bandwidth, chunk.length)[0]
+                    self._queue(job, Chunk(replan.drive, replan.path, chunk.offset, chunk.length))
+                    self._cond.notify_all()
+                else:
+                    job.error = error if job.error is None else job.error
+                    job.remaining -= 1
+            done = job.remaining == 0
+        if problem:
+            self._on_problem(problem)
+        if done:
+            job.on_done(job)
+
+    def _take_out(self, drive: _Drive, chunk: Chunk, error: OSError) -> str:
+        """Report a failed read; if the drive's folder itself is gone, stop using the drive."""
+        reason = error.strerror or str(error)
+        if not drive.stats.failed and not drive.stats.folder.is_dir():
+            drive.stats.failed = f"{drive.stats.folder} is no longer reachable ({reason})"
+            return f"drive {drive.stats.folder} failed: {reason}; reading its experts elsewhere"
+        return f"{chunk.path}: read failed ({reason})"
+
+
+def iter_keys_by_drive(copies: Mapping[Key, Sequence[tuple[int, Path]]]) -> Iterator[Key]:
+    """Keys in an order that alternates drives, so a bulk load keeps every drive busy."""
+    by_drive: dict[int, list[Key]] = {}
+    for key in sorted(copies):
+        by_drive.setdefault(copies[key][0][0], []).append(key)
+    lists = [deque(keys) for _, keys in sorted(by_drive.items())]
+    while any(lists):
+        for keys in lists:
+            if keys:
+                yield keys.popleft()
