@@ -82,6 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         after = read_stats(remote.cluster.links) if args.stats else {}
     finally:
         if remote is not None:
+            record_run_heat(args.model, remote.manifest, remote.cluster.links)
             remote.close()
         if membership is not None:
             membership.close()
@@ -136,6 +137,110 @@ def open_membership(
     else:
         membership.browse()
     return membership
+
+
+def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
+    """Fold the workers' token counts into OUT_DIR/heat.msgpack; a failure only warns."""
+    from coordinator.heat import read_heat, record_heat
+
+    try:
+        record_heat(model_dir, manifest, read_heat(links))
+    except ShoalError as e:
+        print(f"shoal: warning: the heat of this run was not recorded: {e}", file=sys.stderr)
+
+
+def open_live_workers(
+    args: argparse.Namespace, secret: bytes, manifest: Manifest
+) -> tuple[list, Callable[[], None]]:
+    """The workers to talk to, and how to let go of them: --workers (each must answer), else
+    the healthy workers of the cluster (Bonjour or --cluster-config) found within --wait."""
+    from coordinator.cluster import WorkerLink, parse_addresses
+    from coordinator.membership import stderr_log
+
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    if args.workers:
+        links = [WorkerLink(address, secret) for address in parse_addresses(args.workers)]
+
+        def close() -> None:
+            for link in links:
+                link.close()
+
+        return links, close
+    membership = open_membership(args, secret, manifest, log=stderr_log)
+    browse = 0.0 if args.cluster_config else min(args.wait, BROWSE_SECONDS)
+    membership.settle(args.wait, at_least=browse)
+    return membership.live()[1], membership.close
+
+
+def cmd_heat(args: argparse.Namespace) -> None:
+    from coordinator.heat import (
+        format_summary,
+        heat_path,
+        load_record,
+        plot_heat,
+        read_heat,
+        record_heat,
+        reset_heat,
+        summarize,
+    )
+    from engine.checkpoint import read_manifest
+    from engine.heat import heat_to_json
+
+    manifest = read_manifest(args.model)
+    if args.reset:
+        reset_heat(args.model)
+        print(f"cleared the recorded heat in {heat_path(args.model)}", file=sys.stderr)
+        return
+    if args.offline:
+        record = load_record(heat_path(args.model), manifest.fingerprint)
+    else:
+        links, close = open_live_workers(args, load_secret(secret_path(args.secret_file)),
+                                         manifest)
+        try:
+            record = record_heat(args.model, manifest, read_heat(links))
+        finally:
+            close()
+    summary = summarize(record, manifest, layer=args.layer)  # also checks --layer
+    if args.json:
+        total = record.total()
+        if args.layer is not None:
+            total = {key: count for key, count in total.items() if key[0] == args.layer}
+        print(json.dumps(heat_to_json(total), indent=1))
+    else:
+        print(format_summary(summary))
+    if args.plot:
+        plot_heat(record, manifest, args.plot)
+        print(f"wrote the heat map to {args.plot}", file=sys.stderr)
+
+
+def cmd_migrate(args: argparse.Namespace) -> None:
+    """`shoal deploy` and `shoal rebalance`."""
+    from coordinator.rebalance import describe, migrate, report_json
+    from engine.cache_policy import parse_budget
+    from engine.checkpoint import read_manifest
+
+    max_bytes = None
+    if getattr(args, "max_bytes", None):
+        max_bytes = parse_budget(args.max_bytes).bytes
+        if max_bytes is None:
+            raise InvalidInput("--max-bytes takes a size such as 512M or 20G")
+    manifest = read_manifest(args.model)
+    links, close = open_live_workers(args, load_secret(secret_path(args.secret_file)), manifest)
+    try:
+        report = migrate(args.model, links, deploy=args.command == "deploy",
+                         dry_run=args.dry_run, max_bytes=max_bytes, spare=args.spare / 100,
+                         replan=args.replan, progress=not (args.json or args.quiet))
+    finally:
+        close()
+    if args.json:
+        print(json.dumps(report_json(report), indent=1))
+    else:
+        print("\n".join(describe(report)))
+    blocked = report.proposal.plan.blocked
+    if blocked and not args.dry_run:
+        raise ShoalError(f"{len(blocked)} experts were left where they are (listed above); "
+                         "free disk or start the workers that hold them, then run it again")
 
 
 def cmd_workers(args: argparse.Namespace) -> None:
@@ -372,6 +477,61 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network round trip per MoE layer for the speed bound (default 0.3)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
+
+    def live_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
+                       help="the folder written by `shoal shard`")
+        p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="addresses of the workers (default: those of --cluster found on "
+                       "the local network)")
+        discovery_options(p, wait=4.0, wait_help="how long to look for workers (default 4)")
+        secret_option(p)
+
+    p = sub.add_parser(
+        "heat", help="tokens routed to each expert: hottest experts, skew, load per worker",
+        description="Read every live worker's count of the tokens it computed per (layer, "
+        "expert), add them to the record kept in OUT_DIR/heat.msgpack (it outlives runs and "
+        "restarts; `shoal generate` adds to it too), and show the hottest experts, the skew "
+        "of each layer and the load of each worker.",
+    )
+    live_options(p)
+    p.add_argument("--layer", type=int, metavar="L", help="only this MoE layer")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw a layer x expert heat map (needs matplotlib)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"<layer>": {"<expert>": tokens}}, the file `shoal plan --heat` '
+                   "reads")
+    p.add_argument("--offline", action="store_true",
+                   help="show the record as it is, without asking the workers")
+    p.add_argument("--reset", action="store_true", help="forget the recorded heat")
+    p.set_defaults(func=cmd_heat)
+
+    for name, help_text, description in (
+        ("deploy", "place the experts on the live workers and send them the files",
+         "Plan a placement for the live workers (by memory and disk, replicating hot experts "
+         "if a heat record exists) and send each worker its expert files over gRPC: in chunks, "
+         "checked against the manifest, resumed where an interrupted transfer stopped. Workers "
+         "may start with a store folder that holds only OUT_DIR/manifest.json."),
+        ("rebalance", "move and replicate experts by the recorded heat, while serving",
+         "From the recorded heat (`shoal heat`), plan a better placement and migrate to it "
+         "while generation goes on: copy to the new holder, verify, let coordinators route to "
+         "it, then drain and delete copies no longer planned. Every expert keeps a verified, "
+         "served copy at every step; if a run stops, run it again to finish."),
+    ):
+        p = sub.add_parser(name, help=help_text, description=description)
+        live_options(p)
+        p.add_argument("--dry-run", action="store_true",
+                       help="print the plan (moves, bytes, predicted imbalance) and change nothing")
+        if name == "rebalance":
+            p.add_argument("--max-bytes", metavar="SIZE",
+                           help="copy at most this much (e.g. 2G): the most useful moves first")
+        p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
+                       help="share of each worker's memory budget to leave free (default 10)")
+        p.add_argument("--replan", action="store_true",
+                       help="plan afresh instead of finishing an interrupted run's target")
+        p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.set_defaults(func=cmd_migrate)
     return parser
 
 

@@ -21,8 +21,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.auth import METADATA_KEY, make_credential
 from engine.checkpoint import Manifest
-from engine.errors import InvalidInput, ShoalError, Unauthenticated, Unavailable
-from engine.placement import ExpertKey, routing_table
+from engine.errors import (
+    CorruptData,
+    InvalidInput,
+    NotFound,
+    ShoalError,
+    Unauthenticated,
+    Unavailable,
+)
+from engine.placement import ExpertKey, LayerRoutes, replica_routes, routing_table
 from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 
 if TYPE_CHECKING:
@@ -79,6 +86,24 @@ def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
     return frozenset((h.layer, h.expert) for h in inventory.experts)
 
 
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.DATA_LOSS: CorruptData,
+}
+
+
+def error_for(error: grpc.RpcError, address: str) -> ShoalError:
+    """A worker's refusal as the ShoalError it was raised as there (workers map ours to
+    status codes); a call that did not get through is Unavailable."""
+    kind = _ERRORS.get(error.code())
+    if kind is None:
+        failed = error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        kind = ShoalError if failed else Unavailable
+    return kind(f"worker {address}: {error.details() or error.code().name}")
+
+
 class WorkerLink:
     """One worker: its channel, its inventory, and the Compute stream to it."""
 
@@ -119,6 +144,16 @@ class WorkerLink:
         except grpc.RpcError as e:
             raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
 
+    def call(self, method: str, request, *, timeout: float | None = CONNECT_TIMEOUT):
+        """Any other call of the expert service (heat, expert files), with the credential;
+        a refusal becomes the ShoalError the worker raised. A streamed reply is returned as
+        its iterator (errors while reading it are grpc.RpcError: see error_for)."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout,
+                                               metadata=self._metadata(method))
+        except grpc.RpcError as e:
+            raise error_for(e, self.address) from None
+
     def check_health(self, timeout: float) -> float:
         """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable."""
         started = time.perf_counter()
@@ -145,6 +180,8 @@ class WorkerLink:
             return next(self._replies)
         except grpc.RpcError as e:
             self.reset()
+            if e.code() == grpc.StatusCode.NOT_FOUND:  # an expert moved: see Cluster.reload
+                raise NotFound(f"worker {self.address}: {e.details()}") from None
             raise Unavailable(f"worker {self.address} failed: {_describe(e)}") from None
         except StopIteration:
             self.reset()
@@ -170,6 +207,17 @@ class Cluster:
     holdings: list[frozenset[ExpertKey]] = field(default_factory=list)  # per link
     membership: Membership | None = None  # None: a fixed set of workers
     version: int = -1  # the membership version the links and owners were built from
+    routes: dict[int, LayerRoutes] = field(default_factory=dict)  # every copy, for spreading
+    reloads: int = 0  # inventories fetched again because a worker's changed
+
+    def __post_init__(self) -> None:
+        if self.layers and self.holdings and not self.routes:
+            self.routes = replica_routes(self.layers, self.holdings)
+
+    def _route(self, holdings: list[frozenset[ExpertKey]]) -> None:
+        routes = replica_routes(self.layers, holdings)
+        self.owners = {layer: r.copies[:, 0].copy() for layer, r in routes.items()}
+        self.routes = routes
 
     def refresh(self) -> None:
         """Follow the membership: when the healthy workers changed, rebuild the links and the
@@ -177,8 +225,27 @@ class Cluster:
         if self.membership is None or self.membership.version == self.version:
             return
         version, links, holdings = self.membership.live()
-        self.owners = routing_table(self.layers, holdings)
+        self._route(holdings)
         self.links, self.holdings, self.version = links, holdings, version
+
+    def reload(self, index: int) -> None:
+        """Worker `index` says its inventory changed (experts received, drained or deleted):
+        fetch it again and route by it. Raises Unavailable if an expert is left unowned."""
+        link = self.links[index]
+        self.reloads += 1
+        try:
+            inventory = link.fetch_inventory()
+        except ShoalError as e:
+            self.lost(index, e)
+            return
+        if self.membership is not None:
+            self.membership.update_inventory(link, inventory)
+            self.refresh()
+        else:
+            holdings = list(self.holdings)
+            holdings[index] = held(inventory)
+            self._route(holdings)
+            self.holdings = holdings
 
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a
@@ -189,7 +256,7 @@ class Cluster:
                 self.refresh()
             else:
                 self.holdings[index] = frozenset()
-                self.owners = routing_table(self.layers, self.holdings)
+                self._route(self.holdings)
         except Unavailable as e:
             raise Unavailable(f"{error}; {e}") from None
 

@@ -1,11 +1,14 @@
 """The remote switch: stands in for each MoE block's `switch_mlp(x, inds)`.
 
-Per layer call: group the (token, expert) pairs by the worker that serves the expert, send one
-request to every involved worker before waiting for any, then place each worker's outputs
-back into the (..., k, hidden) result in a fixed order, so the result never depends on which
-worker answered first. A worker lost in the middle of a call is routed around when other
-workers hold its experts (the call is redone; experts keep no state), else the call fails
-naming the experts left without a live owner.
+Per layer call: group the (token, expert) pairs by the worker that serves the expert (the
+pairs of an expert with several copies are dealt over them), send one request to every
+involved worker before waiting for any, then place each worker's outputs back into the
+(..., k, hidden) result in a fixed order, so the result never depends on which worker
+answered first. A worker lost in the middle of a call is routed around when other workers
+hold its experts (the call is redone; experts keep no state), else the call fails naming the
+experts left without a live owner. A reply whose inventory version is newer than ours, or a
+refusal saying an expert moved, makes us fetch that worker's inventory again (live
+rebalancing, docs/placement.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import numpy as np
 from coordinator.cluster import Cluster
 from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
-from engine.errors import ShoalError, Unavailable
+from engine.errors import NotFound, ShoalError, Unavailable
+from engine.placement import spread
 from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
 from proto import shoal_pb2
 
@@ -64,6 +68,14 @@ class _WorkerFailed(Exception):
         self.error = error
 
 
+class _StaleRoute(Exception):
+    """A worker no longer holds an expert it was sent (it moved): fetch its inventory again."""
+
+    def __init__(self, worker: int) -> None:
+        super().__init__(f"worker {worker} holds other experts now")
+        self.worker = worker
+
+
 class Dispatcher:
     """Sends one MoE layer's expert work to the workers and gathers the results."""
 
@@ -71,6 +83,7 @@ class Dispatcher:
         self.cluster = cluster
         self.stats = DispatchStats()
         self._seq = 0
+        self._calls = 0  # layer calls so far: deals an expert's tokens over its copies
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
@@ -81,11 +94,16 @@ class Dispatcher:
                 return self._call(layer, x, inds)
             except _WorkerFailed as failed:
                 self.cluster.lost(failed.worker, failed.error)
+            except _StaleRoute as stale:
+                self.cluster.reload(stale.worker)
         self.cluster.refresh()
         try:
             return self._call(layer, x, inds)
         except _WorkerFailed as failed:
             raise failed.error from None
+        except _StaleRoute as stale:
+            raise Unavailable(f"worker {self.cluster.links[stale.worker].address} kept "
+                              "refusing experts its inventory lists") from None
 
     def _call(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         started = time.perf_counter()
@@ -96,7 +114,9 @@ class Dispatcher:
         wire_dtype = dtype_name(x.dtype)
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
         tokens = np.repeat(np.arange(hidden.shape[0], dtype=np.int32), k)
-        owner = self.cluster.owners[layer][experts]
+        # Experts with copies on several workers have their tokens dealt over the copies.
+        self._calls += 1
+        owner = spread(self.cluster.routes[layer], experts, tokens + self._calls)
         hints = {}
         if self.lookahead is not None:
             self.lookahead.score(layer, experts)
@@ -123,14 +143,20 @@ class Dispatcher:
         for worker, hint in hints.items():  # a hint alone gets no reply
             self.cluster.links[worker].send(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint))
         out = None
+        changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, pairs, seq) in enumerate(pending):
             link = self.cluster.links[worker]
             try:
                 reply = link.receive()
-            except Unavailable as e:
+            except (Unavailable, NotFound) as e:
                 for other, _, _ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
+                if isinstance(e, NotFound):
+                    raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
+            known = link.inventory.inventory_version if link.inventory is not None else 0
+            if reply.inventory_version and known and reply.inventory_version != known:
+                changed.append(link)
             if reply.seq != seq:
                 raise ShoalError(f"worker {link.address} answered request {reply.seq}, not {seq}")
             values = decode(reply.output, what=f"output of {link.address}", ndim=2)
@@ -148,6 +174,9 @@ class Dispatcher:
         stats.calls += 1
         stats.requests += len(pending)
         stats.seconds += time.perf_counter() - started
+        for link in changed:  # route the next call by what the workers hold now
+            if link in self.cluster.links:
+                self.cluster.reload(self.cluster.links.index(link))
         return from_numpy(out, out_dtype).reshape(*lead, k, width)
 
 

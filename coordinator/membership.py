@@ -35,6 +35,10 @@ CHECK_TIMEOUT = 1.0
 DEAD_AFTER = 2.0  # no good health check for this long: unreachable
 HANDSHAKE_TIMEOUT = 5.0
 RETRY_AFTER = 5.0  # a refused handshake (other secret, other model) is tried again this often
+# A healthy worker's inventory is fetched again this often, so experts it received (shoal
+# rebalance) are used even by a coordinator that sends it nothing; a worker that is sent work
+# says so in every reply (Cluster.reload).
+INVENTORY_REFRESH = 5.0
 STATES = ("connecting", "healthy", "unreachable", "incompatible", "unauthenticated")
 
 
@@ -113,6 +117,10 @@ def needs_handshake(member: Member, now: float) -> bool:
         return True
     refused = member.state in ("unauthenticated", "incompatible")
     return refused and now - member.handshake_at >= RETRY_AFTER
+
+
+def inventory_stale(member: Member, now: float) -> bool:
+    return member.state == "healthy" and now - member.handshake_at >= INVENTORY_REFRESH
 
 
 def duplicate_ids(members: Iterable[Member]) -> dict[str, list[str]]:
@@ -276,7 +284,7 @@ class Membership:
                 self._set_locked(member)
             if member.state == "unreachable" and before.state != "unreachable":
                 self._say(f"worker {member.node_id} is unreachable: {failure}")
-            if failure is None and needs_handshake(member, now):
+            if failure is None and (needs_handshake(member, now) or inventory_stale(member, now)):
                 self._handshake(key, link, stop)
             stop.wait(CHECK_INTERVAL)
 
@@ -307,7 +315,7 @@ class Membership:
             member = replace(before, **changes)
             self._set_locked(member)
             duplicated = duplicate_ids(self._members.values()).get(member.node_id)
-        if duplicated and member.state == "healthy":
+        if duplicated and member.state == "healthy" and before.state != "healthy":
             self._say(f"warning: node id {member.node_id} is used by several workers "
                       f"({', '.join(duplicated)}): give each its own --node-id")
         if member.state != before.state and member.state != "connecting":
@@ -316,6 +324,14 @@ class Membership:
                           f"{member.route.describe()}: {member.experts_held} experts")
             else:
                 self._say(f"worker {member.node_id} is {member.state}: {member.detail}")
+
+    def update_inventory(self, link: WorkerLink, inventory) -> None:
+        """A worker's inventory changed (seen in a reply): route by the new one now."""
+        with self._changed:
+            for key, known in self._links.items():
+                if known is link and self._members[key].state == "healthy":
+                    self._set_locked(replace(self._members[key], experts=held(inventory),
+                                             handshake_at=time.monotonic()))
 
     def report_failure(self, link: WorkerLink, detail: str) -> None:
         """A call on `link` failed: take its worker out now rather than at the next check."""

@@ -81,6 +81,11 @@ class Heat:
     def advance(self, passes: int = 1) -> None:
         self.clock += passes
 
+    def grow(self, count: int) -> None:
+        """Room for `count` more experts (a worker that received new ones), at zero heat."""
+        self._value = np.concatenate([self._value, np.zeros(count)])
+        self._stamp = np.concatenate([self._stamp, np.full(count, self.clock, dtype=np.int64)])
+
     def add(self, index: np.ndarray, tokens: np.ndarray) -> None:
         """Count `tokens[i]` more tokens routed to expert `index[i]` in the current pass."""
         index = np.asarray(index)

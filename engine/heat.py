@@ -1,11 +1,12 @@
-"""The expert heat histogram: tokens routed to each (layer, expert), and its JSON file form
+"""The expert heat histogram: tokens routed to each (layer, expert), its JSON file form
 `{"<layer>": {"<expert>": count, ...}, ...}` that `shoal heat --json` writes and
-`shoal plan --heat` reads."""
+`shoal plan --heat` reads, and how workers' readings are folded into totals across runs."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CorruptData, InvalidInput, NotFound
@@ -57,3 +58,61 @@ def check_heat_matches(heat: Mapping[ExpertKey, float], experts: Mapping[ExpertK
             f"the heat names {len(unknown)} expert(s) this model does not have, e.g. "
             f"layer {layer} expert {expert}: is it from another model?"
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Heat recorded across runs: each worker counts since it started, the coordinator folds
+# successive readings into totals that survive restarts of either side.
+
+
+@dataclass(frozen=True)
+class WorkerHeat:
+    """What one worker has contributed: its counts at the last reading (since its start,
+    identified by `boot_id`) and every token it computed that a reading has seen."""
+
+    boot_id: str
+    seen: dict[ExpertKey, int]
+    total: dict[ExpertKey, int]
+
+
+@dataclass(frozen=True)
+class HeatRecord:
+    fingerprint: str
+    workers: dict[str, WorkerHeat] = field(default_factory=dict)
+
+    def total(self) -> dict[ExpertKey, int]:
+        """Cluster-wide tokens per expert."""
+        out: dict[ExpertKey, int] = {}
+        for worker in self.workers.values():
+            for key, count in worker.total.items():
+                out[key] = out.get(key, 0) + count
+        return out
+
+    def per_worker(self) -> dict[str, dict[ExpertKey, int]]:
+        return {name: dict(w.total) for name, w in sorted(self.workers.items())}
+
+
+def fold_reading(
+    record: HeatRecord, worker: str, boot_id: str, counts: Mapping[ExpertKey, int]
+) -> HeatRecord:
+    """Add what a worker computed since the previous reading. A new boot id (or a count that
+    went down) means the worker restarted: all its counts are new."""
+    before = record.workers.get(worker)
+    seen = before.seen if before is not None and before.boot_id == boot_id else {}
+    if any(counts.get(key, 0) < count for key, count in seen.items()):
+        seen = {}
+    total = dict(before.total) if before is not None else {}
+    for key, count in counts.items():
+        new = count - seen.get(key, 0)
+        if new > 0:
+            total[key] = total.get(key, 0) + new
+    workers = {**record.workers, worker: WorkerHeat(boot_id, dict(counts), total)}
+    return HeatRecord(record.fingerprint, workers)
+
+
+def difference(
+    after: Mapping[ExpertKey, int], before: Mapping[ExpertKey, int]
+) -> dict[ExpertKey, int]:
+    """Counts of `after` less those of `before` (one run's share of cumulative counts)."""
+    out = {key: count - before.get(key, 0) for key, count in after.items()}
+    return {key: count for key, count in out.items() if count > 0}

@@ -32,38 +32,66 @@ def split_by_bytes(sizes: Mapping[ExpertKey, int], workers: int) -> list[list[Ex
     return [sorted(group) for group in groups]
 
 
-def routing_table(
-    layers: Mapping[int, int], holdings: Sequence[Collection[ExpertKey]]
-) -> dict[int, np.ndarray]:
-    """For each layer (layer -> number of experts), the worker index that serves each expert.
+@dataclass(frozen=True)
+class LayerRoutes:
+    """Who serves each expert of one layer: `copies[e, :counts[e]]` are the worker indices
+    holding expert e, the first being its primary owner (the rest ascending, -1 padded)."""
 
-    An expert held by several workers goes to whichever of them has been given the fewest
-    experts of that layer so far (lowest index on ties), so copies share the work and the
-    table is the same on every run. Raises Unavailable naming every expert nobody holds.
+    copies: np.ndarray  # (experts, most copies) int32
+    counts: np.ndarray  # (experts,) int32, 0 for an expert nobody holds
+
+
+def replica_routes(
+    layers: Mapping[int, int], holdings: Sequence[Collection[ExpertKey]]
+) -> dict[int, LayerRoutes]:
+    """For each layer (layer -> number of experts), every worker index that holds each expert.
+
+    The primary owner of an expert held by several workers is whichever of them has been given
+    the fewest experts of that layer so far (lowest index on ties), so the table is the same on
+    every run. Raises Unavailable naming every expert nobody holds.
     """
     owners_of: dict[ExpertKey, list[int]] = {}
     for worker, held in enumerate(holdings):
         for key in held:
             owners_of.setdefault(key, []).append(worker)
-    table: dict[int, np.ndarray] = {}
+    routes: dict[int, LayerRoutes] = {}
     missing: list[str] = []
     for layer, count in sorted(layers.items()):
-        owners = np.full(count, -1, dtype=np.int32)
+        widest = max((len(owners_of.get((layer, e), ())) for e in range(count)), default=0)
+        copies = np.full((count, max(widest, 1)), -1, dtype=np.int32)
+        counts = np.zeros(count, dtype=np.int32)
         load = [0] * len(holdings)
         for expert in range(count):
             candidates = owners_of.get((layer, expert))
             if not candidates:
                 continue
             chosen = min(candidates, key=lambda w: (load[w], w))
-            owners[expert] = chosen
             load[chosen] += 1
-        absent = np.flatnonzero(owners < 0)
+            ordered = [chosen, *sorted(w for w in candidates if w != chosen)]
+            copies[expert, : len(ordered)] = ordered
+            counts[expert] = len(ordered)
+        absent = np.flatnonzero(counts == 0)
         if absent.size:
             missing.append(f"layer {layer}: {describe_ids(absent.tolist())}")
-        table[layer] = owners
+        routes[layer] = LayerRoutes(copies, counts)
     if missing:
         raise Unavailable("no live worker holds these experts: " + "; ".join(missing))
-    return table
+    return routes
+
+
+def routing_table(
+    layers: Mapping[int, int], holdings: Sequence[Collection[ExpertKey]]
+) -> dict[int, np.ndarray]:
+    """For each layer, the primary owner (worker index) of each expert; see replica_routes."""
+    return {layer: r.copies[:, 0].copy() for layer, r in replica_routes(layers, holdings).items()}
+
+
+def spread(routes: LayerRoutes, experts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The worker that computes each (token, expert) pair: an expert's pairs are dealt over its
+    copies by token number, so copies share the work and the choice is deterministic. Any copy
+    gives the same result (same file, same code), so this changes who computes, not what."""
+    counts = routes.counts[experts]
+    return routes.copies[experts, np.asarray(tokens) % np.maximum(counts, 1)]
 
 
 def describe_ids(ids: Sequence[int]) -> str:
@@ -115,14 +143,24 @@ def imbalance(
     load; the ratio of the layers' summed maxima to their summed means is 1.0 when perfectly
     even. An expert's tokens are assumed to split evenly over its copies.
     """
-    workers = sorted({w for names in holders.values() for w in names})
-    per_layer: dict[int, dict[str, float]] = {}
-    for (layer, expert), names in holders.items():
-        loads = per_layer.setdefault(layer, dict.fromkeys(workers, 0.0))
+    loads: dict[str, dict[ExpertKey, float]] = {}
+    for key, names in holders.items():
         for name in names:
-            loads[name] += heat.get((layer, expert), 0.0) / len(names)
-    peak = sum(max(loads.values()) for loads in per_layer.values())
-    mean = sum(sum(loads.values()) / len(workers) for loads in per_layer.values())
+            loads.setdefault(name, {})[key] = heat.get(key, 0.0) / len(names)
+    return load_imbalance(loads)
+
+
+def load_imbalance(loads: Mapping[str, Mapping[ExpertKey, float]]) -> float:
+    """The same ratio for loads already split by worker (worker -> (layer, expert) -> tokens),
+    e.g. the tokens each worker really computed: summed per layer busiest over summed means."""
+    per_layer: dict[int, dict[str, float]] = {}
+    for name, counts in loads.items():
+        for (layer, _), count in counts.items():
+            per_layer.setdefault(layer, dict.fromkeys(loads, 0.0))[name] += count
+    if not loads:
+        return 1.0
+    peak = sum(max(layer.values()) for layer in per_layer.values())
+    mean = sum(sum(layer.values()) / len(loads) for layer in per_layer.values())
     return peak / mean if mean > 0 else 1.0
 
 
@@ -169,8 +207,11 @@ def _pack(
     copies: Mapping[ExpertKey, int],
     names: list[str],
     capacity: Mapping[str, int],
+    prefer: Mapping[ExpertKey, Collection[str]] | None = None,
+    stickiness: float = 0.0,
 ) -> tuple[dict[ExpertKey, tuple[str, ...]], dict[str, int]]:
-    """Layer by layer, each copy (heaviest first) to the least loaded worker with room."""
+    """Layer by layer, each copy (heaviest first) to the least loaded worker with room; a
+    worker in `prefer[key]` counts as `stickiness` x the layer's fair share less loaded."""
     by_layer: dict[int, list[ExpertKey]] = {}
     for key in sizes:
         by_layer.setdefault(key[0], []).append(key)
@@ -178,6 +219,7 @@ def _pack(
     used = dict.fromkeys(names, 0)
     for layer in sorted(by_layer):
         load = dict.fromkeys(names, 0.0)
+        bonus = stickiness * sum(heat[key] for key in by_layer[layer]) / len(names)
         items = [(heat[key] / copies[key], key) for key in by_layer[layer]
                  for _ in range(copies[key])]
         for share, key in sorted(items, key=lambda item: (-item[0], -sizes[item[1]], item[1])):
@@ -190,7 +232,9 @@ def _pack(
                     f"expert {key[0]}/{key[1]} ({sizes[key] / 2**20:.1f} MiB) fits on no "
                     "worker: the capacities are too uneven for one-expert-per-file placement"
                 )
-            chosen = min(fits, key=lambda n: (load[n], used[n] / max(capacity[n], 1), n))
+            kept = (prefer or {}).get(key, ())
+            chosen = min(fits, key=lambda n: (load[n] - (bonus if n in kept else 0.0),
+                                              used[n] / max(capacity[n], 1), n))
             holders[key].append(chosen)
             load[chosen] += share
             used[chosen] += sizes[key]
@@ -204,6 +248,7 @@ def plan_placement(
     *,
     spare: float = 0.1,
     current: Mapping[ExpertKey, Sequence[str]] | None = None,
+    stickiness: float = 0.0,
 ) -> Placement:
     """Place every expert on at least one worker, hot ones on several, within capacity, so the
     busiest worker's expected load per layer is as low as greedy packing makes it.
@@ -211,7 +256,9 @@ def plan_placement(
     In the spirit of DeepSeek's EPLB: first decide copy counts (replicas for the experts with
     the highest load per copy), then, layer by layer, put copies heaviest first on the least
     loaded worker that has room and no copy yet. Heat defaults to uniform. `imbalance_before`
-    is that of `current` (default: the same packing without replicas).
+    is that of `current` (default: the same packing without replicas). With `current` and a
+    `stickiness` > 0 (live rebalancing), a copy stays where it is unless another worker would
+    carry less load by more than stickiness x the layer's fair share: fewer bytes to move.
     """
     if not workers:
         raise InvalidInput("a placement needs at least one worker")
@@ -227,9 +274,15 @@ def plan_placement(
     names = [w.name for w in workers]
     copies = _copies(sizes, heat, len(workers), sum(capacity.values()) - total)
 
-    holders, used = _pack(sizes, heat, copies, names, capacity)
+    holders, used = _pack(sizes, heat, copies, names, capacity, current, stickiness)
+    single = dict.fromkeys(sizes, 1)
+    if copies != single:
+        # Greedy packing of the extra copies can land worse than none at all: keep the better.
+        alone, alone_used = _pack(sizes, heat, single, names, capacity, current, stickiness)
+        if imbalance(alone, heat) < imbalance(holders, heat):
+            holders, used = alone, alone_used
     if current is None:
-        current = _pack(sizes, heat, dict.fromkeys(sizes, 1), names, capacity)[0]
+        current = _pack(sizes, heat, single, names, capacity)[0]
     return Placement(holders, used, resident, imbalance(current, heat), imbalance(holders, heat))
 
 

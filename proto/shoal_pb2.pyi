@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -41,14 +42,16 @@ class PrefetchHint(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertReply(_message.Message):
-    __slots__ = ("seq", "output", "compute_seconds")
+    __slots__ = ("seq", "output", "compute_seconds", "inventory_version")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_VERSION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     output: Tensor
     compute_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    inventory_version: int
+    def __init__(self, seq: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., inventory_version: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ()
@@ -63,7 +66,7 @@ class HeldExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk")
+    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk", "inventory_version", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +75,8 @@ class Inventory(_message.Message):
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     FREE_DISK_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     fingerprint: str
     model_type: str
@@ -80,7 +85,9 @@ class Inventory(_message.Message):
     problems: _containers.RepeatedScalarFieldContainer[str]
     memory_budget: int
     free_disk: int
-    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ...) -> None: ...
+    inventory_version: int
+    draining: _containers.RepeatedCompositeFieldContainer[HeldExpert]
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ..., inventory_version: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -147,3 +154,101 @@ class WorkerStats(_message.Message):
     problems: _containers.RepeatedScalarFieldContainer[str]
     read_buffer_bytes: int
     def __init__(self, node_id: _Optional[str] = ..., memory_budget: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., resident_experts: _Optional[int] = ..., held_experts: _Optional[int] = ..., passes: _Optional[int] = ..., tokens: _Optional[int] = ..., demands: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., prefetch_late: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_cancelled: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., drives: _Optional[_Iterable[_Union[DriveStats, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., read_buffer_bytes: _Optional[int] = ...) -> None: ...
+
+class HeatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExpertHeat(_message.Message):
+    __slots__ = ("layer", "expert", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    tokens: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class HeatReport(_message.Message):
+    __slots__ = ("node_id", "boot_id", "experts")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    boot_id: str
+    experts: _containers.RepeatedCompositeFieldContainer[ExpertHeat]
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ...) -> None: ...
+
+class ExpertFileRequest(_message.Message):
+    __slots__ = ("layer", "expert", "offset")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    offset: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ExpertChunk(_message.Message):
+    __slots__ = ("layer", "expert", "offset", "data", "total_bytes", "sha256")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    offset: int
+    data: bytes
+    total_bytes: int
+    sha256: str
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ExpertFileState(_message.Message):
+    __slots__ = ("layer", "expert", "state", "partial_bytes", "idle_seconds", "inventory_version")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ABSENT: _ClassVar[ExpertFileState.State]
+        PARTIAL: _ClassVar[ExpertFileState.State]
+        SERVING: _ClassVar[ExpertFileState.State]
+        DRAINING: _ClassVar[ExpertFileState.State]
+    ABSENT: ExpertFileState.State
+    PARTIAL: ExpertFileState.State
+    SERVING: ExpertFileState.State
+    DRAINING: ExpertFileState.State
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    state: ExpertFileState.State
+    partial_bytes: int
+    idle_seconds: float
+    inventory_version: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., state: _Optional[_Union[ExpertFileState.State, str]] = ..., partial_bytes: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., inventory_version: _Optional[int] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("layer", "expert", "phase", "quiet_seconds")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        UNSPECIFIED: _ClassVar[DropRequest.Phase]
+        DRAIN: _ClassVar[DropRequest.Phase]
+        DELETE: _ClassVar[DropRequest.Phase]
+        KEEP: _ClassVar[DropRequest.Phase]
+    UNSPECIFIED: DropRequest.Phase
+    DRAIN: DropRequest.Phase
+    DELETE: DropRequest.Phase
+    KEEP: DropRequest.Phase
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    QUIET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    phase: DropRequest.Phase
+    quiet_seconds: float
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., phase: _Optional[_Union[DropRequest.Phase, str]] = ..., quiet_seconds: _Optional[float] = ...) -> None: ...

@@ -49,6 +49,31 @@ class ExpertServiceStub:
                 request_serializer=proto_dot_shoal__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_shoal__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.GetHeat = channel.unary_unary(
+                '/shoal.v1.ExpertService/GetHeat',
+                request_serializer=proto_dot_shoal__pb2.HeatRequest.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.HeatReport.FromString,
+                _registered_method=True)
+        self.ExpertFileStatus = channel.unary_unary(
+                '/shoal.v1.ExpertService/ExpertFileStatus',
+                request_serializer=proto_dot_shoal__pb2.ExpertFileRequest.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.ExpertFileState.FromString,
+                _registered_method=True)
+        self.PushExpert = channel.stream_unary(
+                '/shoal.v1.ExpertService/PushExpert',
+                request_serializer=proto_dot_shoal__pb2.ExpertChunk.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.ExpertFileState.FromString,
+                _registered_method=True)
+        self.ReadExpert = channel.unary_stream(
+                '/shoal.v1.ExpertService/ReadExpert',
+                request_serializer=proto_dot_shoal__pb2.ExpertFileRequest.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.ExpertChunk.FromString,
+                _registered_method=True)
+        self.DropExpert = channel.unary_unary(
+                '/shoal.v1.ExpertService/DropExpert',
+                request_serializer=proto_dot_shoal__pb2.DropRequest.SerializeToString,
+                response_deserializer=proto_dot_shoal__pb2.ExpertFileState.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -75,6 +100,38 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHeat(self, request, context):
+        """Exact tokens computed per expert since the worker started (the heat histogram).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExpertFileStatus(self, request, context):
+        """Moving expert files (`shoal deploy`, `shoal rebalance`; see docs/placement.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushExpert(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadExpert(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropExpert(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +149,31 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=proto_dot_shoal__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_shoal__pb2.WorkerStats.SerializeToString,
+            ),
+            'GetHeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHeat,
+                    request_deserializer=proto_dot_shoal__pb2.HeatRequest.FromString,
+                    response_serializer=proto_dot_shoal__pb2.HeatReport.SerializeToString,
+            ),
+            'ExpertFileStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertFileStatus,
+                    request_deserializer=proto_dot_shoal__pb2.ExpertFileRequest.FromString,
+                    response_serializer=proto_dot_shoal__pb2.ExpertFileState.SerializeToString,
+            ),
+            'PushExpert': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushExpert,
+                    request_deserializer=proto_dot_shoal__pb2.ExpertChunk.FromString,
+                    response_serializer=proto_dot_shoal__pb2.ExpertFileState.SerializeToString,
+            ),
+            'ReadExpert': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadExpert,
+                    request_deserializer=proto_dot_shoal__pb2.ExpertFileRequest.FromString,
+                    response_serializer=proto_dot_shoal__pb2.ExpertChunk.SerializeToString,
+            ),
+            'DropExpert': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropExpert,
+                    request_deserializer=proto_dot_shoal__pb2.DropRequest.FromString,
+                    response_serializer=proto_dot_shoal__pb2.ExpertFileState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +257,141 @@ class ExpertService:
             '/shoal.v1.ExpertService/GetStats',
             proto_dot_shoal__pb2.StatsRequest.SerializeToString,
             proto_dot_shoal__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ExpertService/GetHeat',
+            proto_dot_shoal__pb2.HeatRequest.SerializeToString,
+            proto_dot_shoal__pb2.HeatReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpertFileStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ExpertService/ExpertFileStatus',
+            proto_dot_shoal__pb2.ExpertFileRequest.SerializeToString,
+            proto_dot_shoal__pb2.ExpertFileState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushExpert(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.ExpertService/PushExpert',
+            proto_dot_shoal__pb2.ExpertChunk.SerializeToString,
+            proto_dot_shoal__pb2.ExpertFileState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.v1.ExpertService/ReadExpert',
+            proto_dot_shoal__pb2.ExpertFileRequest.SerializeToString,
+            proto_dot_shoal__pb2.ExpertChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ExpertService/DropExpert',
+            proto_dot_shoal__pb2.DropRequest.SerializeToString,
+            proto_dot_shoal__pb2.ExpertFileState.FromString,
             options,
             channel_credentials,
             insecure,

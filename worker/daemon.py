@@ -125,7 +125,9 @@ def serve(args: argparse.Namespace) -> None:
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
     if not scan.held:
-        raise ShoalError(f"no intact expert files in {', '.join(map(str, args.store))}")
+        # A store folder with only the manifest: `shoal deploy` sends the experts.
+        print(f"shoal-worker: no intact expert files in {', '.join(map(str, args.store))} yet; "
+              "waiting for `shoal deploy` to send some", file=sys.stderr, flush=True)
     check_name(args.cluster, "cluster name")
     addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
     if args.readers < 1:
@@ -135,7 +137,7 @@ def serve(args: argparse.Namespace) -> None:
     resident = min(budget, expert_bytes)
     print(
         f"shoal-worker: memory budget {format_bytes(budget)} ({how}); experts "
-        f"{format_bytes(expert_bytes)}, {resident / expert_bytes:.0%} of them fit in memory"
+        f"{format_bytes(expert_bytes)}, {resident / max(expert_bytes, 1):.0%} of them fit in memory"
         + ("" if budget >= expert_bytes else "; the rest are read from the drives when routed"),
         flush=True,
     )

@@ -25,6 +25,7 @@ from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unava
 from engine.experts import ExpertRunner, build_skeleton
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy
+from worker.holdings import Holdings
 from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool, ReadJob, read_file
 from worker.store import StoreScan
 
@@ -152,6 +153,34 @@ class ExpertCache:
                     self._load(i, demand=True)
             while (self._state == _LOADING).any():
                 self._cond.wait()
+
+    def add(self, key: Key, size: int, copies: list[tuple[int, Path]], sha256: str) -> None:
+        """Serve one more expert (a file just received); it starts on the drives."""
+        with self._cond:
+            if key not in self.index:
+                self.index[key] = len(self.keys)
+                self.keys.append(key)
+                self.sizes = np.concatenate([self.sizes, np.array([size], dtype=np.int64)])
+                self._state = np.concatenate([self._state, np.zeros(1, dtype=np.int8)])
+                self._users = np.concatenate([self._users, np.zeros(1, dtype=np.int32)])
+                self._speculative = np.concatenate([self._speculative, np.zeros(1, dtype=bool)])
+                self._last_used = np.concatenate([self._last_used, np.zeros(1, dtype=np.int64)])
+                self.heat.grow(1)
+            self._copies[key] = list(copies)
+            if self._sha256 is not None:
+                self._sha256[key] = sha256
+
+    def discard(self, key: Key) -> list[tuple[int, Path]]:
+        """Stop serving an expert whose files are about to be deleted: forget its copies and,
+        unless a request is using it right now, its memory. Returns the copies it had."""
+        with self._cond:
+            i = self.index.get(key)
+            if i is None:
+                return []
+            copies, self._copies[key] = self._copies[key], []
+            if self._state[i] == _READY and self._users[i] == 0:
+                self._forget(i)
+            return copies
 
     # -- demand ---------------------------------------------------------------------
 
@@ -339,7 +368,8 @@ class ExpertCache:
         if job.error is not None:
             paths = ", ".join(str(p) for _, p in self._copies[job.key])
             reason = job.error.strerror or str(job.error)
-            raise NotFound(f"expert {layer}/{expert} cannot be read from {paths}: {reason}")
+            # DATA_LOSS, not NOT_FOUND: the expert is held, its bytes are what is lost.
+            raise CorruptData(f"expert {layer}/{expert} cannot be read from {paths}: {reason}")
         view = job.buffer[: job.size]
         expected = None if self._sha256 is None else self._sha256[job.key]
         if expected is not None and hashlib.sha256(view).hexdigest() != expected:
@@ -421,11 +451,14 @@ class Residency:
         self._problems_lock = threading.Lock()
         self._echo = report
         files = {(e.layer, e.expert): e for e in manifest.experts}
+        self._files = files
         keys = sorted(scan.copies)
+        self.holdings = Holdings(keys)
         sizes = np.array([files[k].bytes for k in keys], dtype=np.int64)
         self.expert_bytes = int(sizes.sum())
         self.budget = self.expert_bytes if budget is None else int(budget)
-        largest = int(sizes.max())
+        # Experts received later (shoal deploy/rebalance) may be larger than any held now.
+        largest = int(sizes.max()) if keys else max(e.bytes for e in manifest.experts)
         if self.budget < largest:
             raise InvalidInput(
                 f"a memory budget of {self.budget} bytes cannot hold even one expert "
@@ -433,10 +466,10 @@ class Residency:
             )
         drives = len(scan.folders)
         self.reader = ReaderPool(
-            scan.folders, largest, readers_per_drive * drives + 2,
+            scan.folders, max(e.bytes for e in manifest.experts), readers_per_drive * drives + 2,
             readers_per_drive=readers_per_drive, on_problem=self._problem,
         )
-        skeleton = build_skeleton(config)
+        skeleton = self._skeleton = build_skeleton(config)
         self.runners: dict[int, ExpertRunner] = {}
         self._held_mask: dict[int, np.ndarray] = {}
         for layer, expert in keys:
@@ -466,7 +499,37 @@ class Residency:
         return self.budget < self.expert_bytes
 
     def held(self) -> list[tuple[int, int]]:
-        return list(self.cache.keys)
+        """The experts offered (verified, not draining): what the inventory lists."""
+        return self.holdings.offered()
+
+    def add_expert(self, key: Key, drive: int, path: Path) -> None:
+        """Serve an expert whose verified file was just put into store folder `drive`."""
+        layer, expert = key
+        entry = self._files[key]
+        with self._lock:  # building a layer's module runs MLX
+            if layer not in self.runners:
+                moe = self.scan.manifest.layer(layer)
+                self.runners[layer] = ExpertRunner(
+                    self._skeleton, self.scan.manifest.config, moe, placeholders(path)
+                )
+                self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
+        if not self._held_mask[layer][expert]:
+            self.cache.add(key, entry.bytes, [(drive, path)], entry.sha256)
+            self.expert_bytes += entry.bytes
+            self._held_mask[layer][expert] = True
+        self.holdings.add(key)
+
+    def remove_expert(self, key: Key) -> list[Path]:
+        """Stop serving an expert for good (its files are to be deleted): later requests for
+        it are told it moved. Returns the paths of its files."""
+        layer, expert = key
+        mask = self._held_mask.get(layer)
+        if mask is None or not mask[expert]:
+            return []
+        mask[expert] = False
+        self.holdings.deleted(key)
+        self.expert_bytes -= self._files[key].bytes
+        return [path for _, path in self.cache.discard(key)]
 
     def _problem(self, message: str) -> None:
         with self._problems_lock:
@@ -500,6 +563,9 @@ class Residency:
         bad = experts[(experts < 0) | (experts >= held.size) | ~held[inside]]
         if bad.size:
             shown = ", ".join(str(e) for e in sorted(set(bad.tolist()))[:8])
+            if all(self.holdings.was_deleted((request.layer, e)) for e in bad.tolist()):
+                raise NotFound(f"layer {request.layer}: expert(s) {shown} moved to another "
+                               "worker; fetch the inventory again")
             raise InvalidInput(
                 f"layer {request.layer}: this worker does not hold expert(s) {shown}"
             )
@@ -530,6 +596,7 @@ class Residency:
                 remaining -= len(ready)
         finally:
             lease.close()
+        self.holdings.asked(request.layer, unique, counts)
         order = np.argsort(inverse, kind="stable")
         with self._lock:
             out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
@@ -554,7 +621,7 @@ class Residency:
             expert_bytes=self.expert_bytes,
             resident_bytes=resident,
             resident_experts=count,
-            held_experts=len(self.cache.keys),
+            held_experts=int(sum(int(mask.sum()) for mask in self._held_mask.values())),
             buffer_bytes=self.reader.buffer_bytes * self.reader.buffer_count,
             counters=self.cache.snapshot_counters(),
             drives=self.reader.drive_stats(),

@@ -23,6 +23,7 @@ from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.residency import Request, Residency
 from worker.store import free_disk
+from worker.transfer import Chunk, ExpertFiles, FileState
 
 ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
 # Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
@@ -58,6 +59,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         self.residency = residency
         self.node_id = node_id
         self.memory_budget = memory_budget
+        self.files = ExpertFiles(residency, residency.scan.folders, residency.scan.manifest)
 
     def GetInventory(self, request, context):  # noqa: N802 (gRPC's name)
         manifest = self.residency.scan.manifest
@@ -70,6 +72,9 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             problems=self.residency.snapshot().problems,
             memory_budget=self.memory_budget,
             free_disk=free_disk(self.residency.scan.folders),
+            inventory_version=self.residency.holdings.version,
+            draining=[shoal_pb2.HeldExpert(layer=lay, expert=e)
+                      for lay, e in self.residency.holdings.draining()],
         )
 
     def Compute(self, request_iterator, context) -> Iterator[shoal_pb2.ExpertReply]:  # noqa: N802
@@ -87,6 +92,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                 seq=message.seq,
                 output=encode(to_numpy(out), dtype_name(out.dtype)),
                 compute_seconds=time.perf_counter() - started,
+                inventory_version=self.residency.holdings.version,
             )
 
 
@@ -109,6 +115,57 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             ],
             problems=snap.problems,
             **vars(snap.counters),
+        )
+
+
+    def GetHeat(self, request, context):  # noqa: N802
+        holdings = self.residency.holdings
+        return shoal_pb2.HeatReport(
+            node_id=self.node_id,
+            boot_id=holdings.boot_id,
+            experts=[shoal_pb2.ExpertHeat(layer=layer, expert=expert, tokens=count)
+                     for (layer, expert), count in sorted(holdings.tokens().items())],
+        )
+
+    def ExpertFileStatus(self, request, context):  # noqa: N802
+        return self._answer(context, lambda: self.files.status((request.layer, request.expert)))
+
+    def PushExpert(self, request_iterator, context):  # noqa: N802
+        chunks = (Chunk(c.layer, c.expert, c.offset, c.data, c.total_bytes, c.sha256)
+                  for c in request_iterator)
+        return self._answer(context, lambda: self.files.receive(chunks))
+
+    def ReadExpert(self, request, context):  # noqa: N802
+        try:
+            for c in self.files.read((request.layer, request.expert), request.offset):
+                yield shoal_pb2.ExpertChunk(layer=c.layer, expert=c.expert, offset=c.offset,
+                                            data=c.data, total_bytes=c.total_bytes,
+                                            sha256=c.sha256)
+        except ShoalError as e:
+            context.abort(status_for(e), str(e))
+
+    def DropExpert(self, request, context):  # noqa: N802
+        key = (request.layer, request.expert)
+        phases = {
+            shoal_pb2.DropRequest.DRAIN: lambda: self.files.drain(key),
+            shoal_pb2.DropRequest.KEEP: lambda: self.files.keep(key),
+            shoal_pb2.DropRequest.DELETE: lambda: self.files.delete(key, request.quiet_seconds),
+        }
+        if request.phase not in phases:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DropExpert needs a phase")
+        return self._answer(context, phases[request.phase])
+
+    @staticmethod
+    def _answer(context, call: Callable[[], FileState]) -> shoal_pb2.ExpertFileState:
+        try:
+            s = call()
+        except ShoalError as e:
+            context.abort(status_for(e), str(e))
+        return shoal_pb2.ExpertFileState(
+            layer=s.key[0], expert=s.key[1],
+            state=shoal_pb2.ExpertFileState.State.Value(s.state.upper()),
+            partial_bytes=s.partial_bytes, idle_seconds=s.idle_seconds,
+            inventory_version=s.inventory_version,
         )
 
 

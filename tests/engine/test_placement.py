@@ -97,3 +97,56 @@ def test_imbalance_counts_the_busiest_worker_per_layer():
     heat = {(0, 0): 3.0, (0, 1): 1.0}
     assert imbalance({(0, 0): ("a",), (0, 1): ("b",)}, heat) == pytest.approx(1.5)
     assert imbalance({(0, 0): ("a", "b"), (0, 1): ("b",)}, heat) == pytest.approx(1.25)
+
+
+def test_replica_routes_list_every_copy_with_the_routing_tables_owner_first():
+    from engine.placement import replica_routes
+
+    holdings = [{(0, 0), (0, 1), (0, 2)}, {(0, 1), (0, 2), (0, 3)}, {(0, 2)}]
+    routes = replica_routes({0: 4}, holdings)[0]
+    owners = routing_table({0: 4}, holdings)[0]
+    assert routes.counts.tolist() == [1, 2, 3, 1]
+    assert routes.copies[:, 0].tolist() == owners.tolist()
+    for expert in range(4):
+        copies = routes.copies[expert, : routes.counts[expert]].tolist()
+        assert sorted(copies) == [w for w, held in enumerate(holdings) if (0, expert) in held]
+
+
+def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
+    from engine.placement import replica_routes, spread
+
+    holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
+    routes = replica_routes({0: 2}, holdings)[0]
+    experts = np.array([0] * 9 + [1] * 3, dtype=np.int32)
+    tokens = np.arange(12, dtype=np.int32)
+    owner = spread(routes, experts, tokens)
+    assert np.bincount(owner[:9], minlength=3).tolist() == [3, 3, 3]
+    assert set(owner[9:].tolist()) == {0}
+    assert spread(routes, experts, tokens).tolist() == owner.tolist()
+
+
+def test_stickiness_keeps_experts_where_they_are_at_a_small_cost_in_balance():
+    sizes = {(layer, e): 10 for layer in range(4) for e in range(16)}
+    heat = {key: float(1 + (key[1] * 7 + key[0]) % 11) for key in sizes}
+    workers = [WorkerCapacity(n, 10**6) for n in "abc"]
+    current = {key: ("abc"[(key[1] + key[0]) % 3],) for key in sizes}
+    loose = plan_placement(workers, sizes, heat, current=current)
+    sticky = plan_placement(workers, sizes, heat, current=current, stickiness=0.1)
+
+    def moved(p):
+        return sum(len(set(p.holders[k]) - set(current[k])) for k in sizes)
+
+    assert moved(sticky) < moved(loose)
+    assert sticky.imbalance_after < sticky.imbalance_before
+    assert sticky.imbalance_after <= loose.imbalance_after * 1.15
+
+
+def test_load_imbalance_of_measured_loads():
+    from engine.placement import load_imbalance
+
+    even = {"a": {(0, 0): 10, (1, 0): 5}, "b": {(0, 1): 10, (1, 1): 5}}
+    assert load_imbalance(even) == pytest.approx(1.0)
+    skewed = {"a": {(0, 0): 30}, "b": {(0, 1): 10}}
+    assert load_imbalance(skewed) == pytest.approx(1.5)
+    holders = {(0, 0): ("a",), (0, 1): ("b",)}
+    assert imbalance(holders, {(0, 0): 30.0, (0, 1): 10.0}) == pytest.approx(1.5)

@@ -1,0 +1,521 @@
+"""`shoal deploy` and `shoal rebalance`: decide where experts should be, then move the files
+there step by step while the cluster keeps serving.
+
+Plan, then execute. `propose` observes the live workers (what each serves and drains, its
+memory budget and free disk) and plans both the placement (engine/placement.py) and the steps
+that reach it (engine/migration.py), as pure functions. `execute` runs the steps over gRPC:
+copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
+the expert), verified by the receiver before it serves them, and a copy is drained, then
+deleted, only once another worker serves a verified one. The target is kept in
+OUT_DIR/migration.json until it is reached, so a run stopped at any step (a killed worker,
+a full disk, Ctrl-C) is finished by running the command again: the steps are derived anew
+from what the workers then hold, and a partly sent file resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from coordinator.cluster import WorkerLink, error_for
+from coordinator.heat import name_workers, read_heat, record_heat
+from engine.cache_policy import format_bytes
+from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
+from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
+from engine.migration import (
+    DRAINING,
+    LOCAL,
+    SERVING,
+    MigrationPlan,
+    Step,
+    holders_of,
+    limit_moves,
+    plan_migration,
+)
+from engine.placement import ExpertKey, WorkerCapacity, imbalance, plan_placement
+from proto import shoal_pb2
+
+MIGRATION_FILE = "migration.json"
+STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
+MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run
+CHUNK_BYTES = 1 << 20
+QUIET_SECONDS = 1.0  # a drained copy is deleted once nobody asked for it for this long
+DELETE_TIMEOUT = 60.0
+_FILE_STATE = shoal_pb2.ExpertFileState
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    name: str
+    link: WorkerLink
+    inventory: shoal_pb2.Inventory
+
+
+def observe(links: Sequence[WorkerLink]) -> list[LiveWorker]:
+    """Every worker's inventory, fetched now (raises Unavailable for one that does not answer)."""
+    inventories = [link.fetch_inventory() for link in links]
+    pairs = list(zip(links, inventories, strict=True))
+    names = name_workers([(inv.node_id, link.address) for link, inv in pairs])
+    return [LiveWorker(n, link, inv) for n, (link, inv) in zip(names, pairs, strict=True)]
+
+
+def local_files(model_dir: Path, manifest: Manifest) -> dict[ExpertKey, Path]:
+    """Expert files of this model in OUT_DIR's store folders, of the right size (the receiver
+    checks the checksum)."""
+    found: dict[ExpertKey, Path] = {}
+    folders = sorted(p for p in Path(model_dir).iterdir() if (p / MANIFEST_NAME).is_file())
+    for folder in folders:
+        for e in manifest.experts:
+            path = folder / e.file
+            key = (e.layer, e.expert)
+            if key not in found and path.is_file() and path.stat().st_size == e.bytes:
+                found[key] = path
+    return found
+
+
+def state_of(
+    workers: Sequence[LiveWorker], manifest: Manifest, local: Mapping[ExpertKey, Path]
+) -> dict[ExpertKey, dict[str, str]]:
+    """Which worker serves or drains each expert (and which are in the local files)."""
+    state: dict[ExpertKey, dict[str, str]] = {(e.layer, e.expert): {} for e in manifest.experts}
+    for w in workers:
+        for h in w.inventory.experts:
+            state[(h.layer, h.expert)][w.name] = SERVING
+        for h in w.inventory.draining:
+            state[(h.layer, h.expert)][w.name] = DRAINING
+    for key in local:
+        state[key][LOCAL] = SERVING
+    return state
+
+
+def capacities(
+    workers: Sequence[LiveWorker], sizes: Mapping[ExpertKey, int]
+) -> list[WorkerCapacity]:
+    """Memory budget as reported; disk is what is free plus what the worker holds now."""
+    out = []
+    for w in workers:
+        copies = [*w.inventory.experts, *w.inventory.draining]
+        held = sum(sizes[(h.layer, h.expert)] for h in copies)
+        out.append(WorkerCapacity(w.name, w.inventory.memory_budget or 1 << 62,
+                                  w.inventory.free_disk + held))
+    return out
+
+
+@dataclass(frozen=True)
+class Proposal:
+    target: dict[ExpertKey, tuple[str, ...]]
+    plan: MigrationPlan
+    imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
+    imbalance_after: float
+    resumed: bool  # the target of an interrupted run
+    heat_tokens: float
+
+
+def propose(
+    state: Mapping[ExpertKey, Mapping[str, str]],
+    workers: Sequence[LiveWorker],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None,
+    *,
+    stored: Mapping[ExpertKey, tuple[str, ...]] | None = None,
+    spare: float = 0.1,
+    max_bytes: int | None = None,
+    deploy: bool = False,
+) -> Proposal:
+    """The target placement and the steps to it. An interrupted run's `stored` target is taken
+    up again while every worker it names is live. A deploy leaves a cluster that already
+    serves every expert as it is; a rebalance leaves it when the gain would be under 1%."""
+    live = {w.name for w in workers}
+    current = holders_of(state)
+    placed = all(current.values())
+    weights = dict(heat) if heat and any(heat.values()) else dict.fromkeys(sizes, 1.0)
+    resumed = bool(stored) and set(stored) == set(sizes) and all(
+        set(names) <= live for names in stored.values())
+    if resumed:
+        target = {key: tuple(names) for key, names in stored.items()}
+    else:
+        placement = plan_placement(capacities(workers, sizes), sizes, weights, spare=spare,
+                                   current=current, stickiness=STICKINESS)
+        target = dict(placement.holders)
+        if max_bytes is not None and placed:
+            target = limit_moves(current, target, sizes, weights, max_bytes)
+    now = imbalance(current, weights) if placed else None
+    after = imbalance(target, weights)
+    worth = after <= now * (1 - MIN_GAIN) if now is not None else True
+    if not resumed and now is not None and (deploy or not worth):
+        target = dict(current)
+        after = now
+    order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
+    room = {w.name: w.inventory.free_disk for w in workers}
+    plan = plan_migration(state, target, sizes, room=room, order=order)
+    return Proposal(target, plan, now, after, resumed, sum(weights.values()) if heat else 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# The target of an unfinished run
+
+
+def _target_path(model_dir: Path) -> Path:
+    return Path(model_dir) / MIGRATION_FILE
+
+
+def load_target(model_dir: Path, fingerprint: str) -> dict[ExpertKey, tuple[str, ...]] | None:
+    path = _target_path(model_dir)
+    try:
+        body = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        raise CorruptData(f"{path} is not valid JSON; delete it to plan afresh") from None
+    if body.get("fingerprint") != fingerprint:
+        return None
+    return {(int(layer), int(expert)): tuple(names) for layer, expert, names in body["target"]}
+
+
+def save_target(model_dir: Path, fingerprint: str, target: Mapping) -> None:
+    body = {"fingerprint": fingerprint,
+            "target": [[k[0], k[1], list(v)] for k, v in sorted(target.items())]}
+    write_atomic(_target_path(model_dir), json.dumps(body).encode())
+
+
+def clear_target(model_dir: Path) -> None:
+    _target_path(model_dir).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Executing the steps
+
+
+Event = Callable[[str, Step, int], None]  # ("step" | "resume" | "chunk" | "done", step, bytes)
+
+
+@dataclass
+class Execution:
+    steps_done: int = 0
+    copied_bytes: int = 0  # bytes sent over the network
+    resumed_bytes: int = 0  # bytes of partial files a copy did not need to send again
+    seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class _SourceFailed(Exception):
+    pass
+
+
+class Executor:
+    """Runs a plan's steps against live workers, one at a time, in order."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        workers: Sequence[LiveWorker],
+        local: Mapping[ExpertKey, Path],
+        *,
+        log: Callable[[str], None],
+        on_event: Event | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        quiet: float = QUIET_SECONDS,
+        progress: bool = True,
+    ) -> None:
+        self.files = {(e.layer, e.expert): e for e in manifest.experts}
+        self.workers = {w.name: w for w in workers}
+        self.local = local
+        self.log = log
+        self.on_event = on_event or (lambda *_: None)
+        self.chunk_bytes = chunk_bytes
+        self.quiet = quiet
+        self.progress = progress
+        self.done = Execution()
+
+    def run(self, plan: MigrationPlan, what: str) -> Execution:
+        started = time.perf_counter()
+        total = plan.copy_bytes
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
+                        disable=not self.progress or not total, file=sys.stderr)
+        with self.bar:
+            for index, step in enumerate(plan.steps):
+                self.on_event("step", step, 0)
+                try:
+                    getattr(self, f"_{step.kind}")(step)
+                except ShoalError as e:
+                    raise type(e)(
+                        f"stopped at step {index + 1} of {len(plan.steps)} ({step.describe()}): "
+                        f"{e}. Every expert still has a verified copy; run the command again to "
+                        "finish"
+                    ) from None
+                self.done.steps_done += 1
+                self.done.counts[step.kind] = self.done.counts.get(step.kind, 0) + 1
+                self.on_event("done", step, 0)
+        self.done.seconds = time.perf_counter() - started
+        return self.done
+
+    # -- the steps ------------------------------------------------------------------------
+
+    def _status(self, worker: str, key: ExpertKey) -> shoal_pb2.ExpertFileState:
+        request = shoal_pb2.ExpertFileRequest(layer=key[0], expert=key[1])
+        return self.workers[worker].link.call("ExpertFileStatus", request)
+
+    def _drop(self, worker: str, key: ExpertKey, phase: int) -> shoal_pb2.ExpertFileState:
+        request = shoal_pb2.DropRequest(layer=key[0], expert=key[1], phase=phase,
+                                        quiet_seconds=self.quiet)
+        return self.workers[worker].link.call("DropExpert", request)
+
+    def _copy(self, step: Step) -> None:
+        status = self._status(step.worker, step.key)
+        if status.state == _FILE_STATE.DRAINING:
+            self._drop(step.worker, step.key, shoal_pb2.DropRequest.KEEP)
+        if status.state in (_FILE_STATE.SERVING, _FILE_STATE.DRAINING):
+            self.bar.update(step.bytes)
+            return
+        offset = status.partial_bytes if status.state == _FILE_STATE.PARTIAL else 0
+        if offset:
+            self.on_event("resume", step, offset)
+            self.log(f"resuming expert {step.key[0]}/{step.key[1]} on {step.worker} at byte "
+                     f"{offset} of {step.bytes}")
+            self.done.resumed_bytes += offset
+            self.bar.update(offset)
+        for source in self._sources(step):
+            try:
+                reply = self._push(step, source, offset)
+            except (_SourceFailed, CorruptData) as e:  # CorruptData: the receiver's check
+                self.log(f"warning: {source} could not send expert {step.key[0]}/{step.key[1]}: "
+                         f"{e}; trying another copy")
+                offset = self._status(step.worker, step.key).partial_bytes
+                continue
+            if reply.state == _FILE_STATE.SERVING:
+                return
+            raise ShoalError(f"{step.worker} has {reply.partial_bytes} of {step.bytes} bytes")
+        raise Unavailable(f"no copy of expert {step.key[0]}/{step.key[1]} could be sent")
+
+    def _sources(self, step: Step) -> list[str]:
+        """The planned source first (the local files when they have it), then any other
+        worker: one that turns out not to hold the expert just says so."""
+        order = [LOCAL] if step.key in self.local else []
+        order += [step.source] if step.source in self.workers else []
+        order += sorted(self.workers)
+        return [s for s in dict.fromkeys(order) if s != step.worker]
+
+    def _push(self, step: Step, source: str, offset: int) -> shoal_pb2.ExpertFileState:
+        entry = self.files[step.key]
+        failure: list[BaseException] = []
+
+        def chunks() -> Iterator[shoal_pb2.ExpertChunk]:
+            # The first chunk names the file and where this push starts, even with no bytes
+            # (a partial file that is complete only needs its check and rename).
+            yield shoal_pb2.ExpertChunk(layer=step.key[0], expert=step.key[1], offset=offset,
+                                        total_bytes=entry.bytes, sha256=entry.sha256)
+            sent = offset
+            try:
+                for data in self._read(source, step.key, offset):
+                    yield shoal_pb2.ExpertChunk(layer=step.key[0], expert=step.key[1],
+                                                offset=sent, data=data)
+                    sent += len(data)
+                    self.done.copied_bytes += len(data)
+                    self.bar.update(len(data))
+                    self.on_event("chunk", step, sent)
+            except (ShoalError, OSError) as e:
+                failure.append(e)
+
+        reply = self.workers[step.worker].link.call("PushExpert", chunks(), timeout=None)
+        if failure:
+            raise _SourceFailed(str(failure[0]))
+        return reply
+
+    def _read(self, source: str, key: ExpertKey, offset: int) -> Iterator[bytes]:
+        if source == LOCAL:
+            with open(self.local[key], "rb") as f:
+                f.seek(offset)
+                while block := f.read(self.chunk_bytes):
+                    yield block
+            return
+        link = self.workers[source].link
+        request = shoal_pb2.ExpertFileRequest(layer=key[0], expert=key[1], offset=offset)
+        stream = link.call("ReadExpert", request, timeout=None)
+        try:
+            for chunk in stream:
+                for start in range(0, len(chunk.data), self.chunk_bytes):
+                    yield chunk.data[start:start + self.chunk_bytes]
+        except grpc.RpcError as e:
+            raise error_for(e, link.address) from None
+        finally:
+            stream.cancel()  # the push stopped early (its receiver failed): stop reading too
+
+    def _verify(self, step: Step) -> None:
+        status = self._status(step.worker, step.key)
+        if status.state != _FILE_STATE.SERVING:
+            state = _FILE_STATE.State.Name(status.state).lower()
+            raise CorruptData(f"after its copy, expert {step.key[0]}/{step.key[1]} is {state} "
+                              f"on {step.worker}, not served")
+
+    def _keep(self, step: Step) -> None:
+        self._drop(step.worker, step.key, shoal_pb2.DropRequest.KEEP)
+
+    def _served_elsewhere(self, step: Step) -> None:
+        """Ask the other workers, now, whether one serves a verified copy."""
+        for name in sorted(self.workers):
+            if name == step.worker:
+                continue
+            try:
+                if self._status(name, step.key).state == _FILE_STATE.SERVING:
+                    return
+            except ShoalError:
+                continue
+        raise Unavailable(f"no other live worker serves expert {step.key[0]}/{step.key[1]} "
+                          f"now, so the copy on {step.worker} is kept")
+
+    def _drain(self, step: Step) -> None:
+        self._served_elsewhere(step)
+        self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+
+    def _delete(self, step: Step) -> None:
+        deadline = time.monotonic() + DELETE_TIMEOUT
+        while True:
+            state = self._status(step.worker, step.key).state
+            if state in (_FILE_STATE.ABSENT, _FILE_STATE.PARTIAL):
+                return
+            self._served_elsewhere(step)
+            if state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
+                self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+            try:
+                self._drop(step.worker, step.key, shoal_pb2.DropRequest.DELETE)
+                return
+            except (InvalidInput, NotFound, Unavailable):
+                raise
+            except ShoalError as e:  # still in use: drained too recently or still asked for
+                if time.monotonic() > deadline:
+                    raise ShoalError(f"gave up waiting to delete it: {e}") from None
+                time.sleep(min(0.2, self.quiet / 2))
+
+
+# ---------------------------------------------------------------------------------------
+# The commands
+
+
+@dataclass
+class Report:
+    mode: str  # "deploy" or "rebalance"
+    workers: list[str]
+    proposal: Proposal
+    sizes: dict[ExpertKey, int]
+    state: dict[ExpertKey, dict[str, str]]
+    execution: Execution | None = None  # None: a dry run
+
+
+def migrate(
+    model_dir: Path,
+    links: Sequence[WorkerLink],
+    *,
+    deploy: bool,
+    dry_run: bool = False,
+    max_bytes: int | None = None,
+    spare: float = 0.1,
+    replan: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda m: print(f"shoal: {m}", file=sys.stderr, flush=True),
+    on_event: Event | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    quiet: float = QUIET_SECONDS,
+) -> Report:
+    """`shoal deploy` (deploy=True: place every expert, sending from OUT_DIR's files) or
+    `shoal rebalance` (from the recorded heat, move and replicate experts between workers)."""
+    manifest = read_manifest(Path(model_dir))
+    if not links:
+        raise Unavailable("no live worker to place experts on")
+    workers = observe(links)
+    sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
+    # This machine's copies (if OUT_DIR still has its store folders) are the cheapest source.
+    local = local_files(model_dir, manifest)
+    if deploy and not local and not any(w.inventory.experts for w in workers):
+        raise NotFound(f"{model_dir} holds no expert files to deploy (OUT_DIR/experts or "
+                       "OUT_DIR/worker-K, as written by `shoal shard`)")
+    record = record_heat(model_dir, manifest, read_heat(links))
+    heat = record.total()
+    if not deploy and not heat:
+        raise InvalidInput("no heat recorded yet: the workers count the tokens routed to each "
+                           "expert as they compute; generate some text first")
+    state = state_of(workers, manifest, local)
+    stored = None if replan else load_target(model_dir, manifest.fingerprint)
+    proposal = propose(state, workers, sizes, heat, stored=stored, spare=spare,
+                       max_bytes=max_bytes, deploy=deploy)
+    if proposal.resumed:
+        log(f"finishing the interrupted run's target ({MIGRATION_FILE}; --replan plans afresh)")
+    elif stored:
+        log(f"{MIGRATION_FILE} names workers that are not live now: planning afresh")
+    report = Report("deploy" if deploy else "rebalance", [w.name for w in workers], proposal,
+                    sizes, state)
+    if dry_run or not proposal.plan.steps:
+        return report
+    save_target(model_dir, manifest.fingerprint, proposal.target)
+    executor = Executor(manifest, workers, local, log=log, on_event=on_event,
+                        chunk_bytes=chunk_bytes, quiet=quiet, progress=progress)
+    report.execution = executor.run(proposal.plan, report.mode)
+    if not proposal.plan.blocked:
+        clear_target(model_dir)
+    return report
+
+
+def describe(report: Report, *, steps: int = 20) -> list[str]:
+    """What a plan does, for --dry-run and after a run."""
+    p = report.proposal
+    plan = p.plan
+    lines = [f"{report.mode} over {len(report.workers)} workers ({', '.join(report.workers)})"
+             + (" [finishing an interrupted run]" if p.resumed else "")]
+    if not plan.steps and not plan.blocked:
+        lines.append("nothing to do: the workers already hold the planned placement")
+    moved: dict[str, list[int]] = {w: [0, 0, 0] for w in report.workers}  # in, bytes in, out
+    for s in plan.steps:
+        if s.kind == "copy":
+            moved[s.worker][0] += 1
+            moved[s.worker][1] += s.bytes
+        elif s.kind == "delete":
+            moved[s.worker][2] += 1
+    lines.append(f"  copies {plan.count('copy')} ({format_bytes(plan.copy_bytes)}), "
+                 f"keeps {plan.count('keep')}, drops {plan.count('delete')}; "
+                 f"{len(plan.steps)} steps")
+    for w, (n_in, b_in, n_out) in moved.items():
+        held = sum(1 for names in p.target.values() if w in names)
+        lines.append(f"  {w:<24} +{n_in} ({format_bytes(b_in)})  -{n_out}  -> {held} experts")
+    replicas = sum(len(v) > 1 for v in p.target.values())
+    now = "-" if p.imbalance_now is None else f"{p.imbalance_now:.2f}"
+    lines.append(f"  predicted imbalance (busiest worker / mean, per layer): {now} now, "
+                 f"{p.imbalance_after:.2f} after; {replicas} experts with replicas")
+    for key, why in sorted(plan.blocked.items()):
+        lines.append(f"  left as is: expert {key[0]}/{key[1]}: {why}")
+    shown = plan.steps[:steps]
+    lines += [f"    {s.describe()}" for s in shown]
+    if len(plan.steps) > len(shown):
+        lines.append(f"    ... and {len(plan.steps) - len(shown)} more steps")
+    e = report.execution
+    if e is not None:
+        rate = e.copied_bytes / e.seconds if e.seconds else 0.0
+        lines.append(f"done: {e.steps_done} steps in {e.seconds:.1f} s, sent "
+                     f"{format_bytes(e.copied_bytes)} ({format_bytes(rate)}/s)"
+                     + (f", {format_bytes(e.resumed_bytes)} resumed" if e.resumed_bytes else ""))
+    return lines
+
+
+def report_json(report: Report) -> dict:
+    p = report.proposal
+    e = report.execution
+    return {
+        "mode": report.mode,
+        "workers": report.workers,
+        "resumed": p.resumed,
+        "imbalance_now": p.imbalance_now,
+        "imbalance_after": p.imbalance_after,
+        "copy_bytes": p.plan.copy_bytes,
+        "steps": [{"kind": s.kind, "layer": s.key[0], "expert": s.key[1], "worker": s.worker,
+                   "source": s.source, "bytes": s.bytes} for s in p.plan.steps],
+        "blocked": {f"{k[0]}/{k[1]}": why for k, why in p.plan.blocked.items()},
+        "target": {f"{k[0]}/{k[1]}": list(v) for k, v in sorted(p.target.items())},
+        "execution": None if e is None else {"steps": e.steps_done, "seconds": e.seconds,
+                                             "copied_bytes": e.copied_bytes,
+                                             "resumed_bytes": e.resumed_bytes},
+    }

@@ -1,0 +1,230 @@
+"""Live rebalancing with real worker processes. Skewed traffic builds heat; `shoal rebalance`
+moves and replicates experts while another process generates, whose tokens stay equal to
+mlx-lm's; afterwards the load the workers measure is more even. A worker killed in the middle
+of a migration loses no expert, and running the command again finishes the job."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlx_lm.utils import load_model, load_tokenizer
+
+from coordinator.cluster import WorkerLink
+from coordinator.generate import generate, open_remote_model
+from coordinator.heat import read_heat
+from coordinator.rebalance import MIGRATION_FILE, migrate, observe
+from engine.auth import load_secret
+from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
+from engine.errors import ShoalError
+from engine.heat import difference
+from engine.placement import load_imbalance
+from worker.store import scan_stores
+
+REPO = Path(__file__).resolve().parents[2]
+# Prompts whose routing is skewed: a few experts of each layer take most of the tokens.
+PROMPTS = [[5, 17, 42, 99, 7, 250, 33, 64], [100, 101, 102, 103, 104, 105], [261, 267, 83, 268]]
+NEW_TOKENS = 16
+WORKERS = 3
+
+
+def reference(source: Path) -> list[list[int]]:
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    return [generate(model, tokenizer, p, max_tokens=NEW_TOKENS).token_ids for p in PROMPTS]
+
+
+def run_prompts(sharded: Path, addresses: list[str], secret: bytes) -> list[list[int]]:
+    remote = open_remote_model(sharded, addresses, secret)
+    try:
+        return [generate(remote.model, remote.tokenizer, p, max_tokens=NEW_TOKENS).token_ids
+                for p in PROMPTS]
+    finally:
+        remote.close()
+
+
+def counts(links: list[WorkerLink]) -> dict[str, dict]:
+    return {r.name: r.counts for r in read_heat(links)}
+
+
+def measured_imbalance(sharded, addresses, secret, links) -> tuple[float, list[list[int]]]:
+    """Generate the prompts once; the imbalance of what each worker computed meanwhile."""
+    before = counts(links)
+    tokens = run_prompts(sharded, addresses, secret)
+    after = counts(links)
+    return load_imbalance({w: difference(after[w], before.get(w, {})) for w in after}), tokens
+
+
+@pytest.fixture
+def cluster(tiny_checkpoint, tmp_path, start_worker, secret_file):
+    """OUT_DIR without expert files (so copies are relayed between workers), three workers
+    on their own stores, and the reference tokens."""
+    source = tiny_checkpoint("qwen3_moe")
+    sharded = tmp_path / "out"
+    shard(source, sharded, workers=WORKERS, progress=False)
+    stores = []
+    for k in range(WORKERS):
+        stores.append(tmp_path / "stores" / f"w{k}")
+        shutil.move(sharded / f"worker-{k}", stores[-1])
+    workers = [start_worker([store], "--no-advertise", "--node-id", f"w{k}")
+               for k, store in enumerate(stores)]
+    secret = load_secret(secret_file)
+    links = [WorkerLink(w.address, secret) for w in workers]
+    yield {"source": source, "sharded": sharded, "stores": stores, "workers": workers,
+           "secret": secret, "links": links, "expected": reference(source)}
+    for link in links:
+        link.close()
+
+
+def generator_loop(sharded: str, config: str, secret_file: str, results: str, stop: str) -> None:
+    """Run in another process: generate the prompts in turn through a cluster config
+    (membership) until `stop` exists, one JSON line per generation."""
+    from coordinator.discovery import read_cluster_config
+    from coordinator.membership import Membership
+
+    secret = load_secret(Path(secret_file))
+    manifest = read_manifest(Path(sharded))
+    membership = Membership(secret, cluster="test", manifest=manifest)
+    membership.add_static(read_cluster_config(Path(config)).workers)
+    remote = open_remote_model(Path(sharded), [], secret, membership=membership, wait=60)
+    with open(results, "a") as out:
+        turn = 0
+        while not Path(stop).exists():
+            started = time.time()
+            prompt = turn % len(PROMPTS)
+            tokens = generate(remote.model, remote.tokenizer, PROMPTS[prompt],
+                              max_tokens=NEW_TOKENS).token_ids
+            out.write(json.dumps({"start": started, "end": time.time(), "prompt": prompt,
+                                  "tokens": tokens, "reloads": remote.cluster.reloads}) + "\n")
+            out.flush()
+            turn += 1
+    remote.close()
+    membership.close()
+
+
+def wait_for_lines(path: Path, count: int, timeout: float, proc: subprocess.Popen) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return [json.loads(line) for line in lines]
+        assert proc.poll() is None, f"the generating process died: {proc.stderr.read()}"
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {count} generations within {timeout} s")
+
+
+@pytest.mark.slow
+def test_rebalance_while_another_process_generates(cluster, tmp_path, secret_file):
+    sharded, links, secret = cluster["sharded"], cluster["links"], cluster["secret"]
+    addresses = [w.address for w in cluster["workers"]]
+    before, tokens = measured_imbalance(sharded, addresses, secret, links)
+    assert tokens == cluster["expected"]
+
+    config = tmp_path / "cluster.toml"
+    config.write_text('name = "test"\n' + "".join(
+        f'[[workers]]\naddress = "{a}"\n' for a in addresses))
+    results, stop = tmp_path / "generations.jsonl", tmp_path / "stop"
+    code = (f"from tests.integration.test_rebalance import generator_loop; generator_loop("
+            f"{str(sharded)!r}, {str(config)!r}, {str(secret_file)!r}, {str(results)!r}, "
+            f"{str(stop)!r})")
+    generating = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
+                                  stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        wait_for_lines(results, 1, 120, generating)
+        started = time.time()
+        run = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "rebalance", "--model", str(sharded),
+             "--workers", ",".join(addresses), "--secret-file", str(secret_file), "--json"],
+            capture_output=True, text=True, timeout=300, cwd=REPO)
+        finished = time.time()
+        assert run.returncode == 0, run.stderr
+        report = json.loads(run.stdout)
+        count = len(wait_for_lines(results, 1, 60, generating))
+        lines = wait_for_lines(results, count + 3, 120, generating)  # three wholly after it
+    finally:
+        stop.touch()
+        generating.wait(60)
+
+    kinds = {s["kind"] for s in report["steps"]}
+    assert {"copy", "verify"} <= kinds and report["imbalance_after"] < report["imbalance_now"]
+    assert all(line["tokens"] == cluster["expected"][line["prompt"]] for line in lines)
+    overlapping = [line for line in lines if line["start"] < finished and line["end"] > started]
+    assert overlapping, "no generation ran while the experts moved"
+    assert lines[-1]["reloads"] > 0, "the generating process never noticed a new inventory"
+
+    # the cluster now holds the planned placement, and the measured load is more even
+    served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
+              for w in observe(links)}
+    target = {tuple(map(int, k.split("/"))): set(v) for k, v in report["target"].items()}
+    assert all({w for w, held in served.items() if key in held} == names
+               for key, names in target.items())
+    assert not (sharded / MIGRATION_FILE).exists()
+    after, tokens = measured_imbalance(sharded, addresses, secret, links)
+    assert tokens == cluster["expected"]
+    assert after < before, (before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["copy", "drain"])
+def test_a_worker_killed_mid_migration_loses_nothing_and_a_rerun_finishes(
+    cluster, kill_at, start_worker
+):
+    sharded, links, secret = cluster["sharded"], cluster["links"], cluster["secret"]
+    workers, stores = cluster["workers"], cluster["stores"]
+    addresses = [w.address for w in workers]
+    run_prompts(sharded, addresses, secret)  # heat
+    killed: list[str] = []
+
+    def kill(event, step, sent):
+        # mid-transfer of the second copy, or right after the first copy was drained
+        copies = [e for e in events if e[0] == "step" and e[1].kind == "copy"]
+        hit = (kill_at == "copy" and event == "chunk" and len(copies) == 2 and sent >= 16384
+               or kill_at == "drain" and event == "done" and step.kind == "drain")
+        events.append((event, step, sent))
+        if hit and not killed:  # (on gRPC's thread that reads the chunks being pushed)
+            killed.append(step.worker)
+            victim = int(step.worker.removeprefix("w"))
+            time.sleep(0.3)  # let the receiver write what it was sent
+            workers[victim].proc.kill()
+            workers[victim].proc.wait(10)
+
+    events: list = []
+    with pytest.raises(ShoalError, match="run the command again") as failure:
+        migrate(sharded, links, deploy=False, progress=False, chunk_bytes=4096, quiet=0.3,
+                on_event=kill)
+    assert killed, failure.value
+    workers[int(killed[0][1:])].proc.wait(10)
+    assert (sharded / MIGRATION_FILE).exists()
+
+    # no expert lost: every one has a verified file on some worker's drive
+    manifest = read_manifest(sharded)
+    on_disk = set()
+    for store in stores:
+        on_disk |= set(scan_stores([store]).held)
+    assert on_disk == {(e.layer, e.expert) for e in manifest.experts}
+    if kill_at == "copy":  # the receiver kept what had arrived, to resume from
+        partial = list(stores[int(killed[0][1:])].rglob("*.incoming"))
+        assert partial and partial[0].stat().st_size >= 4096
+
+    # the worker comes back (on another port); running it again finishes the same target
+    victim = int(killed[0][1:])
+    workers[victim] = start_worker([stores[victim]], "--no-advertise", "--node-id", killed[0])
+    links[victim] = WorkerLink(workers[victim].address, secret)
+    target = json.loads((sharded / MIGRATION_FILE).read_text())["target"]
+    events.clear()
+    report = migrate(sharded, links, deploy=False, progress=False, quiet=0.3,
+                     on_event=lambda *e: events.append(e))
+    assert report.proposal.resumed and report.execution is not None
+    if kill_at == "copy":
+        assert any(e[0] == "resume" and e[2] >= 4096 for e in events)
+    served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
+              for w in observe(links)}
+    for layer, expert, names in target:
+        assert {w for w, held in served.items() if (layer, expert) in held} == set(names)
+    assert not (sharded / MIGRATION_FILE).exists()
+    assert not [path for store in stores for path in store.rglob("*.incoming")]
+    assert run_prompts(sharded, [w.address for w in workers], secret) == cluster["expected"]
+    assert all((s / MANIFEST_NAME).exists() for s in stores)

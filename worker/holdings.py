@@ -1,0 +1,116 @@
+"""What this worker offers: the experts it serves, those draining before a drop, the exact
+tokens computed per expert (the heat histogram), and when each was last asked for.
+
+Every change to the experts offered bumps `version`; replies carry it, so a coordinator
+notices within one layer call and routes by the new inventory. A draining expert is still
+computed if asked for (a coordinator may not have noticed yet) but is no longer offered.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from engine.placement import ExpertKey
+
+SERVING, DRAINING = "serving", "draining"
+
+
+class Holdings:
+    """Thread-safe: compute threads count, the servicer reads, transfers change the set."""
+
+    def __init__(self, keys: Iterable[ExpertKey]) -> None:
+        self.boot_id = secrets.token_hex(8)
+        self.version = 1
+        self._state: dict[ExpertKey, str] = dict.fromkeys(keys, SERVING)
+        self._drained_at: dict[ExpertKey, float] = {}
+        self._gone: set[ExpertKey] = set()  # deleted since start: asking for them is stale
+        self._tokens: dict[ExpertKey, int] = {}
+        self._asked: dict[ExpertKey, float] = {}
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+
+    # -- the compute path ---------------------------------------------------------------
+
+    def asked(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> None:
+        """One request computed `tokens[i]` pairs of expert `experts[i]` of `layer`."""
+        now = time.monotonic()
+        with self._lock:
+            for expert, count in zip(experts.tolist(), tokens.tolist(), strict=True):
+                key = (layer, expert)
+                self._tokens[key] = self._tokens.get(key, 0) + int(count)
+                self._asked[key] = now
+
+    # -- reading ------------------------------------------------------------------------
+
+    def offered(self) -> list[ExpertKey]:
+        with self._lock:
+            return sorted(k for k, s in self._state.items() if s == SERVING)
+
+    def draining(self) -> list[ExpertKey]:
+        with self._lock:
+            return sorted(k for k, s in self._state.items() if s == DRAINING)
+
+    def state(self, key: ExpertKey) -> str | None:
+        with self._lock:
+            return self._state.get(key)
+
+    def was_deleted(self, key: ExpertKey) -> bool:
+        with self._lock:
+            return key in self._gone
+
+    def tokens(self) -> dict[ExpertKey, int]:
+        with self._lock:
+            return dict(self._tokens)
+
+    def idle_seconds(self, key: ExpertKey) -> float:
+        """Since `key` was last asked for, or since the worker started."""
+        with self._lock:
+            return time.monotonic() - self._asked.get(key, self._started)
+
+    # -- changes (each bumps the version) -------------------------------------------------
+
+    def add(self, key: ExpertKey) -> None:
+        with self._lock:
+            self._state[key] = SERVING
+            self._drained_at.pop(key, None)
+            self._gone.discard(key)
+            self.version += 1
+
+    def drain(self, key: ExpertKey) -> None:
+        with self._lock:
+            if self._state.get(key) == SERVING:
+                self._state[key] = DRAINING
+                self._drained_at[key] = time.monotonic()
+                self.version += 1
+
+    def keep(self, key: ExpertKey) -> None:
+        with self._lock:
+            if self._state.get(key) == DRAINING:
+                self._state[key] = SERVING
+                self._drained_at.pop(key, None)
+                self.version += 1
+
+    def why_not_delete(self, key: ExpertKey, quiet: float) -> str | None:
+        """None if `key` has drained and nobody asked for it for `quiet` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            if self._state.get(key) != DRAINING:
+                return "it is not draining: drain it first"
+            drained = now - self._drained_at[key]
+            asked = now - self._asked.get(key, self._started)
+            if min(drained, asked) < quiet:
+                return (f"it was drained {drained:.1f} s and last asked for {asked:.1f} s ago; "
+                        f"a copy is deleted only after {quiet:.1f} s of both")
+        return None
+
+    def deleted(self, key: ExpertKey) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+            self._drained_at.pop(key, None)
+            self._gone.add(key)
+            self.version += 1

@@ -1,0 +1,251 @@
+"""Expert files arriving, leaving and being dropped on this worker (`shoal deploy`,
+`shoal rebalance`).
+
+A pushed file is written to a hidden partial name next to its final place; an interrupted
+push leaves the partial file, whose size is where the next push resumes. Once every byte has
+arrived the file is flushed, checked against the manifest's checksum as it lies on disk, and
+only then renamed into place (and the folder flushed), so a file under its real name is always
+complete and verified; the worker then serves it at once. Dropping is two-phase: `drain`
+stops offering a copy while still computing it, `delete` removes it once it has drained and
+nobody asked for it for a while. The caller (coordinator/rebalance.py) makes sure another
+worker serves a verified copy first; nothing here deletes an expert on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.checkpoint import Manifest
+from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
+from engine.placement import ExpertKey
+from worker.holdings import DRAINING, SERVING
+from worker.residency import Residency
+
+CHUNK_BYTES = 1 << 20
+DEFAULT_QUIET = 1.0  # seconds a drained copy must go unasked before it may be deleted
+ABSENT, PARTIAL = "absent", "partial"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    layer: int
+    expert: int
+    offset: int
+    data: bytes
+    total_bytes: int = 0  # first chunk: the file's size per the manifest
+    sha256: str = ""  # first chunk: its checksum per the manifest
+
+
+@dataclass(frozen=True)
+class FileState:
+    key: ExpertKey
+    state: str  # ABSENT, PARTIAL, SERVING or DRAINING
+    partial_bytes: int = 0
+    idle_seconds: float = 0.0
+    inventory_version: int = 0
+
+
+def partial_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.incoming")
+
+
+def _fsync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform lets a folder be opened
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class ExpertFiles:
+    """The expert files of one worker's store folders, as a transfer sees them."""
+
+    def __init__(self, residency: Residency, folders: Iterable[Path], manifest: Manifest) -> None:
+        self.residency = residency
+        self.folders = tuple(Path(f) for f in folders)
+        self.manifest = manifest
+        self._files = {(e.layer, e.expert): e for e in manifest.experts}
+        self._busy: set[ExpertKey] = set()
+        self._lock = threading.Lock()
+
+    def _entry(self, key: ExpertKey):
+        entry = self._files.get(key)
+        if entry is None:
+            raise InvalidInput(f"expert {key[0]}/{key[1]} is not part of this model")
+        return entry
+
+    def _partial(self, key: ExpertKey) -> tuple[int, Path] | None:
+        name = self._entry(key).file
+        for drive, folder in enumerate(self.folders):
+            path = partial_path(folder / name)
+            if path.exists():
+                return drive, path
+        return None
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self, key: ExpertKey) -> FileState:
+        self._entry(key)
+        holdings = self.residency.holdings
+        state = holdings.state(key)
+        partial_bytes = 0
+        if state is None:
+            found = self._partial(key)
+            state = ABSENT if found is None else PARTIAL
+            partial_bytes = 0 if found is None else found[1].stat().st_size
+        return FileState(key, state, partial_bytes, holdings.idle_seconds(key), holdings.version)
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def receive(self, chunks: Iterator[Chunk]) -> FileState:
+        """Write a pushed file (resuming a partial one), verify it, rename it, serve it."""
+        first = next(chunks, None)
+        if first is None:
+            raise InvalidInput("a push must carry at least one chunk")
+        key = (first.layer, first.expert)
+        entry = self._entry(key)
+        if (first.total_bytes, first.sha256) != (entry.bytes, entry.sha256):
+            raise InvalidInput(
+                f"expert {key[0]}/{key[1]}: the pushed file ({first.total_bytes} bytes, "
+                f"{first.sha256[:12]}) is not this model's ({entry.bytes}, {entry.sha256[:12]})"
+            )
+        with self._lock:
+            if key in self._busy:
+                raise Unavailable(f"expert {key[0]}/{key[1]} is already being received")
+            self._busy.add(key)
+        try:
+            state = self.residency.holdings.state(key)
+            if state == DRAINING:
+                self.residency.holdings.keep(key)
+            if state is not None:
+                return self.status(key)  # already verified here: nothing to write
+            return self._write(key, entry, first, chunks)
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+
+    def _write(self, key: ExpertKey, entry, first: Chunk, rest: Iterator[Chunk]) -> FileState:
+        found = self._partial(key)
+        drive, partial = found if found is not None else self._choose_folder(entry)
+        final = self.folders[drive] / entry.file
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        have = partial.stat().st_size if partial.exists() else 0
+        if first.offset > have:
+            raise InvalidInput(
+                f"expert {key[0]}/{key[1]}: push starts at byte {first.offset} but only {have} "
+                "bytes have arrived; ask ExpertFileStatus where to resume"
+            )
+        try:
+            with open(partial, "r+b" if partial.exists() else "wb") as f:
+                f.truncate(first.offset)
+                f.seek(first.offset)
+                position = first.offset
+                for chunk in _chain(first, rest):
+                    if (chunk.layer, chunk.expert) != key or chunk.offset != position:
+                        raise InvalidInput(
+                            f"expert {key[0]}/{key[1]}: chunk for {chunk.layer}/{chunk.expert} "
+                            f"at byte {chunk.offset}, expected byte {position}"
+                        )
+                    if position + len(chunk.data) > entry.bytes:
+                        raise InvalidInput(
+                            f"expert {key[0]}/{key[1]}: more than its {entry.bytes} bytes sent"
+                        )
+                    f.write(chunk.data)
+                    position += len(chunk.data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise ShoalError(f"cannot write {partial}: {e.strerror or e}") from None
+        if position < entry.bytes:
+            return self.status(key)  # the sender stopped early: resumable
+        digest = hashlib.sha256()
+        with open(partial, "rb") as f:
+            while block := f.read(CHUNK_BYTES):
+                digest.update(block)
+        if digest.hexdigest() != entry.sha256:
+            partial.unlink(missing_ok=True)
+            raise CorruptData(
+                f"expert {key[0]}/{key[1]}: the received file does not match the manifest's "
+                "checksum; it was discarded, send it again"
+            )
+        os.replace(partial, final)
+        _fsync_folder(final.parent)
+        self.residency.add_expert(key, drive, final)
+        return self.status(key)
+
+    def _choose_folder(self, entry) -> tuple[int, Path]:
+        """The store folder with the most free space that has room for the file."""
+        best: tuple[int, int] | None = None
+        for drive, folder in enumerate(self.folders):
+            try:
+                free = shutil.disk_usage(folder).free
+            except OSError:
+                continue
+            if free >= entry.bytes and (best is None or free > best[1]):
+                best = (drive, free)
+        if best is None:
+            raise Unavailable(
+                f"no store folder of this worker has room for {entry.bytes} more bytes "
+                f"(expert {entry.layer}/{entry.expert})"
+            )
+        return best[0], partial_path(self.folders[best[0]] / entry.file)
+
+    # -- sending --------------------------------------------------------------------------
+
+    def read(self, key: ExpertKey, offset: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+        """The verified file of an expert this worker holds, from `offset`, in chunks."""
+        entry = self._entry(key)
+        if self.residency.holdings.state(key) not in (SERVING, DRAINING):
+            raise NotFound(f"this worker holds no copy of expert {key[0]}/{key[1]}")
+        paths = [folder / entry.file for folder in self.folders if (folder / entry.file).exists()]
+        if not paths:
+            raise NotFound(f"the file of expert {key[0]}/{key[1]} is gone from this worker")
+        if offset > entry.bytes:
+            raise InvalidInput(f"expert {key[0]}/{key[1]} has only {entry.bytes} bytes")
+        with open(paths[0], "rb") as f:
+            f.seek(offset)
+            position = offset
+            while block := f.read(chunk_bytes):
+                yield Chunk(key[0], key[1], position, block, entry.bytes, entry.sha256)
+                position += len(block)
+
+    # -- dropping -------------------------------------------------------------------------
+
+    def drain(self, key: ExpertKey) -> FileState:
+        self._held(key)
+        self.residency.holdings.drain(key)
+        return self.status(key)
+
+    def keep(self, key: ExpertKey) -> FileState:
+        self._held(key)
+        self.residency.holdings.keep(key)
+        return self.status(key)
+
+    def delete(self, key: ExpertKey, quiet: float = DEFAULT_QUIET) -> FileState:
+        """Delete a drained copy nobody asked for during `quiet` seconds."""
+        self._held(key)
+        reason = self.residency.holdings.why_not_delete(key, quiet)
+        if reason is not None:
+            raise ShoalError(f"expert {key[0]}/{key[1]} is not deleted yet: {reason}")
+        for path in self.residency.remove_expert(key):
+            path.unlink(missing_ok=True)
+            _fsync_folder(path.parent)
+        return self.status(key)
+
+    def _held(self, key: ExpertKey) -> None:
+        self._entry(key)
+        if self.residency.holdings.state(key) is None:
+            raise NotFound(f"this worker holds no copy of expert {key[0]}/{key[1]}")
+
+
+def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
+    yield first
+    yield from rest
