@@ -177,8 +177,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
-def run(*, quick: bool = False, plot: Path | None = None) -> dict:
-    settings = QUICK if quick else FULL
+def run(*, quick: bool = False, plot: Path | None = None, **overrides: int | None) -> dict:
+    """The whole comparison; `overrides` (runs, decode_tokens) replace the preset's values."""
+    settings = {**(QUICK if quick else FULL),
+                **{k: v for k, v in overrides.items() if v is not None}}
     root = cache_root() / "bench" / ("quick" if quick else "full")
     source, sharded = prepare(settings, root)
     secret_file = root / "secret"

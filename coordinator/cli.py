@@ -283,7 +283,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from benchmarks.bench import run, table
 
-    report = run(quick=args.quick, plot=args.plot)
+    report = run(quick=args.quick, plot=args.plot, runs=args.runs,
+                 decode_tokens=args.decode_tokens)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 
@@ -448,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true",
                    help="a tiny checkpoint and few runs: checks the harness, not the speed")
+    p.add_argument("--runs", type=int, metavar="N",
+                   help="timed generations per prompt length, after a warm-up (default 3)")
+    p.add_argument("--decode-tokens", type=int, metavar="N",
+                   help="tokens generated per timed run (default 32)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="draw decode speed against prompt length (needs matplotlib)")

@@ -24,6 +24,7 @@ from engine.checkpoint import Manifest
 from engine.errors import (
     CorruptData,
     InvalidInput,
+    Moved,
     NotFound,
     ShoalError,
     Unauthenticated,
@@ -89,6 +90,7 @@ def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
     grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ABORTED: Moved,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.DATA_LOSS: CorruptData,
 }
@@ -180,8 +182,8 @@ class WorkerLink:
             return next(self._replies)
         except grpc.RpcError as e:
             self.reset()
-            if e.code() == grpc.StatusCode.NOT_FOUND:  # an expert moved: see Cluster.reload
-                raise NotFound(f"worker {self.address}: {e.details()}") from None
+            if e.code() == grpc.StatusCode.ABORTED:  # an expert moved: see Cluster.reload
+                raise Moved(f"worker {self.address}: {e.details()}") from None
             raise Unavailable(f"worker {self.address} failed: {_describe(e)}") from None
         except StopIteration:
             self.reset()

@@ -24,7 +24,7 @@ import numpy as np
 from coordinator.cluster import Cluster
 from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
-from engine.errors import NotFound, ShoalError, Unavailable
+from engine.errors import Moved, ShoalError, Unavailable
 from engine.placement import spread
 from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
 from proto import shoal_pb2
@@ -83,7 +83,7 @@ class Dispatcher:
         self.cluster = cluster
         self.stats = DispatchStats()
         self._seq = 0
-        self._calls = 0  # layer calls so far: deals an expert's tokens over its copies
+        self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
 
     def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
@@ -115,8 +115,8 @@ class Dispatcher:
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
         tokens = np.repeat(np.arange(hidden.shape[0], dtype=np.int32), k)
         # Experts with copies on several workers have their tokens dealt over the copies.
-        self._calls += 1
-        owner = spread(self.cluster.routes[layer], experts, tokens + self._calls)
+        self._turns[layer] += 1
+        owner = spread(self.cluster.routes[layer], experts, self._turns[layer])
         hints = {}
         if self.lookahead is not None:
             self.lookahead.score(layer, experts)
@@ -148,10 +148,10 @@ class Dispatcher:
             link = self.cluster.links[worker]
             try:
                 reply = link.receive()
-            except (Unavailable, NotFound) as e:
+            except (Unavailable, Moved) as e:
                 for other, _, _ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
-                if isinstance(e, NotFound):
+                if isinstance(e, Moved):
                     raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
             known = link.inventory.inventory_version if link.inventory is not None else 0

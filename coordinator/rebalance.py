@@ -115,7 +115,6 @@ class Proposal:
     imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
     imbalance_after: float
     resumed: bool  # the target of an interrupted run
-    heat_tokens: float
 
 
 def propose(
@@ -155,7 +154,7 @@ def propose(
     order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
     room = {w.name: w.inventory.free_disk for w in workers}
     plan = plan_migration(state, target, sizes, room=room, order=order)
-    return Proposal(target, plan, now, after, resumed, sum(weights.values()) if heat else 0.0)
+    return Proposal(target, plan, now, after, resumed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,7 +467,10 @@ def describe(report: Report, *, steps: int = 20) -> list[str]:
     lines = [f"{report.mode} over {len(report.workers)} workers ({', '.join(report.workers)})"
              + (" [finishing an interrupted run]" if p.resumed else "")]
     if not plan.steps and not plan.blocked:
-        lines.append("nothing to do: the workers already hold the planned placement")
+        why = ("every expert is served by a live worker (`shoal rebalance` moves them)"
+               if report.mode == "deploy" else
+               f"no placement found lowers the predicted imbalance by {MIN_GAIN:.0%} or more")
+        lines.append(f"nothing to do: {why}")
     moved: dict[str, list[int]] = {w: [0, 0, 0] for w in report.workers}  # in, bytes in, out
     for s in plan.steps:
         if s.kind == "copy":
@@ -517,5 +519,6 @@ def report_json(report: Report) -> dict:
         "target": {f"{k[0]}/{k[1]}": list(v) for k, v in sorted(p.target.items())},
         "execution": None if e is None else {"steps": e.steps_done, "seconds": e.seconds,
                                              "copied_bytes": e.copied_bytes,
-                                             "resumed_bytes": e.resumed_bytes},
+                                             "resumed_bytes": e.resumed_bytes,
+                                             "by_kind": e.counts},
     }

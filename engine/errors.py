@@ -25,5 +25,10 @@ class Unavailable(ShoalError):
     """A worker cannot be reached or an expert has no live owner (gRPC: UNAVAILABLE)."""
 
 
+class Moved(ShoalError):
+    """A worker was asked for an expert it has since given up; ask where it is now (gRPC:
+    ABORTED, which callers answer by fetching the inventory again and retrying)."""
+
+
 class CorruptData(ShoalError):
     """A file's bytes do not match its recorded checksum or format (gRPC: DATA_LOSS)."""

@@ -86,12 +86,21 @@ def routing_table(
     return {layer: r.copies[:, 0].copy() for layer, r in replica_routes(layers, holdings).items()}
 
 
-def spread(routes: LayerRoutes, experts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """The worker that computes each (token, expert) pair: an expert's pairs are dealt over its
-    copies by token number, so copies share the work and the choice is deterministic. Any copy
-    gives the same result (same file, same code), so this changes who computes, not what."""
-    counts = routes.counts[experts]
-    return routes.copies[experts, np.asarray(tokens) % np.maximum(counts, 1)]
+def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarray:
+    """The worker that computes each (token, expert) pair of one layer call: the i-th pair of
+    an expert goes to its copy (i + turn + expert) mod copies, so within a call an expert's
+    pairs split evenly over its copies, and over successive calls (`turn`: the layer's call
+    count) a decode step's single pair moves round them. Any copy gives the same result (same
+    file, same code), so this changes who computes, not what."""
+    experts = np.asarray(experts)
+    order = np.argsort(experts, kind="stable")
+    ranked = experts[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    first = np.repeat(starts, np.diff(np.r_[starts, ranked.size]))
+    rank = np.empty(experts.size, dtype=np.int64)
+    rank[order] = np.arange(experts.size) - first
+    counts = np.maximum(routes.counts[experts], 1)
+    return routes.copies[experts, (rank + turn + experts) % counts]
 
 
 def describe_ids(ids: Sequence[int]) -> str:

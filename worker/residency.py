@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
-from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
+from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy
@@ -564,7 +564,7 @@ class Residency:
         if bad.size:
             shown = ", ".join(str(e) for e in sorted(set(bad.tolist()))[:8])
             if all(self.holdings.was_deleted((request.layer, e)) for e in bad.tolist()):
-                raise NotFound(f"layer {request.layer}: expert(s) {shown} moved to another "
+                raise Moved(f"layer {request.layer}: expert(s) {shown} moved to another "
                                "worker; fetch the inventory again")
             raise InvalidInput(
                 f"layer {request.layer}: this worker does not hold expert(s) {shown}"
@@ -594,6 +594,12 @@ class Residency:
                     parts[pos] = out
                 lease.done(pos for pos, _ in ready)
                 remaining -= len(ready)
+        except NotFound:
+            gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
+            if gone:  # deleted while this request was on its way (shoal rebalance)
+                raise Moved(f"layer {request.layer}: expert(s) {gone} moved to another worker; "
+                            "fetch the inventory again") from None
+            raise
         finally:
             lease.close()
         self.holdings.asked(request.layer, unique, counts)

@@ -14,6 +14,7 @@ from engine.auth import METADATA_KEY, CredentialChecker
 from engine.errors import (
     CorruptData,
     InvalidInput,
+    Moved,
     NotFound,
     ShoalError,
     Unauthenticated,
@@ -34,6 +35,7 @@ UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
 _STATUS = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    Moved: grpc.StatusCode.ABORTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     CorruptData: grpc.StatusCode.DATA_LOSS,

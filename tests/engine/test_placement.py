@@ -117,12 +117,14 @@ def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
 
     holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
     routes = replica_routes({0: 2}, holdings)[0]
-    experts = np.array([0] * 9 + [1] * 3, dtype=np.int32)
-    tokens = np.arange(12, dtype=np.int32)
-    owner = spread(routes, experts, tokens)
-    assert np.bincount(owner[:9], minlength=3).tolist() == [3, 3, 3]
-    assert set(owner[9:].tolist()) == {0}
-    assert spread(routes, experts, tokens).tolist() == owner.tolist()
+    experts = np.array([1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0], dtype=np.int32)
+    owner = spread(routes, experts, turn=5)
+    assert np.bincount(owner[experts == 0], minlength=3).tolist() == [3, 3, 3]
+    assert set(owner[experts == 1].tolist()) == {0}
+    assert spread(routes, experts, turn=5).tolist() == owner.tolist()
+    # one pair per call (decode): successive calls go round the copies
+    single = [int(spread(routes, np.array([0]), turn)[0]) for turn in range(6)]
+    assert sorted(single) == [0, 0, 1, 1, 2, 2]
 
 
 def test_stickiness_keeps_experts_where_they_are_at_a_small_cost_in_balance():

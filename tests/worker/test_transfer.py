@@ -12,7 +12,7 @@ import pytest
 from coordinator.cluster import WorkerLink
 from engine.auth import load_secret
 from engine.checkpoint import read_manifest, shard
-from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError
+from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.tensors import decode, encode
 from proto import shoal_pb2
 from worker.transfer import partial_path
@@ -64,6 +64,7 @@ def two_workers(tiny_checkpoint, tmp_path, start_worker, secret_file):
         link.close()
 
 
+@pytest.mark.slow
 def test_push_resume_verify_serve_drain_delete_and_heat(two_workers):
     out, (a, b) = two_workers
     manifest = read_manifest(out)
@@ -129,7 +130,7 @@ def test_push_resume_verify_serve_drain_delete_and_heat(two_workers):
     time.sleep(0.4)
     assert drop(a, key, shoal_pb2.DropRequest.DELETE).state == State.ABSENT
     assert not final.exists()
-    with pytest.raises(NotFound, match="moved to another worker"):
+    with pytest.raises(Moved, match="moved to another worker"):
         compute(a, key, hidden)
     with pytest.raises(NotFound):
         drop(a, key, shoal_pb2.DropRequest.DRAIN)
