@@ -22,16 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.auth import METADATA_KEY, make_credential
 from engine.checkpoint import Manifest
 from engine.errors import (
-    CorruptData,
     InvalidInput,
     Moved,
-    NotFound,
     ShoalError,
     Unauthenticated,
     Unavailable,
 )
 from engine.placement import ExpertKey, LayerRoutes, replica_routes, routing_table
-from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+from proto import GRPC_OPTIONS, PROTOCOL_VERSION, error_class_for, shoal_pb2, shoal_pb2_grpc
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
@@ -87,19 +85,10 @@ def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
     return frozenset((h.layer, h.expert) for h in inventory.experts)
 
 
-_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ABORTED: Moved,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.DATA_LOSS: CorruptData,
-}
-
-
 def error_for(error: grpc.RpcError, address: str) -> ShoalError:
     """A worker's refusal as the ShoalError it was raised as there (workers map ours to
     status codes); a call that did not get through is Unavailable."""
-    kind = _ERRORS.get(error.code())
+    kind = error_class_for(error.code())
     if kind is None:
         failed = error.code() == grpc.StatusCode.FAILED_PRECONDITION
         kind = ShoalError if failed else Unavailable

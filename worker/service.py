@@ -12,16 +12,11 @@ import grpc
 
 from engine.auth import METADATA_KEY, CredentialChecker
 from engine.errors import (
-    CorruptData,
-    InvalidInput,
-    Moved,
-    NotFound,
     ShoalError,
     Unauthenticated,
-    Unavailable,
 )
 from engine.tensors import decode, dtype_name, encode, to_numpy
-from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
 from worker.residency import Request, Residency
 from worker.store import free_disk
 from worker.transfer import Chunk, ExpertFiles, FileState
@@ -31,23 +26,6 @@ ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
 # (no more than the Bonjour advert does), and it keeps "alive but holding another secret"
 # (unauthenticated) apart from "not answering" (unreachable). Every Shoal method needs it.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
-
-_STATUS = {
-    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    Moved: grpc.StatusCode.ABORTED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    CorruptData: grpc.StatusCode.DATA_LOSS,
-}
-
-
-def status_for(error: ShoalError) -> grpc.StatusCode:
-    for kind, code in _STATUS.items():
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.FAILED_PRECONDITION
-
 
 def decode_request(message: shoal_pb2.ExpertRequest) -> Request:
     hidden = decode(message.hidden, what="hidden", dtypes=ACTIVATION_DTYPES, ndim=2)
