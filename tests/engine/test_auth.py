@@ -21,7 +21,6 @@ def test_secret_file_is_private_and_not_overwritten(tmp_path):
 
 def test_secret_path_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_SECRET_FILE", str(tmp_path / "env"))
-    assert secret_path("explicit") == secret_path("explicit")
     assert str(secret_path("explicit")) == "explicit"
     assert secret_path(None) == tmp_path / "env"
     monkeypatch.delenv("SHOAL_SECRET_FILE")
