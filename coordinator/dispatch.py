@@ -8,7 +8,8 @@ answered first. A worker lost in the middle of a call is routed around when othe
 hold its experts (the call is redone; experts keep no state), else the call fails naming the
 experts left without a live owner. A reply whose inventory version is newer than ours, or a
 refusal saying an expert moved, makes us fetch that worker's inventory again (live
-rebalancing, docs/placement.md).
+rebalancing, docs/placement.md). Where the MoE block has a shared expert, it is computed here
+between sending and waiting, so it runs while the workers compute the routed experts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class LayerStats:
     bytes_received: int = 0
     requests: int = 0
     worker_compute_seconds: float = 0.0
+    slowest_compute_seconds: float = 0.0  # per call, the longest-computing worker's time
+    shared_seconds: float = 0.0  # the shared expert, computed while the workers compute
 
 
 @dataclass
@@ -86,26 +89,30 @@ class Dispatcher:
         self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
 
-    def __call__(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+    def __call__(
+        self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
+    ) -> mx.array:
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
         for _ in range(MAX_ATTEMPTS - 1):
             self.cluster.refresh()
             try:
-                return self._call(layer, x, inds)
+                return self._call(layer, x, inds, shared)
             except _WorkerFailed as failed:
                 self.cluster.lost(failed.worker, failed.error)
             except _StaleRoute as stale:
                 self.cluster.reload(stale.worker)
         self.cluster.refresh()
         try:
-            return self._call(layer, x, inds)
+            return self._call(layer, x, inds, shared)
         except _WorkerFailed as failed:
             raise failed.error from None
         except _StaleRoute as stale:
             raise Unavailable(f"worker {self.cluster.links[stale.worker].address} kept "
                               "refusing experts its inventory lists") from None
 
-    def _call(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+    def _call(
+        self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None
+    ) -> mx.array:
         started = time.perf_counter()
         *lead, k = inds.shape
         width = x.shape[-1]
@@ -113,7 +120,6 @@ class Dispatcher:
         hidden = to_numpy(x).reshape(-1, width)
         wire_dtype = dtype_name(x.dtype)
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
-        tokens = np.repeat(np.arange(hidden.shape[0], dtype=np.int32), k)
         # Experts with copies on several workers have their tokens dealt over the copies.
         self._turns[layer] += 1
         owner = spread(self.cluster.routes[layer], experts, self._turns[layer])
@@ -126,13 +132,19 @@ class Dispatcher:
         pending = []
         for worker in np.unique(owner).tolist():  # ascending: the fixed order of combination
             pairs = np.flatnonzero(owner == worker)
-            needed, rows = np.unique(tokens[pairs], return_inverse=True)
+            tokens = pairs // k  # ascending, as pairs are
+            first = np.empty(tokens.size, dtype=bool)
+            first[0] = True
+            np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
+            needed = tokens[first]  # the tokens this worker needs, each sent once
+            rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
             self._seq += 1
             request = shoal_pb2.ExpertRequest(
                 seq=self._seq,
                 layer=layer,
-                hidden=encode(hidden[needed], wire_dtype),
-                rows=encode(rows.astype(np.int32), "int32"),
+                hidden=encode(hidden if needed.size == len(hidden) else hidden[needed],
+                              wire_dtype),
+                rows=encode(rows, "int32"),
                 experts=encode(experts[pairs], "int32"),
                 prefetch=hints.pop(worker, None),
             )
@@ -142,7 +154,12 @@ class Dispatcher:
             stats.bytes_sent += request.ByteSize()
         for worker, hint in hints.items():  # a hint alone gets no reply
             self.cluster.links[worker].send(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint))
+        if shared is not None:
+            before = time.perf_counter()
+            shared.start(x)
+            stats.shared_seconds += time.perf_counter() - before
         out = None
+        slowest = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, pairs, seq) in enumerate(pending):
             link = self.cluster.links[worker]
@@ -171,6 +188,8 @@ class Dispatcher:
             out[pairs] = values
             stats.bytes_received += reply.ByteSize()
             stats.worker_compute_seconds += reply.compute_seconds
+            slowest = max(slowest, reply.compute_seconds)
+        stats.slowest_compute_seconds += slowest
         stats.calls += 1
         stats.requests += len(pending)
         stats.seconds += time.perf_counter() - started
@@ -180,20 +199,65 @@ class Dispatcher:
         return from_numpy(out, out_dtype).reshape(*lead, k, width)
 
 
+class SharedAhead(nn.Module):
+    """Takes the place of a MoE block's shared expert so that the dispatcher can compute it
+    early, while the workers compute; the block's own call then receives that result.
+
+    The same module runs on the same input either way, so the result is bit-identical. It is
+    used only when the block passes its shared expert the very array it passed the switch
+    (`x is` the one computed ahead); anything else is computed as usual.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self._ahead: tuple[mx.array, mx.array] | None = None
+        self._last_input: mx.array | None = None
+
+    def start(self, x: mx.array) -> None:
+        if self._last_input is x:  # the block called its shared expert before the switch
+            return
+        y = self.inner(x)
+        mx.eval(y)
+        self._ahead = (x, y)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ahead, self._ahead = self._ahead, None
+        self._last_input = x
+        if ahead is not None and ahead[0] is x:
+            return ahead[1]
+        return self.inner(x)
+
+
+SHARED_EXPERT_NAMES = ("shared_experts", "shared_expert")  # as mlx-lm's MoE blocks call it
+
+
 class RemoteSwitch(nn.Module):
     """Takes the place of one MoE block's `switch_mlp`; holds no weights."""
 
-    def __init__(self, layer: int, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, layer: int, dispatcher: Dispatcher, shared: SharedAhead | None = None
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.dispatcher = dispatcher
+        self._shared = [shared]  # in a list: not a child module, its weights stay the block's
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.dispatcher(self.layer, x, indices)
+        return self.dispatcher(self.layer, x, indices, self._shared[0])
 
 
 def install(model: nn.Module, manifest: Manifest, dispatcher: Dispatcher) -> None:
-    """Replace every routed-expert switch module in `model` with a RemoteSwitch."""
+    """Replace every routed-expert switch module in `model` with a RemoteSwitch, and the
+    block's shared expert, where it has one, with a SharedAhead."""
     for layer in manifest.layers:
         parent_path, name = layer.path.rsplit(".", 1)
-        setattr(get_module(model, parent_path), name, RemoteSwitch(layer.layer, dispatcher))
+        block = get_module(model, parent_path)
+        shared = None
+        for shared_name in SHARED_EXPERT_NAMES:
+            inner = getattr(block, shared_name, None)
+            if isinstance(inner, nn.Module):
+                shared = SharedAhead(inner)
+                setattr(block, shared_name, shared)
+                break
+        setattr(block, name, RemoteSwitch(layer.layer, dispatcher, shared))

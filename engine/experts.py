@@ -1,4 +1,5 @@
-"""Build mlx-lm's own switch module for one MoE layer and run it one expert at a time.
+"""Build mlx-lm's own switch module for one MoE layer and run it: over a stack of the
+resident experts in one gathered call, or one expert at a time while experts stream.
 
 The module class, activation and quantization all come from the model's mlx-lm
 architecture, so a worker computes exactly what the single-process model would.
@@ -58,14 +59,15 @@ def _quantize_like_checkpoint(
 
 
 class ExpertRunner:
-    """One MoE layer's switch module (mlx-lm's class, quantized like the checkpoint), run one
-    expert at a time on that expert's own tensors.
+    """One MoE layer's switch module (mlx-lm's class, quantized like the checkpoint), run on
+    the experts a worker holds.
 
-    The tensors are given to the module as one-expert stacks (`w[None]`, a view, no copy), so a
-    worker can keep any subset of a layer's experts in memory, each in its own arrays, and
-    evict or load them one by one. The result for a (token, expert) pair is the same
-    computation as in the single-process model: mlx-lm's module applied to that expert.
-    Not thread-safe: the caller serialises MLX work.
+    Two ways, one computation: `gathered` gives the module a stack of several experts and
+    computes every (row, expert) pair in one call, as the single-process model does over all
+    its experts; `__call__` gives it one expert's own tensors as a one-expert stack (`w[None]`,
+    a view), so a worker that streams can keep any subset of experts, each in its own arrays,
+    and evict or load them one by one. Either way the result for a (token, expert) pair is
+    mlx-lm's module applied to that expert. Not thread-safe: the caller serialises MLX work.
     """
 
     def __init__(
@@ -92,6 +94,24 @@ class ExpertRunner:
                 f"{what} holds tensors {sorted(tensors)}, expected {sorted(self.layer.params)}"
             )
         return tensors
+
+    def stack(self, experts: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+        """One array per parameter holding `experts` in order (a copy), and each expert's
+        tensors replaced in place by views into it, so the experts' memory is not held twice."""
+        stacked = {name: mx.stack([tensors[name] for tensors in experts])
+                   for name in self.layer.params}
+        mx.eval(stacked)
+        for j, tensors in enumerate(experts):
+            for name, array in stacked.items():
+                tensors[name] = mx.squeeze(array[j : j + 1], 0)  # a slice is a view; [j] copies
+        mx.eval([list(t.values()) for t in experts])
+        return stacked
+
+    def gathered(self, stacked: dict[str, mx.array], hidden: mx.array,
+                 positions: mx.array) -> mx.array:
+        """Row i of `hidden` through the expert at `positions[i]` of the stack: (m, hidden)."""
+        self.module.update(tree_unflatten(list(stacked.items())))
+        return self.module(hidden, positions[:, None])[:, 0, :]
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""

@@ -93,6 +93,8 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
     count) a decode step's single pair moves round them. Any copy gives the same result (same
     file, same code), so this changes who computes, not what."""
     experts = np.asarray(experts)
+    if not (routes.counts > 1).any():  # no expert has a second copy: nothing to deal out
+        return routes.copies[experts, 0]
     order = np.argsort(experts, kind="stable")
     ranked = experts[order]
     starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])

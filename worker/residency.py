@@ -4,8 +4,10 @@ Experts live in a cache of decoded tensors holding at most `budget` bytes of exp
 A request's experts that are not resident are read from the drives (`worker/reader.py`) with
 demand priority and computed as they arrive; prefetch hints from the coordinator start reads
 of the experts it expects next. Which experts stay is decided by `engine/cache_policy.py`
-(heat and recency; hot experts pinned). Whatever the budget, every requested expert is
-computed from its own tensors: the budget changes the speed, never the result.
+(heat and recency; hot experts pinned). When the budget holds every expert, each layer's
+experts are also stacked (views, not a second copy) so a request runs in one gathered call.
+Whatever the budget, every requested expert is computed from its own tensors: the budget
+changes the speed, never the result.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class Request:
     dtype: str
     rows: np.ndarray  # (m,) int32
     experts: np.ndarray  # (m,) int32
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """One layer's held experts stacked per parameter, for a single gathered call."""
+
+    positions: np.ndarray  # (num_experts,) int32: expert number -> index in the stack, or -1
+    params: dict[str, mx.array]
 
 
 @dataclass
@@ -153,6 +163,14 @@ class ExpertCache:
                     self._load(i, demand=True)
             while (self._state == _LOADING).any():
                 self._cond.wait()
+
+    def ready_tensors(self, keys: list[Key]) -> list[dict[str, mx.array]] | None:
+        """The decoded tensors of `keys` if every one is in memory now, else None."""
+        with self._cond:
+            idx = [self.index[key] for key in keys]
+            if not all(self._state[i] == _READY for i in idx):
+                return None
+            return [self._entries[i].tensors for i in idx]
 
     def add(self, key: Key, size: int, copies: list[tuple[int, Path]], sha256: str) -> None:
         """Serve one more expert (a file just received); it starts on the drives."""
@@ -486,8 +504,11 @@ class Residency:
             report=self._problem,
         )
         self._lock = threading.Lock()
+        self._stacks: dict[int, LayerStack] = {}
         if warm:
             self.cache.warm(range(len(keys)))
+            for layer in self.runners:
+                self._stack(layer)
 
     @property
     def layers(self) -> dict[int, ExpertRunner]:
@@ -517,6 +538,7 @@ class Residency:
             self.cache.add(key, entry.bytes, [(drive, path)], entry.sha256)
             self.expert_bytes += entry.bytes
             self._held_mask[layer][expert] = True
+            self._stacks.pop(layer, None)  # restacked once the new expert is in memory
         self.holdings.add(key)
 
     def remove_expert(self, key: Key) -> list[Path]:
@@ -527,6 +549,7 @@ class Residency:
         if mask is None or not mask[expert]:
             return []
         mask[expert] = False
+        self._stacks.pop(layer, None)
         self.holdings.deleted(key)
         self.expert_bytes -= self._files[key].bytes
         return [path for _, path in self.cache.discard(key)]
@@ -541,6 +564,31 @@ class Residency:
 
     def _decode(self, key: Key, view: memoryview, origin: str) -> dict[str, mx.array]:
         return self.runners[key[0]].check(tensors_from_buffer(view, origin=origin), origin)
+
+    def stacked_layers(self) -> list[int]:
+        """The layers whose requests run as one gathered call right now."""
+        return sorted(self._stacks)
+
+    def _stack(self, layer: int) -> LayerStack | None:
+        """The layer's held experts stacked for one gathered call; None while the budget
+        cannot hold every expert, or until all of this layer's are in memory."""
+        if self.streaming:
+            self._stacks.clear()
+            return None
+        stack = self._stacks.get(layer)
+        if stack is not None:
+            return stack
+        held = self._held_mask[layer]
+        experts = np.flatnonzero(held)
+        tensors = self.cache.ready_tensors([(layer, int(e)) for e in experts])
+        if tensors is None:
+            return None
+        with self._lock:
+            positions = np.full(held.size, -1, dtype=np.int32)
+            positions[experts] = np.arange(experts.size, dtype=np.int32)
+            stack = LayerStack(positions, self.runners[layer].stack(tensors))
+            self._stacks[layer] = stack
+        return stack
 
     def validate(self, request: Request) -> ExpertRunner:
         runner = self.runners.get(request.layer)
@@ -580,12 +628,21 @@ class Residency:
         rows_of = np.split(request.rows[np.argsort(inverse, kind="stable")],
                            np.cumsum(counts)[:-1])
         hidden = from_numpy(request.hidden, request.dtype)
+        stack = self._stack(request.layer)
         parts: list[mx.array | None] = [None] * unique.size
         lease = self.cache.demand(request.layer, unique, counts)
         try:
             remaining = unique.size
             while remaining:
                 ready = lease.take()
+                if stack is not None and len(ready) == unique.size:  # all resident: one call
+                    with self._lock:
+                        out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
+                                              mx.array(stack.positions[request.experts]))
+                        mx.eval(out)
+                    lease.done(pos for pos, _ in ready)
+                    self.holdings.asked(request.layer, unique, counts)
+                    return out
                 with self._lock:
                     outs = [runner(tensors, hidden[mx.array(rows_of[pos])])
                             for pos, tensors in ready]

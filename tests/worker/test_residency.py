@@ -1,6 +1,7 @@
 """The cache in one process: any budget computes the same as every expert in memory; hints
 fill the cache without pushing out hot experts; a bad copy is found by its checksum."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -46,6 +47,40 @@ def test_small_budgets_compute_exactly_what_a_full_one_does(store):
             small.close()
     assert full.snapshot().counters.misses == 0
     full.close()
+
+
+def test_a_full_budget_stacks_each_layer_once_and_restacks_after_a_move(store):
+    scan = scan_stores([store])
+    before = mx.get_active_memory()
+    full = Residency(scan)
+    grown = mx.get_active_memory() - before
+    streaming = Residency(scan, budget=int(0.5 * full.expert_bytes))
+    rng = np.random.default_rng(2)
+    try:
+        assert full.stacked_layers() == [0, 1, 2] and streaming.stacked_layers() == []
+        # The stack is the experts' only copy: their tensors became views into it.
+        assert grown < 1.25 * full.expert_bytes
+        for _ in range(10):
+            request = random_request(rng)
+            assert np.array_equal(np.array(full.compute(request)),
+                                  np.array(streaming.compute(request)))
+
+        copies = scan.copies[(1, 3)]
+        full.remove_expert((1, 3))
+        assert 1 not in full.stacked_layers()
+        with pytest.raises(ShoalError, match="moved"):
+            full.compute(Request(1, np.ones((1, 64), np.float32), "float32",
+                                 np.zeros(1, np.int32), np.full(1, 3, np.int32)))
+        full.add_expert((1, 3), *copies[0])
+        uses_it = Request(1, rng.standard_normal((2, 64)).astype(np.float32), "float32",
+                          np.array([0, 1, 1], np.int32), np.array([3, 3, 5], np.int32))
+        for request in (uses_it, random_request(rng, layer=1)):  # the 1st loads expert 1/3
+            assert np.array_equal(np.array(full.compute(request)),
+                                  np.array(streaming.compute(request)))
+        assert 1 in full.stacked_layers()
+    finally:
+        full.close()
+        streaming.close()
 
 
 def test_hints_fill_the_cache_but_never_push_out_a_hot_expert(store):
