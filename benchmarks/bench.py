@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
+from benchmarks.network import ThunderboltNetwork
 from coordinator.demo import build_once, cache_root
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
@@ -30,12 +31,13 @@ from engine.errors import ShoalError
 from engine.synthetic import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+# runs: generations at the shortest prompt (the decode figure); long_runs: at each longer one
 FULL = {"size": "bench", "bits": 4, "group_size": 64, "lengths": [16, 128, 512],
-        "decode_tokens": 32,
-        "runs": 3, "echo_round_trips": 300}
+        "decode_tokens": 32, "runs": 3, "long_runs": 1, "echo_round_trips": 300}
 # float32: the tiny model's 4-bit scales are too narrow for mlx-lm's tensor-parallel split.
 QUICK = {"size": "tiny", "bits": None, "group_size": 32, "lengths": [16, 64], "decode_tokens": 8,
-         "runs": 1, "echo_round_trips": 50}
+         "runs": 1, "long_runs": 1, "echo_round_trips": 50}
+NETWORKS = ("loopback", "thunderbolt")
 WORKERS = 2
 
 
@@ -64,33 +66,36 @@ def measure_single(source: Path, settings: dict) -> dict:
     tokenizer = load_tokenizer(source)
     figures = decode_and_prefill(model, tokenizer, config["vocab_size"],
                                  lengths=settings["lengths"],
-                                 decode_tokens=settings["decode_tokens"], runs=settings["runs"])
+                                 decode_tokens=settings["decode_tokens"], runs=settings["runs"],
+                                 long_runs=settings["long_runs"])
     del model
     gc.collect()
     return figures
 
 
-def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Path) -> dict:
+def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Path,
+                  net: ThunderboltNetwork | None) -> dict:
     """Decode/prefill figures, then per-layer dispatch figures of decode alone (a prefill-only
-    generation's counters subtracted from a prefill+decode one)."""
+    generation's counters subtracted from a prefill+decode one), then the echo floor over the
+    same network. With `net`, each worker runs in its namespace behind a delay relay."""
+    places = [(cable.prefix(), cable.address) for cable in net.cables] if net else ()
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret_file,
-                            log_dir)
+                            log_dir, places)
     try:
-        remote = open_remote_model(sharded, [w.address for w in workers],
-                                   load_secret(secret_file))
+        addresses = [net.relay(w.address) if net else w.address for w in workers]
+        remote = open_remote_model(sharded, addresses, load_secret(secret_file))
         try:
             vocab = remote.manifest.config["vocab_size"]
             figures = decode_and_prefill(remote.model, remote.tokenizer, vocab,
                                          lengths=settings["lengths"],
                                          decode_tokens=settings["decode_tokens"],
-                                         runs=settings["runs"])
+                                         runs=settings["runs"], long_runs=settings["long_runs"])
             figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"])
-            figures["echo"] = echo_floor(figures["dispatch"], settings["echo_round_trips"],
-                                         log_dir)
         finally:
             remote.close()
     finally:
         stop_workers(workers)
+    figures["echo"] = echo_floor(figures["dispatch"], settings["echo_round_trips"], log_dir, net)
     return figures
 
 
@@ -128,26 +133,38 @@ def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
     }
 
 
-def echo_floor(dispatch: dict, count: int, log_dir: Path) -> dict:
-    """The same fan-out and message sizes over bare gRPC streams to echo processes."""
+def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwork | None) -> dict:
+    """The same fan-out and message sizes over bare gRPC streams to echo processes, placed
+    where the workers were. Over the Thunderbolt-like network also without the relay and
+    through a relay that adds no delay: what the relay itself costs."""
     fan_out = max(1, round(dispatch["workers_per_layer"]))
     servers = []
     try:
         for k in range(fan_out):
+            prefix, host = (net.cables[k].prefix(), net.cables[k].address) if net else (
+                [], "127.0.0.1")
             log_file = open(log_dir / f"echo-{k}.log", "w")  # noqa: SIM115 (kept for the process)
             servers.append(subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.echo", "serve",
+                [*prefix, sys.executable, "-m", "benchmarks.echo", "serve", "--host", host,
                  "--reply-bytes", str(int(dispatch["reply_bytes"]))],
                 stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
             ))
         addresses = [wait_for_line(log_dir / f"echo-{k}.log", r"on (\S+:\d+)") for k in
                      range(fan_out)]
-        seconds = round_trips(addresses, int(dispatch["request_bytes"]), count)
+
+        def floor(targets: list[str]) -> float:
+            return 1e3 * round_trips(targets, int(dispatch["request_bytes"]), count)
+
+        if net is None:
+            return {"streams": fan_out, "round_trip_ms": floor(addresses)}
+        return {"streams": fan_out,
+                "round_trip_ms": floor([net.relay(a) for a in addresses]),
+                "without_relay_ms": floor(addresses),
+                "relay_without_delay_ms": floor([net.relay(a, delay=0.0) for a in addresses])}
     finally:
         for server in servers:
             server.terminate()
             server.wait(10)
-    return {"streams": fan_out, "round_trip_ms": 1e3 * seconds}
 
 
 def wait_for_line(path: Path, pattern: str, timeout: float = 60.0) -> str:
@@ -169,7 +186,8 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
                str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
                "--mode", mode, "--out", str(out),
                "--prompt-lengths", ",".join(map(str, settings["lengths"])),
-               "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"])]
+               "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
+               "--long-runs", str(settings["long_runs"])]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
         if run.returncode != 0 or not out.exists():
@@ -178,14 +196,31 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
         return json.loads(out.read_text())
 
 
+def measure_shoal_on(network: str, sharded: Path, settings: dict, secret_file: Path,
+                     log_dir: Path) -> dict:
+    if network == "loopback":
+        return measure_shoal(sharded, settings, secret_file, log_dir, None)
+    net = ThunderboltNetwork.build(WORKERS)
+    try:
+        return measure_shoal(sharded, settings, secret_file, log_dir, net)
+    finally:
+        net.close()
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
-def run(*, quick: bool = False, plot: Path | None = None, **overrides: int | None) -> dict:
-    """The whole comparison; `overrides` (runs, decode_tokens) replace the preset's values."""
+def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopback",
+        **overrides: int | None) -> dict:
+    """The whole comparison; `overrides` (runs, long_runs, decode_tokens) replace the
+    preset's values. `network` "thunderbolt" puts Shoal's workers (and the echo servers)
+    behind a Thunderbolt-like link (benchmarks/network.py); mlx-lm's baselines stay on
+    loopback."""
+    if network not in NETWORKS:
+        raise ShoalError(f"unknown network {network!r}; choose {' or '.join(NETWORKS)}")
     settings = {**(QUICK if quick else FULL),
-                **{k: v for k, v in overrides.items() if v is not None}}
+                **{k: v for k, v in overrides.items() if v is not None}, "network": network}
     root = cache_root() / "bench" / ("quick" if quick else "full")
     source, sharded = prepare(settings, root)
     secret_file = root / "secret"
@@ -196,7 +231,7 @@ def run(*, quick: bool = False, plot: Path | None = None, **overrides: int | Non
 
     steps: list[tuple[str, Callable[[], dict]]] = [
         ("mlx_lm_single", lambda: measure_single(source, settings)),
-        ("shoal", lambda: measure_shoal(sharded, settings, secret_file, log_dir)),
+        ("shoal", lambda: measure_shoal_on(network, sharded, settings, secret_file, log_dir)),
         ("mlx_lm_tensor_parallel", lambda: measure_mlx_distributed(source, "tensor", settings)),
         ("mlx_lm_pipeline_parallel",
          lambda: measure_mlx_distributed(source, "pipeline", settings)),
@@ -291,6 +326,9 @@ def table(report: dict) -> str:
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
+    if "without_relay_ms" in e:
+        lines.append(f"network thunderbolt: echo {e['without_relay_ms']:.2f} ms without the "
+                     f"relay, {e['relay_without_delay_ms']:.2f} ms through it with no delay")
     for key in ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
                 "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo"):
         value = report.get(key)

@@ -27,7 +27,7 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-def serve(port: int, reply_bytes: int) -> None:
+def serve(host: str, port: int, reply_bytes: int) -> None:
     reply = b"\0" * reply_bytes
 
     def stream(request_iterator, context):
@@ -40,9 +40,9 @@ def serve(port: int, reply_bytes: int) -> None:
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
-    print(f"echo serving on 127.0.0.1:{bound}", flush=True)
+    print(f"echo serving on {host}:{bound}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -80,10 +80,11 @@ def round_trips(addresses: list[str], request_bytes: int, count: int, warmup: in
 def main() -> None:
     parser = argparse.ArgumentParser(description="gRPC stream echo server for shoal bench")
     parser.add_argument("command", choices=["serve"])
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reply-bytes", type=int, required=True)
     args = parser.parse_args()
-    serve(args.port, args.reply_bytes)
+    serve(args.host, args.port, args.reply_bytes)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,14 @@ def decode_and_prefill(
     lengths: list[int],
     decode_tokens: int,
     runs: int,
+    long_runs: int | None = None,
     after_each: Callable[[], None] = lambda: None,
 ) -> dict:
-    """For each prompt length: median prefill and decode tokens/s over `runs` generations,
-    after one warm-up generation of that shape. `decode_tps` is the shortest prompt's.
-    `after_each` runs after every generation (distributed ranks synchronise there)."""
+    """Prefill and decode tokens/s per prompt length, after one warm-up generation: the
+    median of `runs` generations at the shortest prompt (whose decode speed is `decode_tps`)
+    and of `long_runs` (default `runs`) at each longer one, where a generation is mostly
+    prefill and takes long. `after_each` runs after every generation (distributed ranks
+    synchronise there)."""
     prompt = bench_prompt(vocab_size, max(lengths))
     prefill, decode = {}, {}
 
@@ -47,10 +50,12 @@ def decode_and_prefill(
         after_each()
         return figures
 
+    lengths = sorted(lengths)
+    timed(lengths[0], 4)
     for n in lengths:
-        timed(n, 4)
-        samples = [timed(n, decode_tokens) for _ in range(runs)]
+        count = runs if n == lengths[0] or long_runs is None else long_runs
+        samples = [timed(n, decode_tokens) for _ in range(max(1, count))]
         prefill[str(n)] = statistics.median(p for p, _ in samples)
         decode[str(n)] = statistics.median(d for _, d in samples)
-    return {"decode_tps": decode[str(min(lengths))], "decode_tps_by_prompt": decode,
+    return {"decode_tps": decode[str(lengths[0])], "decode_tps_by_prompt": decode,
             "prefill_tps": prefill}

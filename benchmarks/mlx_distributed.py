@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--prompt-lengths", default="16,128,512")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--long-runs", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -35,7 +36,7 @@ def main() -> None:
     figures = decode_and_prefill(
         model, tokenizer, model.args.vocab_size,
         lengths=[int(n) for n in args.prompt_lengths.split(",")],
-        decode_tokens=args.decode_tokens, runs=args.runs,
+        decode_tokens=args.decode_tokens, runs=args.runs, long_runs=args.long_runs,
         # generate_step keeps one step in flight when the loop stops; without a barrier a rank
         # can leave for the next generation (or exit) while its peer still waits on that step.
         after_each=lambda: mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu)),

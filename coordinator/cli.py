@@ -283,8 +283,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from benchmarks.bench import run, table
 
-    report = run(quick=args.quick, plot=args.plot, runs=args.runs,
-                 decode_tokens=args.decode_tokens)
+    report = run(quick=args.quick, plot=args.plot, network=args.network, runs=args.runs,
+                 long_runs=args.long_runs, decode_tokens=args.decode_tokens)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 
@@ -450,7 +450,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a tiny checkpoint and few runs: checks the harness, not the speed")
     p.add_argument("--runs", type=int, metavar="N",
-                   help="timed generations per prompt length, after a warm-up (default 3)")
+                   help="timed generations at the shortest prompt, whose median is the decode "
+                   "figure (default 3)")
+    p.add_argument("--long-runs", type=int, metavar="N",
+                   help="timed generations at each longer prompt (default 1)")
+    p.add_argument("--network", choices=["loopback", "thunderbolt"], default="loopback",
+                   help="thunderbolt: run the workers in Linux network namespaces behind a "
+                   "10 Gbit/s cap and 0.2 ms added each way, like Thunderbolt Bridge between "
+                   "Macs (needs root and iproute2); mlx-lm's baselines stay on loopback")
     p.add_argument("--decode-tokens", type=int, metavar="N",
                    help="tokens generated per timed run (default 32)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")

@@ -45,10 +45,12 @@ def start_worker(
     extra: Sequence[str] = (),
     *,
     host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
     timeout: float = START_TIMEOUT,
 ) -> LocalWorker:
-    """Launch `shoal-worker` on a free port of `host` and wait until it serves (bounded)."""
-    cmd = [sys.executable, "-m", "worker.daemon", "--host", host, "--port", "0",
+    """Launch `shoal-worker` on a free port of `host` and wait until it serves (bounded).
+    `prefix` runs it through another command (`ip netns exec NS` for a namespace)."""
+    cmd = [*prefix, sys.executable, "-m", "worker.daemon", "--host", host, "--port", "0",
            "--secret-file", str(secret_file), *extra]
     for store in stores:
         cmd += ["--store", str(store)]
@@ -75,16 +77,21 @@ def start_worker(
 
 
 def start_workers(
-    store_groups: Sequence[Sequence[Path]], secret_file: Path, log_dir: Path
+    store_groups: Sequence[Sequence[Path]],
+    secret_file: Path,
+    log_dir: Path,
+    places: Sequence[tuple[Sequence[str], str]] = (),
 ) -> list[LocalWorker]:
-    """Start one worker per group of stores; if any fails, stop those already started."""
+    """Start one worker per group of stores; if any fails, stop those already started.
+    `places` gives each worker a (command prefix, host) other than loopback."""
     workers: list[LocalWorker] = []
     try:
         for index, stores in enumerate(store_groups):
+            prefix, host = places[index] if places else ((), "127.0.0.1")
             # Found by address, not by Bonjour: advertising would only announce several
             # workers that share this machine's node id.
             workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log",
-                                        ("--no-advertise",)))
+                                        ("--no-advertise",), host=host, prefix=prefix))
     except BaseException:
         stop_workers(workers)
         raise

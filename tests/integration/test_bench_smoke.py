@@ -17,9 +17,11 @@ RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
 
 
 @pytest.mark.slow
-def test_bench_quick_prints_a_complete_report(tmp_path):
+@pytest.mark.parametrize("network", ["loopback", "thunderbolt"])
+def test_bench_quick_prints_a_complete_report(tmp_path, network):
     run = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "bench", "--quick", "--json"],
+        [sys.executable, "-m", "coordinator.cli", "bench", "--quick", "--json", "--network",
+         network],
         capture_output=True, text=True, timeout=600, cwd=REPO,
         env={**os.environ, "SHOAL_CACHE": str(tmp_path / "cache")},
     )
@@ -36,3 +38,7 @@ def test_bench_quick_prints_a_complete_report(tmp_path):
     assert dispatch["bytes_sent_per_token"] > 0 and report["shoal"]["echo"]["round_trip_ms"] > 0
     assert report["decode_ratio_vs_mlx_lm_single"] > 0
     assert report["layer_overhead_ratio_vs_grpc_echo"] > 0
+    assert report["settings"]["network"] == network
+    if network == "thunderbolt":  # the echo floor was measured over the same cables
+        echo = report["shoal"]["echo"]
+        assert echo["round_trip_ms"] >= 0.4 and echo["without_relay_ms"] > 0

@@ -1,0 +1,204 @@
+"""A Thunderbolt-like network for `shoal bench --network thunderbolt`.
+
+Each worker runs in its own Linux network namespace, cabled to this (the coordinator's)
+namespace by a veth pair, like one Thunderbolt cable per Mac: a 10 Gbit/s token-bucket cap
+(`tc tbf`) on both ends, and 0.2 ms added one way by a relay process on this side, since
+this kernel has no `netem` qdisc to add delay with `tc`. The coordinator talks to the relay
+on loopback; the relay holds every chunk for the delay before passing it on, in each
+direction. `relay_floor()` measures what the relay itself costs, so figures can be read net
+of it.
+
+Needs root and iproute2. Everything is named after this process's id, only addresses inside
+10.213.0.0/16 on the namespaces made here are used, and `close()` removes it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ShoalError
+
+ONE_WAY_DELAY = 0.0002  # seconds added each way: Thunderbolt Bridge TCP, about 0.4 ms RTT
+RATE = "10gbit"
+SUBNET = "10.213"
+CHUNK = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise ShoalError(f"{' '.join(cmd)}: {done.stderr.strip() or done.returncode}")
+
+
+def check_can_build() -> None:
+    """Refuse early, with the reason, where namespaces cannot be made."""
+    if not hasattr(os, "geteuid") or sys.platform != "linux":
+        raise ShoalError("--network thunderbolt uses Linux network namespaces; run it on Linux")
+    if os.geteuid() != 0:
+        raise ShoalError("--network thunderbolt makes network namespaces: run it as root")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ShoalError(f"--network thunderbolt needs `{tool}` (apt-get install iproute2)")
+
+
+@dataclass
+class Cable:
+    """One worker's namespace and the veth pair to it."""
+
+    netns: str
+    host_side: str
+    address: str  # the worker's address inside its namespace
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns]
+
+
+@dataclass
+class ThunderboltNetwork:
+    cables: list[Cable] = field(default_factory=list)
+    _relays: list[subprocess.Popen] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, hosts: int) -> ThunderboltNetwork:
+        check_can_build()
+        net = cls()
+        tag = f"shtb{os.getpid() % 100000}"
+        try:
+            for k in range(hosts):
+                cable = Cable(f"{tag}-w{k}", f"{tag}w{k}", f"{SUBNET}.{k}.2")
+                _run("ip", "netns", "add", cable.netns)
+                net.cables.append(cable)
+                _run("ip", "link", "add", cable.host_side, "type", "veth", "peer", "name", "eth0",
+                     "netns", cable.netns)
+                _run("ip", "addr", "add", f"{SUBNET}.{k}.1/30", "dev", cable.host_side)
+                _run("ip", "link", "set", cable.host_side, "up")
+                _run("ip", "-n", cable.netns, "addr", "add", f"{cable.address}/30", "dev", "eth0")
+                _run("ip", "-n", cable.netns, "link", "set", "eth0", "up")
+                _run("ip", "-n", cable.netns, "link", "set", "lo", "up")
+                # 10 Gbit/s each way; the bucket holds one 1 ms tick's worth at that rate.
+                shape = ("root", "tbf", "rate", RATE, "burst", "1250kb", "latency", "5ms")
+                _run("tc", "qdisc", "add", "dev", cable.host_side, *shape)
+                _run("tc", "-n", cable.netns, "qdisc", "add", "dev", "eth0", *shape)
+        except BaseException:
+            net.close()
+            raise
+        return net
+
+    def relay(self, target: str, delay: float = ONE_WAY_DELAY) -> str:
+        """Start a relay process from a loopback port to `target`; returns its address."""
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.network", "relay", "--to", target,
+             "--delay-us", str(round(delay * 1e6))],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True, cwd=REPO,
+        )
+        self._relays.append(proc)
+        line = proc.stdout.readline()  # "relay on 127.0.0.1:PORT -> ..." once it listens
+        if not line.startswith("relay on "):
+            raise ShoalError(f"the delay relay to {target} did not start: {line.strip()}")
+        return line.split()[2]
+
+    def close(self) -> None:
+        """Stop the relays, then remove the namespaces (their veth pairs go with them)."""
+        for proc in self._relays:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self._relays.clear()
+        for cable in reversed(self.cables):
+            subprocess.run(["ip", "netns", "del", cable.netns], capture_output=True, timeout=30)
+        self.cables.clear()
+
+
+# -- the relay: a TCP forwarder that delays each chunk, run as its own process ----------------
+
+
+def _pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
+    """Copy source -> sink, each chunk leaving `delay` seconds after it arrived (a wire's
+    propagation delay: chunks queue behind each other, none is held longer)."""
+    queue: deque[tuple[float, bytes]] = deque()
+    ready = threading.Condition()
+
+    def read() -> None:
+        while True:
+            try:
+                data = source.recv(CHUNK)
+            except OSError:
+                data = b""
+            with ready:
+                queue.append((time.perf_counter() + delay, data))
+                ready.notify()
+            if not data:
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        with ready:
+            while not queue:
+                ready.wait()
+            due, data = queue.popleft()
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        if not data:
+            try:
+                sink.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            return
+        try:
+            sink.sendall(data)
+        except OSError:
+            return
+
+
+def _connection(client: socket.socket, target: tuple[str, int], delay: float) -> None:
+    with client, socket.create_connection(target, timeout=10) as upstream:
+        upstream.settimeout(None)
+        for s in (client, upstream):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        back = threading.Thread(target=_pump, args=(upstream, client, delay), daemon=True)
+        back.start()
+        _pump(client, upstream, delay)
+        back.join()
+
+
+def serve_relay(target: str, delay: float) -> None:
+    host, port = target.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"relay on 127.0.0.1:{listener.getsockname()[1]} -> {target}, "
+          f"{delay * 1e6:.0f} us each way", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        client, _ = listener.accept()
+        threading.Thread(target=_connection, args=(client, (host, int(port)), delay),
+                         daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="delay relay for shoal bench --network")
+    parser.add_argument("command", choices=["relay"])
+    parser.add_argument("--to", required=True, help="HOST:PORT to forward to")
+    parser.add_argument("--delay-us", type=int, default=round(ONE_WAY_DELAY * 1e6))
+    args = parser.parse_args()
+    serve_relay(args.to, args.delay_us / 1e6)
+
+
+if __name__ == "__main__":
+    main()
