@@ -91,6 +91,15 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
                                          decode_tokens=settings["decode_tokens"],
                                          runs=settings["runs"], long_runs=settings["long_runs"])
             figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"])
+            width = int(remote.manifest.config["hidden_size"])
+            k = int(remote.manifest.config["num_experts_per_tok"])
+            longest = max(settings["lengths"])
+            # one worker's share with two workers: half the (token, expert) pairs
+            figures["serialization_us"] = {
+                "decode": serialization_us(width, 1, k // WORKERS),
+                f"prefill{longest}": serialization_us(width, longest, longest * k // WORKERS,
+                                                      repeat=5),
+            }
         finally:
             remote.close()
     finally:
@@ -131,6 +140,40 @@ def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
         "request_bytes": d["sent"] / d["requests"],
         "reply_bytes": d["received"] / d["requests"],
     }
+
+
+def serialization_us(width: int, rows: int, pairs: int, repeat: int = 50) -> dict:
+    """Microseconds of CPU to turn one worker's request of `rows` hidden states and `pairs`
+    (row, expert) pairs, and its reply, into wire bytes and back, as the two ends do."""
+    import numpy as np
+
+    from engine.tensors import decode, encode
+    from proto import shoal_pb2
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((rows, width)).astype(np.float32)
+    outputs = rng.standard_normal((pairs, width)).astype(np.float32)
+    index = np.arange(pairs, dtype=np.int32)
+
+    def request() -> None:
+        wire = shoal_pb2.ExpertRequest(
+            seq=1, layer=1, hidden=encode(hidden, "float32"), rows=encode(index % rows, "int32"),
+            experts=encode(index, "int32")).SerializeToString()
+        message = shoal_pb2.ExpertRequest.FromString(wire)
+        decode(message.hidden, what="hidden", ndim=2)
+
+    def reply() -> None:
+        wire = shoal_pb2.ExpertReply(seq=1, output=encode(outputs, "float32")).SerializeToString()
+        decode(shoal_pb2.ExpertReply.FromString(wire).output, what="output", ndim=2)
+
+    figures = {}
+    for name, step in (("request", request), ("reply", reply)):
+        step()
+        started = time.perf_counter()
+        for _ in range(repeat):
+            step()
+        figures[name] = 1e6 * (time.perf_counter() - started) / repeat
+    return figures
 
 
 def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwork | None) -> dict:
@@ -326,6 +369,9 @@ def table(report: dict) -> str:
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
+    for shape, us in report["shoal"]["serialization_us"].items():
+        lines.append(f"serialization, {shape}: request {us['request']:.0f} us, reply "
+                     f"{us['reply']:.0f} us (build, serialize, parse, view; both ends)")
     if "without_relay_ms" in e:
         lines.append(f"network thunderbolt: echo {e['without_relay_ms']:.2f} ms without the "
                      f"relay, {e['relay_without_delay_ms']:.2f} ms through it with no delay")

@@ -310,13 +310,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def print_stats(stats: dict) -> None:
     out = sys.stderr
     print("per layer (all calls):", file=out)
-    print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'worker ms':>9} {'sent':>10} {'recv':>10}",
-          file=out)
+    print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'slowest worker ms':>17} "
+          f"{'shared ms':>9} {'sent':>10} {'recv':>10}", file=out)
     for layer, s in stats["layers"].items():
         print(
             f"  {layer:>5} {s['calls']:>6} {s['ms_per_call']:>8.2f} "
-            f"{s['worker_compute_ms_per_call']:>9.2f} {s['bytes_sent']:>10} "
-            f"{s['bytes_received']:>10}",
+            f"{s['slowest_worker_ms_per_call']:>17.2f} {s['shared_expert_ms_per_call']:>9.2f} "
+            f"{s['bytes_sent']:>10} {s['bytes_received']:>10}",
             file=out,
         )
     ms = stats["token_ms"]

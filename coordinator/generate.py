@@ -170,6 +170,8 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
             "requests": s.requests,
             "ms_per_call": 1e3 * s.seconds / max(s.calls, 1),
             "worker_compute_ms_per_call": 1e3 * s.worker_compute_seconds / max(s.calls, 1),
+            "slowest_worker_ms_per_call": 1e3 * s.slowest_compute_seconds / max(s.calls, 1),
+            "shared_expert_ms_per_call": 1e3 * s.shared_seconds / max(s.calls, 1),
             "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received,
         }

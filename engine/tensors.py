@@ -38,9 +38,14 @@ def from_numpy(array: np.ndarray, dtype_name_: str) -> mx.array:
     return out.view(mx.bfloat16) if dtype_name_ == "bfloat16" else out
 
 
-def encode(array: np.ndarray, dtype_name_: str) -> shoal_pb2.Tensor:
-    """A numpy array (already in the wire's byte layout for `dtype_name_`) as a Tensor."""
-    return shoal_pb2.Tensor(dtype=dtype_name_, shape=array.shape, data=array.tobytes())
+def encode(array: np.ndarray, dtype_name_: str) -> dict:
+    """A numpy array (already in the wire's byte layout for `dtype_name_`) as the fields of a
+    proto Tensor, to give a message's tensor field: `ExpertRequest(hidden=encode(...))`.
+
+    A dict, not a Tensor: protobuf (upb) builds a field from a dict in place, but copies a
+    ready Tensor message slowly (48 ms against 7 ms for 8 MB here).
+    """
+    return {"dtype": dtype_name_, "shape": array.shape, "data": array.tobytes()}
 
 
 def decode(
@@ -65,7 +70,9 @@ def decode(
         raise InvalidInput(f"{what}: negative dimension in shape {shape}")
     np_dtype = _DTYPES[tensor.dtype][0]
     expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
-    if len(tensor.data) != expected:
-        got = len(tensor.data)
-        raise InvalidInput(f"{what}: {shape} of {tensor.dtype} needs {expected} bytes, got {got}")
-    return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
+    data = tensor.data  # each read of a bytes field makes a new copy: read it once
+    if len(data) != expected:
+        raise InvalidInput(
+            f"{what}: {shape} of {tensor.dtype} needs {expected} bytes, got {len(data)}"
+        )
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)

@@ -622,35 +622,22 @@ class Residency:
     def compute(self, request: Request) -> mx.array:
         """Validate, then run the experts; returns (m, hidden_size) in the activation dtype."""
         runner = self.validate(request)
-        unique, inverse = np.unique(request.experts, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        counts = np.bincount(inverse, minlength=unique.size)
-        rows_of = np.split(request.rows[np.argsort(inverse, kind="stable")],
-                           np.cumsum(counts)[:-1])
+        unique, inverse, counts = np.unique(request.experts, return_inverse=True,
+                                            return_counts=True)
         hidden = from_numpy(request.hidden, request.dtype)
         stack = self._stack(request.layer)
-        parts: list[mx.array | None] = [None] * unique.size
         lease = self.cache.demand(request.layer, unique, counts)
         try:
-            remaining = unique.size
-            while remaining:
-                ready = lease.take()
-                if stack is not None and len(ready) == unique.size:  # all resident: one call
-                    with self._lock:
-                        out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
-                                              mx.array(stack.positions[request.experts]))
-                        mx.eval(out)
-                    lease.done(pos for pos, _ in ready)
-                    self.holdings.asked(request.layer, unique, counts)
-                    return out
+            ready = lease.take()
+            if stack is not None and len(ready) == unique.size:  # all resident: one call
                 with self._lock:
-                    outs = [runner(tensors, hidden[mx.array(rows_of[pos])])
-                            for pos, tensors in ready]
-                    mx.eval(outs)
-                for (pos, _), out in zip(ready, outs, strict=True):
-                    parts[pos] = out
+                    out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
+                                          mx.array(stack.positions[request.experts]))
+                    mx.eval(out)
                 lease.done(pos for pos, _ in ready)
-                remaining -= len(ready)
+            else:
+                out = self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
+                                               inverse.reshape(-1), counts)
         except NotFound:
             gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
             if gone:  # deleted while this request was on its way (shoal rebalance)
@@ -660,7 +647,29 @@ class Residency:
         finally:
             lease.close()
         self.holdings.asked(request.layer, unique, counts)
+        return out
+
+    def _each_as_it_arrives(
+        self, runner: ExpertRunner, lease: Lease, ready: list[tuple[int, dict[str, mx.array]]],
+        hidden: mx.array, rows: np.ndarray, inverse: np.ndarray, counts: np.ndarray,
+    ) -> mx.array:
+        """Run each distinct expert on its rows as its tensors become ready (streaming), then
+        put the outputs back in request order."""
         order = np.argsort(inverse, kind="stable")
+        rows_of = np.split(rows[order], np.cumsum(counts)[:-1])
+        parts: list[mx.array | None] = [None] * counts.size
+        remaining = counts.size
+        while True:
+            with self._lock:
+                outs = [runner(tensors, hidden[mx.array(rows_of[pos])]) for pos, tensors in ready]
+                mx.eval(outs)
+            for (pos, _), out in zip(ready, outs, strict=True):
+                parts[pos] = out
+            lease.done(pos for pos, _ in ready)
+            remaining -= len(ready)
+            if not remaining:
+                break
+            ready = lease.take()
         with self._lock:
             out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
             mx.eval(out)

@@ -4,19 +4,20 @@ import pytest
 
 from engine.errors import InvalidInput
 from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+from proto import shoal_pb2
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32])
 def test_round_trip_is_bit_exact(dtype):
     array = (mx.random.normal((3, 5)) * 100).astype(dtype)
     name = dtype_name(dtype)
-    back = from_numpy(decode(encode(to_numpy(array), name), what="x"), name)
+    back = from_numpy(decode(shoal_pb2.Tensor(**encode(to_numpy(array), name)), what="x"), name)
     assert back.dtype == dtype
     assert mx.array_equal(back, array).item()
 
 
 def test_decode_refuses_wrong_dtype_rank_and_size():
-    tensor = encode(np.zeros((2, 3), np.float32), "float32")
+    tensor = shoal_pb2.Tensor(**encode(np.zeros((2, 3), np.float32), "float32"))
     with pytest.raises(InvalidInput, match="not one of int32"):
         decode(tensor, what="rows", dtypes=("int32",))
     with pytest.raises(InvalidInput, match="expected 1 dimensions"):
