@@ -217,6 +217,8 @@ class SharedAhead(nn.Module):
     def start(self, x: mx.array) -> None:
         if self._last_input is x:  # the block called its shared expert before the switch
             return
+        if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
+            return
         y = self.inner(x)
         mx.eval(y)
         self._ahead = (x, y)
