@@ -259,10 +259,14 @@ def cmd_workers(args: argparse.Namespace) -> None:
         rows = member_rows(membership.settle(args.wait, at_least=browse))
     finally:
         membership.close()
+    if args.stats:
+        add_worker_stats(rows, secret)
     if args.json:
         print(json.dumps({"cluster": membership.cluster, "workers": rows}, indent=1))
     elif rows:
         print(format_table(rows))
+        if args.stats:
+            print_worker_stats(rows)
     else:
         print(
             f"no workers of cluster {membership.cluster!r} answered within {args.wait:g} s. "
@@ -271,6 +275,30 @@ def cmd_workers(args: argparse.Namespace) -> None:
             "see docs/operations.md",
             file=sys.stderr,
         )
+
+
+def add_worker_stats(rows: list[dict], secret: bytes) -> None:
+    """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
+    from coordinator.worker_stats import fetch_worker_stats, summarize
+
+    for row in rows:
+        if row["state"] != "healthy":
+            continue
+        try:
+            row["stats"] = summarize(fetch_worker_stats(row["address"], secret))
+        except ShoalError as e:
+            row["stats_error"] = str(e)
+
+
+def print_worker_stats(rows: list[dict]) -> None:
+    from coordinator.worker_stats import format_summary
+
+    print("\nsince each worker started:")
+    for row in rows:
+        if "stats" in row:
+            print("\n".join(format_summary(row["address"], row["stats"])))
+        elif "stats_error" in row:
+            print(f"  {row['address']}: no stats ({row['stats_error']})")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -417,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     discovery_options(p, wait=4.0, wait_help="how long to listen and check (default 4)")
     p.add_argument("--model", type=Path, metavar="OUT_DIR",
                    help="also mark workers that serve another model as incompatible")
+    p.add_argument("--stats", action="store_true",
+                   help="also show each healthy worker's counters since it started: memory "
+                   "budget and resident experts, cache hit rate, prefetch recall and "
+                   "precision, bytes read per drive")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     secret_option(p)
     p.set_defaults(func=cmd_workers)

@@ -184,6 +184,18 @@ def test_a_cluster_config_replaces_discovery(tiny_checkpoint, sharded, start_wor
     assert report["token_ids"] == reference_tokens(source, report["prompt_token_ids"])
     assert f"worker a at {a.address} via lo (local)" in run.stderr
 
+    # Each worker's counters, read after that generation: every expert it computed was resident.
+    listed = shoal("workers", "--cluster-config", str(config), "--json", "--stats",
+                   "--secret-file", str(secret_file), "--wait", "8")
+    assert listed.returncode == 0, listed.stderr
+    stats = {w["node_id"]: w.get("stats") for w in json.loads(listed.stdout)["workers"]}
+    assert stats["gone"] is None
+    for node in ("a", "b"):
+        assert stats[node]["demands"] > 0 and stats[node]["hit_rate"] == 1.0, stats[node]
+    table = shoal("workers", "--cluster-config", str(config), "--stats",
+                  "--secret-file", str(secret_file), "--wait", "8")
+    assert "hit rate 100.0%" in table.stdout, table.stdout
+
 
 def test_a_lost_worker_is_routed_around_when_another_holds_its_experts(
     tiny_checkpoint, tmp_path, start_worker, secret_file
