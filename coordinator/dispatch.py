@@ -89,6 +89,11 @@ class Dispatcher:
         self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
 
+    def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The worker the next call of `layer` sends each of `experts` to, when each comes
+        once (a decode step): where a prefetch hint for them should go."""
+        return spread(self.cluster.routes[layer], experts, self._turns[layer] + 1)
+
     def __call__(
         self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
     ) -> mx.array:
@@ -126,7 +131,7 @@ class Dispatcher:
         hints = {}
         if self.lookahead is not None:
             self.lookahead.score(layer, experts)
-            hints = self.lookahead.hints(layer, x, k, self.cluster.owners, self.cluster.links)
+            hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
         stats = self.stats.layer(layer)
         pending = []

@@ -9,6 +9,7 @@ read, never a result. Only workers that cannot keep all their experts in memory 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -115,17 +116,19 @@ class Lookahead:
         s.correct += np.intersect1d(guess, used, assume_unique=True).size
 
     def hints(
-        self, layer: int, x: mx.array, k: int, owners: dict[int, np.ndarray], links: list
+        self, layer: int, x: mx.array, k: int,
+        owner_of: Callable[[int, np.ndarray], np.ndarray], links: list,
     ) -> dict[int, shoal_pb2.PrefetchHint]:
-        """Per worker index, the hint for the next layer's experts it serves, for streaming
-        workers only."""
+        """Per worker index, the hint for the next layer's experts it will be sent, for
+        streaming workers only. `owner_of(layer, experts)` names the copy that will compute
+        each expert (with replicas, not always its first owner)."""
         if not any(self._is_streaming(link) for link in links):
             return {}  # every expert is in memory somewhere: guessing would only cost time
         predicted = self.predict(layer, x, k)
         if predicted is None:
             return {}
         nxt, guess = predicted
-        owner = owners[nxt][guess]
+        owner = owner_of(nxt, guess)
         out = {}
         for worker in np.unique(owner).tolist():
             if worker < 0 or not self._is_streaming(links[worker]):

@@ -1,12 +1,18 @@
-"""The remote switch's pure parts: the shared expert computed ahead (once, same result) and
-where install() puts it."""
+"""The remote switch's parts that need no network: the shared expert computed ahead (once,
+same result), where install() puts it, and where prefetch hints go when experts have copies."""
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from coordinator.dispatch import RemoteSwitch, SharedAhead, install
+from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
 from engine.checkpoint import get_module, read_manifest, shard
 from engine.experts import build_skeleton
+from engine.placement import LayerRoutes
+from engine.tensors import encode
+from proto import shoal_pb2
 
 
 class Counting(nn.Module):
@@ -61,3 +67,50 @@ def test_install_wraps_a_shared_expert_where_the_block_has_one(tiny_checkpoint, 
             assert isinstance(shared, SharedAhead) == has_shared
             if has_shared:
                 assert shared.inner is original  # the same weights, now computed ahead
+
+
+class _Link:
+    """Answers a request in process with zeros: enough to see who was sent what."""
+
+    def __init__(self) -> None:
+        self.inventory = None
+        self.address = "in-process"
+        self.replies: list = []
+        self.experts: list[int] = []
+
+    def send(self, request) -> None:
+        experts = np.frombuffer(request.experts.data, np.int32)
+        self.experts += experts.tolist()
+        width = request.hidden.shape[1]
+        self.replies.append(shoal_pb2.ExpertReply(
+            seq=request.seq, output=encode(np.zeros((experts.size, width), np.float32),
+                                           "float32")))
+
+    def receive(self):
+        return self.replies.pop(0)
+
+
+@dataclass
+class _Cluster:
+    links: list
+    routes: dict
+
+    def refresh(self) -> None:
+        pass
+
+
+def test_hints_name_the_copy_that_the_next_decode_step_will_use():
+    # Every expert of layer 1 has a copy on both workers: calls take turns between them.
+    copies = np.array([[0, 1]] * 8, dtype=np.int32)
+    routes = {1: LayerRoutes(copies=copies, counts=np.full(8, 2, dtype=np.int32))}
+    links = [_Link(), _Link()]
+    dispatcher = Dispatcher(_Cluster(links, routes))
+    for _ in range(3):
+        experts = np.array([0, 3, 5, 6], dtype=np.int32)
+        hinted = dispatcher.next_owners(1, experts)
+        for link in links:
+            link.experts.clear()
+        dispatcher(1, mx.zeros((1, 1, 4)), mx.array(experts.reshape(1, 1, 4)))
+        sent_to = {int(e): w for w, link in enumerate(links) for e in link.experts}
+        assert [sent_to[int(e)] for e in experts] == hinted.tolist()
+    assert set(hinted.tolist()) == {0, 1}  # the copies really are spread
