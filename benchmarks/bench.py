@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
@@ -29,6 +31,8 @@ from engine.auth import create_secret, load_secret
 from engine.checkpoint import read_manifest, shard
 from engine.errors import ShoalError
 from engine.synthetic import build_checkpoint
+from engine.tensors import decode, encode
+from proto import shoal_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 # runs: generations at the shortest prompt (the decode figure); long_runs: at each longer one
@@ -145,11 +149,6 @@ def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
 def serialization_us(width: int, rows: int, pairs: int, repeat: int = 50) -> dict:
     """Microseconds of CPU to turn one worker's request of `rows` hidden states and `pairs`
     (row, expert) pairs, and its reply, into wire bytes and back, as the two ends do."""
-    import numpy as np
-
-    from engine.tensors import decode, encode
-    from proto import shoal_pb2
-
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((rows, width)).astype(np.float32)
     outputs = rng.standard_normal((pairs, width)).astype(np.float32)
