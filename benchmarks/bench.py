@@ -82,7 +82,7 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
     """Decode/prefill figures, then per-layer dispatch figures of decode alone (a prefill-only
     generation's counters subtracted from a prefill+decode one), then the echo floor over the
     same network. With `net`, each worker runs in its namespace behind a delay relay."""
-    places = [(cable.prefix(), cable.address) for cable in net.cables] if net else ()
+    places = net.places() if net else ()
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret_file,
                             log_dir, places)
     try:
@@ -183,8 +183,7 @@ def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwor
     servers = []
     try:
         for k in range(fan_out):
-            prefix, host = (net.cables[k].prefix(), net.cables[k].address) if net else (
-                [], "127.0.0.1")
+            prefix, host = net.places()[k] if net else ([], "127.0.0.1")
             log_file = open(log_dir / f"echo-{k}.log", "w")  # noqa: SIM115 (kept for the process)
             servers.append(subprocess.Popen(
                 [*prefix, sys.executable, "-m", "benchmarks.echo", "serve", "--host", host,

@@ -15,7 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
 from coordinator.demo import cache_root
+from worker.residency import Request, Residency
+from worker.store import scan_stores
 
 REPO = Path(__file__).resolve().parents[1]
 REQUESTS = 330
@@ -23,11 +28,6 @@ BUSY_SECONDS = 8.0
 
 
 def worker(store: Path, seed: int, start_at: float) -> None:
-    import numpy as np
-
-    from worker.residency import Request, Residency
-    from worker.store import scan_stores
-
     residency = Residency(scan_stores([store], verify=False))
     rng = np.random.default_rng(seed)
     held: dict[int, list[int]] = {}
@@ -51,8 +51,6 @@ def worker(store: Path, seed: int, start_at: float) -> None:
 
 
 def busy(start_at: float) -> None:
-    import mlx.core as mx
-
     weights = mx.quantize(mx.random.normal((3, 512, 1024)), 64, 4)
     x = mx.random.normal((1, 1024))
     mx.eval(weights, x)

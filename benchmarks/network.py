@@ -96,6 +96,10 @@ class ThunderboltNetwork:
             raise
         return net
 
+    def places(self) -> list[tuple[list[str], str]]:
+        """(command prefix, address) to run each host's server in its namespace."""
+        return [(cable.prefix(), cable.address) for cable in self.cables]
+
     def relay(self, target: str, delay: float = ONE_WAY_DELAY) -> str:
         """Start a relay process from a loopback port to `target`; returns its address."""
         proc = subprocess.Popen(

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.auth import METADATA_KEY, make_credential
@@ -28,7 +27,7 @@ from engine.errors import (
     Unauthenticated,
     Unavailable,
 )
-from engine.placement import ExpertKey, LayerRoutes, replica_routes, routing_table
+from engine.placement import ExpertKey, LayerRoutes, replica_routes
 from proto import GRPC_OPTIONS, PROTOCOL_VERSION, error_class_for, shoal_pb2, shoal_pb2_grpc
 
 if TYPE_CHECKING:
@@ -193,22 +192,15 @@ class WorkerLink:
 @dataclass
 class Cluster:
     links: list[WorkerLink]
-    owners: dict[int, np.ndarray]  # layer -> worker index per expert
+    routes: dict[int, LayerRoutes]  # per layer, every copy of each expert, primary first
     layers: dict[int, int] = field(default_factory=dict)  # layer -> number of experts
     holdings: list[frozenset[ExpertKey]] = field(default_factory=list)  # per link
     membership: Membership | None = None  # None: a fixed set of workers
-    version: int = -1  # the membership version the links and owners were built from
-    routes: dict[int, LayerRoutes] = field(default_factory=dict)  # every copy, for spreading
+    version: int = -1  # the membership version the links and routes were built from
     reloads: int = 0  # inventories fetched again because a worker's changed
 
-    def __post_init__(self) -> None:
-        if self.layers and self.holdings and not self.routes:
-            self.routes = replica_routes(self.layers, self.holdings)
-
     def _route(self, holdings: list[frozenset[ExpertKey]]) -> None:
-        routes = replica_routes(self.layers, holdings)
-        self.owners = {layer: r.copies[:, 0].copy() for layer, r in routes.items()}
-        self.routes = routes
+        self.routes = replica_routes(self.layers, holdings)
 
     def refresh(self) -> None:
         """Follow the membership: when the healthy workers changed, rebuild the links and the
@@ -271,7 +263,7 @@ def connect(addresses: list[str], secret: bytes, manifest: Manifest) -> Cluster:
                 raise ShoalError(problem)
             holdings.append(held(inventory))
         layers = layer_sizes(manifest)
-        return Cluster(links, routing_table(layers, holdings), layers, holdings)
+        return Cluster(links, replica_routes(layers, holdings), layers, holdings)
     except BaseException:
         for link in links:
             link.close()

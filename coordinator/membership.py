@@ -28,7 +28,7 @@ from engine.cache_policy import format_bytes
 from engine.checkpoint import Manifest
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
-from engine.placement import ExpertKey, routing_table
+from engine.placement import ExpertKey, replica_routes
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0
@@ -401,11 +401,11 @@ class Membership:
             while True:
                 version, links, holdings = self.live()
                 try:
-                    owners = routing_table(layers, holdings)
+                    routes = replica_routes(layers, holdings)
                 except Unavailable as e:
                     missing = str(e)
                 else:
-                    return Cluster(links, owners, layers, holdings, self, version)
+                    return Cluster(links, routes, layers, holdings, self, version)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise Unavailable(

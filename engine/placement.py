@@ -79,13 +79,6 @@ def replica_routes(
     return routes
 
 
-def routing_table(
-    layers: Mapping[int, int], holdings: Sequence[Collection[ExpertKey]]
-) -> dict[int, np.ndarray]:
-    """For each layer, the primary owner (worker index) of each expert; see replica_routes."""
-    return {layer: r.copies[:, 0].copy() for layer, r in replica_routes(layers, holdings).items()}
-
-
 def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarray:
     """The worker that computes each (token, expert) pair of one layer call: the i-th pair of
     an expert goes to its copy (i + turn + expert) mod copies, so within a call an expert's

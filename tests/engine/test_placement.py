@@ -7,7 +7,7 @@ from engine.placement import (
     describe_ids,
     imbalance,
     plan_placement,
-    routing_table,
+    replica_routes,
     split_by_bytes,
 )
 
@@ -29,17 +29,17 @@ def test_split_by_bytes_is_deterministic_and_refuses_bad_counts():
         split_by_bytes(sizes, 5)
 
 
-def test_routing_table_spreads_replicas_and_prefers_fixed_order():
+def test_primary_owners_spread_replicas_and_prefer_fixed_order():
     holdings = [{(0, 0), (0, 1), (0, 2), (0, 3)}, {(0, 0), (0, 1)}]
-    table = routing_table({0: 4}, holdings)
-    assert table[0].tolist() == [0, 1, 0, 0]
-    assert routing_table({0: 4}, holdings)[0].tolist() == table[0].tolist()
+    table = replica_routes({0: 4}, holdings)
+    assert table[0].copies[:, 0].tolist() == [0, 1, 0, 0]
+    assert replica_routes({0: 4}, holdings)[0].copies.tolist() == table[0].copies.tolist()
 
 
-def test_routing_table_names_every_missing_expert():
+def test_routes_name_every_missing_expert():
     holdings = [{(1, 0), (1, 4)}, {(2, e) for e in range(4)}]
     with pytest.raises(Unavailable) as info:
-        routing_table({1: 6, 2: 4}, holdings)
+        replica_routes({1: 6, 2: 4}, holdings)
     assert "layer 1: experts 1-3, 5" in str(info.value)
     assert "layer 2" not in str(info.value)
 
@@ -99,14 +99,11 @@ def test_imbalance_counts_the_busiest_worker_per_layer():
     assert imbalance({(0, 0): ("a", "b"), (0, 1): ("b",)}, heat) == pytest.approx(1.25)
 
 
-def test_replica_routes_list_every_copy_with_the_routing_tables_owner_first():
-    from engine.placement import replica_routes
-
+def test_replica_routes_list_every_copy_with_the_least_loaded_owner_first():
     holdings = [{(0, 0), (0, 1), (0, 2)}, {(0, 1), (0, 2), (0, 3)}, {(0, 2)}]
     routes = replica_routes({0: 4}, holdings)[0]
-    owners = routing_table({0: 4}, holdings)[0]
     assert routes.counts.tolist() == [1, 2, 3, 1]
-    assert routes.copies[:, 0].tolist() == owners.tolist()
+    assert routes.copies[:, 0].tolist() == [0, 1, 2, 1]
     for expert in range(4):
         copies = routes.copies[expert, : routes.counts[expert]].tolist()
         assert sorted(copies) == [w for w, held in enumerate(holdings) if (0, expert) in held]

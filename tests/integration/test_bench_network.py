@@ -43,9 +43,8 @@ def test_round_trips_through_the_cable_take_at_least_the_added_delay(tmp_path):
         assert address.startswith(cable.address)
 
         delayed = round_trips([net.relay(address)], 4096, 30, warmup=5)
-        direct = round_trips([address], 4096, 30, warmup=5)
         assert delayed >= 2 * ONE_WAY_DELAY  # the relay holds each chunk, both ways
-        assert direct > 0
+        round_trips([address], 4096, 5, warmup=1)  # the cable alone carries it too (or raises)
     finally:
         if server is not None:
             server.terminate()
