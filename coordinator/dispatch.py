@@ -208,19 +208,24 @@ class SharedAhead(nn.Module):
     """Takes the place of a MoE block's shared expert so that the dispatcher can compute it
     early, while the workers compute; the block's own call then receives that result.
 
-    The same module runs on the same input either way, so the result is bit-identical. It is
-    used only when the block passes its shared expert the very array it passed the switch
-    (`x is` the one computed ahead); anything else is computed as usual.
+    Whether that is valid is learned, not assumed: only once the block has been seen to pass
+    its shared expert the very array it passed the switch (Kimi K3 passes the switch a latent
+    projection instead, and some blocks call the shared expert first) is it computed ahead,
+    and each later call still checks `x is` the array computed ahead. The same module runs on
+    the same input either way, so the result is bit-identical.
     """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.valid: bool | None = None  # None until the block's first call shows it
+        self._switch_input: mx.array | None = None
         self._ahead: tuple[mx.array, mx.array] | None = None
-        self._last_input: mx.array | None = None
 
     def start(self, x: mx.array) -> None:
-        if self._last_input is x:  # the block called its shared expert before the switch
+        """The switch was called on `x`: compute the shared expert on it now, if valid."""
+        self._switch_input = x
+        if not self.valid:
             return
         if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
             return
@@ -229,8 +234,10 @@ class SharedAhead(nn.Module):
         self._ahead = (x, y)
 
     def __call__(self, x: mx.array) -> mx.array:
+        switch_input, self._switch_input = self._switch_input, None
+        if self.valid is None:
+            self.valid = switch_input is not None and x is switch_input
         ahead, self._ahead = self._ahead, None
-        self._last_input = x
         if ahead is not None and ahead[0] is x:
             return ahead[1]
         return self.inner(x)

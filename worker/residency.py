@@ -43,7 +43,7 @@ class Request:
     """One decoded ExpertRequest: numpy views of the wire bytes."""
 
     layer: int
-    hidden: np.ndarray  # (n, hidden_size), wire byte layout of `dtype`
+    hidden: np.ndarray  # (n, the switch module's input width), wire byte layout of `dtype`
     dtype: str
     rows: np.ndarray  # (m,) int32
     experts: np.ndarray  # (m,) int32
@@ -464,7 +464,6 @@ class Residency:
         self.scan = scan
         manifest = scan.manifest
         config = manifest.config
-        self.hidden_size = int(config.get("hidden_size") or config["text_config"]["hidden_size"])
         self.problems: list[str] = list(scan.problems)
         self._problems_lock = threading.Lock()
         self._echo = report
@@ -595,9 +594,10 @@ class Residency:
         if runner is None:
             raise InvalidInput(f"this worker holds no experts of layer {request.layer}")
         n, width = request.hidden.shape
-        if width != self.hidden_size:
+        if width != runner.input_width:
             raise InvalidInput(
-                f"hidden states have width {width}, the model's is {self.hidden_size}"
+                f"hidden states have width {width}, layer {request.layer}'s experts take "
+                f"{runner.input_width}"
             )
         if not 0 < n <= MAX_ROWS:
             raise InvalidInput(f"request carries {n} hidden states; allowed 1 to {MAX_ROWS}")
@@ -620,7 +620,7 @@ class Residency:
         return runner
 
     def compute(self, request: Request) -> mx.array:
-        """Validate, then run the experts; returns (m, hidden_size) in the activation dtype."""
+        """Validate, then run the experts; returns (m, output width) in the activation dtype."""
         runner = self.validate(request)
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
