@@ -226,7 +226,8 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
                "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
                "--long-runs", str(settings["long_runs"])]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
         if run.returncode != 0 or not out.exists():
             tail = (run.stdout + run.stderr).strip()[-800:]
             return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
