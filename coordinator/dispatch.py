@@ -281,7 +281,9 @@ class SharedAhead(nn.Module):
         if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
             return
         y = self.inner(x)
-        mx.eval(y)
+        # Started, not waited for: the GPU computes it while this thread hands the requests
+        # to gRPC and waits for the replies (a blocking eval here held the requests back).
+        mx.async_eval(y)
         self._ahead = (x, y)
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -210,6 +210,17 @@ class ExpertCache:
 
     # -- demand ---------------------------------------------------------------------
 
+    def count_resident(self, layer: int, distinct: int, pairs: int) -> None:
+        """Count a request served from stacked, resident experts: every one a hit."""
+        with self._cond:
+            c = self.counters
+            if layer <= self._last_layer:
+                c.passes += 1
+            self._last_layer = layer
+            c.tokens += pairs
+            c.demands += distinct
+            c.hits += distinct
+
     def demand(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> Lease:
         """Ask for a request's distinct experts; returns a lease to take them as they are ready."""
         idx = np.array([self.index[(layer, int(e))] for e in experts], dtype=np.int64)
@@ -632,24 +643,41 @@ class Residency:
         `timing`, if given, receives the seconds of MLX evaluation."""
         timing = timing if timing is not None else Timing()
         runner = self.validate(request)
+        stack = self._stack(request.layer)
+        if stack is not None:
+            out = self._gathered(runner, stack, request, timing)
+        else:
+            out = self._streamed(runner, request, timing)
+        self.holdings.asked(request.layer, request.experts)
+        return out
+
+    def _gathered(
+        self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing
+    ) -> mx.array:
+        """Every expert of the layer is in memory, stacked: one call, no cache lease (nothing
+        is evicted while the budget holds them all; a removed expert takes its stack along)."""
+        distinct = int(np.count_nonzero(np.bincount(request.experts)))
+        self.cache.count_resident(request.layer, distinct, request.experts.size)
+        positions = stack.positions[request.experts]
+        with self._lock:
+            hidden = from_numpy(request.hidden, request.dtype)
+            out = runner.gathered(stack.params, hidden, request.rows, positions)
+            before = time.perf_counter()
+            mx.eval(out)
+            timing.matrix += time.perf_counter() - before
+        return out
+
+    def _streamed(self, runner: ExpertRunner, request: Request, timing: Timing) -> mx.array:
+        """Some experts may be on the drives: lease them from the cache, compute each as it
+        arrives."""
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
         hidden = from_numpy(request.hidden, request.dtype)
-        stack = self._stack(request.layer)
         lease = self.cache.demand(request.layer, unique, counts)
         try:
             ready = lease.take()
-            if stack is not None and len(ready) == unique.size:  # all resident: one call
-                with self._lock:
-                    out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
-                                          mx.array(stack.positions[request.experts]))
-                    before = time.perf_counter()
-                    mx.eval(out)
-                    timing.matrix += time.perf_counter() - before
-                lease.done(pos for pos, _ in ready)
-            else:
-                out = self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
-                                               inverse.reshape(-1), counts, timing)
+            return self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
+                                            inverse.reshape(-1), counts, timing)
         except NotFound:
             gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
             if gone:  # deleted while this request was on its way (shoal rebalance)
@@ -658,8 +686,6 @@ class Residency:
             raise
         finally:
             lease.close()
-        self.holdings.asked(request.layer, unique, counts)
-        return out
 
     def _each_as_it_arrives(
         self, runner: ExpertRunner, lease: Lease, ready: list[tuple[int, dict[str, mx.array]]],
