@@ -124,7 +124,8 @@ def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dic
         return stats.total(), len(stats.layers)
 
     (prefill_only, _), (whole, layers) = counters(1), counters(tokens + 1)
-    long_prefill, _ = counters(1, prefill_length)  # one call per layer: the prompt's pass
+    counters(1, prefill_length)
+    long_prefill = stats.prefill  # the prompt's pass, without its last token's
     d = LayerStats(**{k: getattr(whole, k) - getattr(prefill_only, k) for k in vars(whole)})
     return {
         "tokens": tokens,
