@@ -27,7 +27,7 @@ from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.placement import spread
-from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
 from proto import shoal_pb2
 
 
@@ -225,17 +225,20 @@ class Dispatcher:
                     f"worker {link.address} returned shape {values.shape} for layer {layer}, "
                     f"expected {(pairs.size, width)}"
                 )
-            parts.append(from_numpy(values, reply.output.dtype))
+            parts.append(values)
+            out_dtype = mlx_dtype(reply.output.dtype)
             stats.bytes_received += reply.ByteSize()
             stats.worker_compute_seconds += reply.compute_seconds
             slowest = max(slowest, reply.compute_seconds)
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
         if len(parts) == 1:  # one worker computed every pair, in order
-            result = parts[0]
-        else:  # the pairs back in their places: one gather in MLX, no copy on this CPU
+            (result,) = to_mlx((parts, out_dtype))
+        else:  # the replies as they came, then each pair put back in its place by one gather
             order = np.concatenate([pairs for _, pairs, *_ in pending])
-            result = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
+            values, places = to_mlx((parts, out_dtype),
+                                    ([np.argsort(order).astype(np.int32)], mx.int32))
+            result = values[places]
         result = result.reshape(*lead, k, width)
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before

@@ -19,6 +19,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.checkpoint import MoeLayer, get_module
 from engine.errors import CorruptData, ShoalError
+from engine.tensors import to_mlx
 
 
 def build_skeleton(config: dict) -> nn.Module:
@@ -121,10 +122,11 @@ class ExpertRunner:
         mx.eval([list(t.values()) for t in experts])
         return stacked
 
-    def gathered(self, stacked: dict[str, mx.array], hidden: mx.array, rows: np.ndarray,
-                 positions: np.ndarray) -> mx.array:
-        """Pair i: row `rows[i]` of `hidden` through the expert at `positions[i]` of the
-        stack; (m, output width). The stack is given to the module once, not per call."""
+    def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray, dtype: mx.Dtype,
+                 rows: np.ndarray, positions: np.ndarray) -> mx.array:
+        """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`) through the
+        expert at `positions[i]` of the stack; (m, output width). The stack is given to the
+        module once, not per call; the request's arrays go to MLX as one buffer."""
         if self._loaded is not stacked:
             self.module.update(tree_unflatten(list(stacked.items())))
             self._loaded = stacked
@@ -133,8 +135,10 @@ class ExpertRunner:
         if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
             # Each row's pairs together and equally many (always so in decode): the module
             # takes the rows as they are, as the single-process model does, without a gather.
-            return self.module(hidden, mx.array(positions.reshape(n, per_row))).reshape(m, -1)
-        return self.module(hidden[mx.array(rows)], mx.array(positions)[:, None])[:, 0, :]
+            x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
+            return self.module(x, inds).reshape(m, -1)
+        x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
+        return self.module(x[at], inds[:, None])[:, 0, :]
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""

@@ -27,7 +27,7 @@ from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
 from engine.safetensors_view import placeholders, tensors_from_buffer
-from engine.tensors import from_numpy
+from engine.tensors import from_numpy, mlx_dtype
 from worker.holdings import Holdings
 from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool, ReadJob, read_file
 from worker.store import StoreScan
@@ -660,8 +660,8 @@ class Residency:
         self.cache.count_resident(request.layer, distinct, request.experts.size)
         positions = stack.positions[request.experts]
         with self._lock:
-            hidden = from_numpy(request.hidden, request.dtype)
-            out = runner.gathered(stack.params, hidden, request.rows, positions)
+            out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
+                                  request.rows, positions)
             before = time.perf_counter()
             mx.eval(out)
             timing.matrix += time.perf_counter() - before
