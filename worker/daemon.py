@@ -91,8 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
     )
     parser.add_argument(
-        "--verify-reads", action="store_true",
-        help="check the checksum of every expert read from a drive, not only at start",
+        "--no-verify-reads", action="store_true",
+        help="do not check the checksum of each expert read from a drive while serving "
+        "(by default every read is checked: a file that rotted is caught, that expert alone "
+        "stops being offered and is computed by another copy)",
     )
     parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
@@ -142,7 +144,8 @@ def serve(args: argparse.Namespace) -> None:
         flush=True,
     )
     residency = Residency(
-        scan, budget=budget, readers_per_drive=args.readers, verify_reads=args.verify_reads,
+        scan, budget=budget, readers_per_drive=args.readers,
+        verify_reads=not args.no_verify_reads,
         report=lambda m: print(f"shoal-worker: warning: {m}", file=sys.stderr, flush=True),
     )
     if residency.streaming:
