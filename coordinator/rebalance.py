@@ -6,10 +6,13 @@ memory budget and free disk) and plans both the placement (engine/placement.py) 
 that reach it (engine/migration.py), as pure functions. `execute` runs the steps over gRPC:
 copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
 the expert), verified by the receiver before it serves them, and a copy is drained, then
-deleted, only once another worker serves a verified one. The target is kept in
-OUT_DIR/migration.json until it is reached, so a run stopped at any step (a killed worker,
-a full disk, Ctrl-C) is finished by running the command again: the steps are derived anew
-from what the workers then hold, and a partly sent file resumes where it stopped.
+deleted, only once another worker serves a verified one; right before a deletion, the copy
+kept is hashed again on its worker's disk, so a copy that rotted since its worker started is
+caught (reported, no longer served there) and the one about to be deleted is kept instead.
+The target is kept in OUT_DIR/migration.json until it is reached, so a run stopped at any
+step (a killed worker, a full disk, Ctrl-C, rot) is finished by running the command again:
+the steps are derived anew from what the workers then hold, and a partly sent file resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -202,6 +205,7 @@ class Execution:
     resumed_bytes: int = 0  # bytes of partial files a copy did not need to send again
     seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    rot: list[str] = field(default_factory=list)  # copies found rotted on disk, and where
 
 
 class _SourceFailed(Exception):
@@ -232,6 +236,7 @@ class Executor:
         self.quiet = quiet
         self.progress = progress
         self.done = Execution()
+        self._drained: dict[tuple[ExpertKey, str], float] = {}  # when this run drained a copy
 
     def run(self, plan: MigrationPlan, what: str) -> Execution:
         started = time.perf_counter()
@@ -244,10 +249,13 @@ class Executor:
                 try:
                     getattr(self, f"_{step.kind}")(step)
                 except ShoalError as e:
+                    after = ("Run the command again once the rot is understood: it sends a "
+                             "fresh copy from an intact one" if self.done.rot else
+                             "Every expert still has a verified copy; run the command again "
+                             "to finish")
                     raise type(e)(
                         f"stopped at step {index + 1} of {len(plan.steps)} ({step.describe()}): "
-                        f"{e}. Every expert still has a verified copy; run the command again to "
-                        "finish"
+                        f"{e}. {after}"
                     ) from None
                 self.done.steps_done += 1
                 self.done.counts[step.kind] = self.done.counts.get(step.kind, 0) + 1
@@ -369,25 +377,65 @@ class Executor:
         raise Unavailable(f"no other live worker serves expert {step.key[0]}/{step.key[1]} "
                           f"now, so the copy on {step.worker} is kept")
 
+    def _intact_elsewhere(self, step: Step) -> None:
+        """Make sure, right now, that another worker serves a copy that is intact on its disk:
+        each serving copy is asked to `keep`, which hashes its file against the manifest. A
+        rotted copy is reported (and no longer served there) and the next one is tried; with
+        none intact, the copy on `step.worker` is kept and served again, and CorruptData
+        stops the run."""
+        rotted = []
+        for name in sorted(self.workers):
+            if name == step.worker:
+                continue
+            try:
+                if self._status(name, step.key).state != _FILE_STATE.SERVING:
+                    continue
+                self._drop(name, step.key, shoal_pb2.DropRequest.KEEP)
+                return
+            except CorruptData as e:
+                rotted.append(f"{name}: {e}")
+                self.done.rot.append(f"{name}: {e}")
+                self.log(f"warning: the copy on {name} rotted on disk: {e}")
+            except ShoalError:
+                continue
+        what = f"expert {step.key[0]}/{step.key[1]}"
+        if not rotted:
+            raise Unavailable(f"no other live worker serves {what} now, so the copy on "
+                              f"{step.worker} is kept")
+        try:
+            self._drop(step.worker, step.key, shoal_pb2.DropRequest.KEEP)
+        except CorruptData as e:
+            raise CorruptData(f"every copy of {what} rotted on disk ({'; '.join(rotted)}; "
+                              f"{step.worker}: {e}); restore it with `shoal deploy`") from None
+        raise CorruptData(f"every other copy of {what} rotted on disk ({'; '.join(rotted)}); "
+                          f"the copy on {step.worker} was checked intact and is served again, "
+                          "not deleted")
+
     def _drain(self, step: Step) -> None:
         self._served_elsewhere(step)
         self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+        self._drained[(step.key, step.worker)] = time.monotonic()
 
     def _delete(self, step: Step) -> None:
         deadline = time.monotonic() + DELETE_TIMEOUT
         while True:
-            state = self._status(step.worker, step.key).state
-            if state in (_FILE_STATE.ABSENT, _FILE_STATE.PARTIAL):
+            status = self._status(step.worker, step.key)
+            if status.state in (_FILE_STATE.ABSENT, _FILE_STATE.PARTIAL):
                 return
-            self._served_elsewhere(step)
-            if state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
-                self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+            if status.state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
+                self._drain(step)
+            # Wait out the quiet time first, so that the kept copy is hashed once, just before
+            # the deletion, rather than at every refused attempt.
+            drained = self._drained.get((step.key, step.worker), 0.0)
+            wait = max(self.quiet - status.idle_seconds, drained + self.quiet - time.monotonic())
+            time.sleep(min(max(wait, 0.0), DELETE_TIMEOUT))
+            self._intact_elsewhere(step)
             try:
                 self._drop(step.worker, step.key, shoal_pb2.DropRequest.DELETE)
                 return
             except (InvalidInput, NotFound, Unavailable):
                 raise
-            except ShoalError as e:  # still in use: drained too recently or still asked for
+            except ShoalError as e:  # still in use: asked for again meanwhile
                 if time.monotonic() > deadline:
                     raise ShoalError(f"gave up waiting to delete it: {e}") from None
                 time.sleep(min(0.2, self.quiet / 2))
@@ -520,5 +568,5 @@ def report_json(report: Report) -> dict:
         "execution": None if e is None else {"steps": e.steps_done, "seconds": e.seconds,
                                              "copied_bytes": e.copied_bytes,
                                              "resumed_bytes": e.resumed_bytes,
-                                             "by_kind": e.counts},
+                                             "by_kind": e.counts, "rot": e.rot},
     }
