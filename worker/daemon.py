@@ -159,8 +159,9 @@ def serve(args: argparse.Namespace) -> None:
         node_id_path(), log=note
     )
     memory_budget = residency.budget
+    pool = futures.ThreadPoolExecutor(max_workers=16)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=16),
+        pool,
         interceptors=[AuthInterceptor(CredentialChecker(secret))],
         options=GRPC_OPTIONS,
     )
@@ -207,6 +208,11 @@ def serve(args: argparse.Namespace) -> None:
     if advertiser is not None:
         advertiser.close()
     server.stop(grace=2).wait(5)
+    # The calls still running were cancelled by stop(); give their threads a bounded while.
+    joiner = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+    joiner.start()
+    joiner.join(5)
+    residency.close()
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
@@ -229,6 +235,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    # Stopped cleanly (a signal): end here, without the interpreter's teardown. A thread that
+    # ran MLX's compiled functions frees its compile cache as the thread ends, which takes the
+    # GIL; when that lands while the interpreter finalizes, the process aborts (SIGABRT,
+    # "terminate called without an active exception", 2 stops in 6 with a coordinator
+    # connected). Everything that needed stopping has stopped; only output is left to flush.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
