@@ -30,7 +30,7 @@ from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
-from worker.service import AuthInterceptor, ExpertServicer
+from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer
 from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
@@ -162,7 +162,7 @@ def serve(args: argparse.Namespace) -> None:
     pool = futures.ThreadPoolExecutor(max_workers=16)
     server = grpc.server(
         pool,
-        interceptors=[AuthInterceptor(CredentialChecker(secret))],
+        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret))],
         options=GRPC_OPTIONS,
     )
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
