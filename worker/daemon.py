@@ -30,6 +30,7 @@ from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
+from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
 from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer
 from worker.store import free_disk, scan_stores
 
@@ -97,6 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "stops being offered and is computed by another copy)",
     )
     parser.add_argument(
+        "--scrub", nargs="?", const=format_rate(DEFAULT_RATE), metavar="RATE",
+        help="re-check every expert file against the manifest's checksum in the background, "
+        "reading at most RATE bytes/s (e.g. 16M, 200M; default "
+        f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
+    )
+    parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
         help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
     )
@@ -121,7 +128,12 @@ def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str
     return budget, how
 
 
+def format_rate(rate: int) -> str:
+    return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
+
+
 def serve(args: argparse.Namespace) -> None:
+    scrub_rate = parse_rate(args.scrub) if args.scrub else None
     secret = load_secret(secret_path(args.secret_file))
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
@@ -200,6 +212,11 @@ def serve(args: argparse.Namespace) -> None:
             log=lambda m: print(f"shoal-worker {node_id}: {m}", flush=True),
         )
         advertiser.start()
+    scrubber = None
+    if scrub_rate is not None:
+        scrubber = Scrubber(residency, scrub_rate, log=note)
+        scrubber.start()
+        note(f"scrubbing expert files at up to {format_bytes(scrub_rate)}/s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -207,6 +224,8 @@ def serve(args: argparse.Namespace) -> None:
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         advertiser.close()
+    if scrubber is not None:
+        scrubber.close()
     server.stop(grace=2).wait(5)
     # The calls still running were cancelled by stop(); give their threads a bounded while.
     joiner = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True}, daemon=True)

@@ -106,8 +106,12 @@ def read_file(path: Path, buffer: memoryview, size: int) -> None:
         raise OSError(errno.EIO, f"read {got} bytes, expected {size}")
 
 
-def sha256_uncached(path: Path, size: int, chunk: int = 8 << 20) -> str:
-    """The file's SHA-256, read around the page cache (so checking a store does not fill it)."""
+def sha256_uncached(
+    path: Path, size: int, chunk: int = 8 << 20, pace: Callable[[int], None] | None = None
+) -> str:
+    """The file's SHA-256, read around the page cache (so checking a store does not fill it
+    and what is checked is what the drive holds). `pace`, if given, is called with the bytes
+    of each block read (the scrub sleeps there to keep to its rate)."""
     digest = hashlib.sha256()
     buffer = mmap.mmap(-1, chunk)
     file = open_uncached(path)
@@ -120,6 +124,8 @@ def sha256_uncached(path: Path, size: int, chunk: int = 8 << 20) -> str:
                 break
             digest.update(view[: min(got, size - offset)])
             offset += got
+            if pace is not None:
+                pace(got)
         view.release()
     finally:
         os.close(file.fd)
