@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +23,21 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
+from engine.checkpoint import ExpertFile
 from engine.errors import InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy
 from worker.holdings import Holdings
-from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool, ReadJob, read_file
+from worker.reader import (
+    READERS_PER_DRIVE,
+    Crc32,
+    Digest,
+    DriveStats,
+    ReaderPool,
+    ReadJob,
+    read_file,
+)
 from worker.store import StoreScan
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
@@ -118,7 +127,7 @@ class ExpertCache:
         reader: ReaderPool,
         decode: Callable[[Key, memoryview], dict[str, mx.array]],
         *,
-        sha256: dict[Key, str] | None,
+        checks: Mapping[Key, ExpertFile] | None,
         report: Callable[[str], None],
         on_lost: Callable[[Key, str], None] = lambda key, why: None,
     ) -> None:
@@ -129,7 +138,7 @@ class ExpertCache:
         self._copies = copies
         self._reader = reader
         self._decode = decode
-        self._sha256 = sha256
+        self._checks = checks  # the manifest's entries, whose checksums every read must match
         self._report = report
         self._on_lost = on_lost
         n = len(keys)
@@ -174,7 +183,7 @@ class ExpertCache:
                 return None
             return [self._entries[i].tensors for i in idx]
 
-    def add(self, key: Key, size: int, copies: list[tuple[int, Path]], sha256: str) -> None:
+    def add(self, key: Key, size: int, copies: list[tuple[int, Path]]) -> None:
         """Serve one more expert (a file just received); it starts on the drives."""
         with self._cond:
             if key not in self.index:
@@ -187,8 +196,6 @@ class ExpertCache:
                 self._last_used = np.concatenate([self._last_used, np.zeros(1, dtype=np.int64)])
                 self.heat.grow(1)
             self._copies[key] = list(copies)
-            if self._sha256 is not None:
-                self._sha256[key] = sha256
 
     def copies(self, key: Key) -> list[tuple[int, Path]]:
         """The (drive, path) of the expert's files still trusted: what reads and sends use."""
@@ -364,7 +371,8 @@ class ExpertCache:
         self._state[i] = _LOADING
         key = self.keys[i]
         entry.job = self._reader.submit(
-            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded
+            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded,
+            digest=self._digest(key),
         )
         return entry
 
@@ -412,18 +420,30 @@ class ExpertCache:
                 self.lose_copy(job.key, path, f"cannot be read ({reason})")
             raise self._lost(job.key, f"its files cannot be read ({reason})")
         view = job.buffer[: job.size]
-        expected = None if self._sha256 is None else self._sha256[job.key]
-        if expected is not None and hashlib.sha256(view).hexdigest() != expected:
-            self._find_good_copy(job, view, expected)
+        if job.digest is not None and (job.digested != job.size
+                                       or job.digest.hexdigest() != self._expected(job.key)):
+            self._find_good_copy(job, view, self._checks[job.key].sha256)
         layer, expert = job.key
         origin = str(next(iter(job.sources))) if len(job.sources) == 1 else (
             f"expert {layer}/{expert} (read from {', '.join(map(str, sorted(job.sources)))})"
         )
         return self._decode(job.key, view, origin)
 
+    def _digest(self, key: Key) -> Digest | None:
+        """A fresh checksum for a read of `key`: the manifest's CRC-32 where it has one (the
+        reader feeds it chunk by chunk as they arrive), else its SHA-256; None: not checked."""
+        if self._checks is None:
+            return None
+        return Crc32() if self._checks[key].crc32 else hashlib.sha256()
+
+    def _expected(self, key: Key) -> str:
+        entry = self._checks[key]
+        return entry.crc32 or entry.sha256
+
     def _find_good_copy(self, job: ReadJob, view: memoryview, expected: str) -> None:
-        """A read failed its checksum: check each copy alone, drop the bad ones, keep a good
-        one in `view`. With none left the expert alone is given up, not the worker."""
+        """A read failed its checksum: check each copy alone against the SHA-256, drop the
+        bad ones, keep a good one in `view`. With none left the expert alone is given up, not
+        the worker."""
         for _, path in self.copies(job.key):
             try:
                 read_file(path, job.buffer, job.size)
@@ -528,7 +548,7 @@ class Residency:
         self.cache = ExpertCache(
             keys, sizes, {k: list(v) for k, v in scan.copies.items()}, self.budget,
             self.reader, self._decode,
-            sha256={k: files[k].sha256 for k in keys} if verify_reads else None,
+            checks=files if verify_reads else None,
             report=self._problem, on_lost=self.withdraw,
         )
         self._lock = threading.Lock()
@@ -563,7 +583,7 @@ class Residency:
                 )
                 self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
         if not self._held_mask[layer][expert]:
-            self.cache.add(key, entry.bytes, [(drive, path)], entry.sha256)
+            self.cache.add(key, entry.bytes, [(drive, path)])
             self.expert_bytes += entry.bytes
             self._held_mask[layer][expert] = True
             self._stacks.pop(layer, None)  # restacked once the new expert is in memory

@@ -143,16 +143,24 @@ def test_a_corrupt_copy_is_reported_with_its_path_and_the_good_copy_served(store
         reference.close()
 
 
-def test_by_default_a_read_that_rotted_gives_up_that_expert_alone(store, tmp_path):
+@pytest.mark.parametrize("checksum", ["crc32", "sha256 (a manifest without crc32)"])
+def test_by_default_a_read_that_rotted_gives_up_that_expert_alone(store, tmp_path, checksum):
     """Default settings, a budget under the experts: a file corrupted after start is caught
     when read, the expert alone stops being offered (the inventory changes), a request for it
     is told it moved, and every other expert is still computed exactly."""
+    import json
     import shutil
 
+    from engine.checkpoint import MANIFEST_NAME
     from engine.errors import Moved
 
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
+    if checksum != "crc32":
+        body = json.loads((copy / MANIFEST_NAME).read_text())
+        for e in body["experts"]:
+            del e["crc32"]
+        (copy / MANIFEST_NAME).write_text(json.dumps(body))
     scan = scan_stores([copy])
     size = max(e.bytes for e in scan.manifest.experts)
     problems = []
