@@ -568,5 +568,5 @@ def report_json(report: Report) -> dict:
         "execution": None if e is None else {"steps": e.steps_done, "seconds": e.seconds,
                                              "copied_bytes": e.copied_bytes,
                                              "resumed_bytes": e.resumed_bytes,
-                                             "by_kind": e.counts, "rot": e.rot},
+                                             "by_kind": e.counts},
     }
