@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from coordinator.cluster import WorkerLink, error_for
+from coordinator.cluster import CONNECT_TIMEOUT, WorkerLink, error_for
 from coordinator.heat import name_workers, read_heat, record_heat
 from engine.cache_policy import format_bytes
 from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
@@ -51,6 +51,7 @@ MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 
 CHUNK_BYTES = 1 << 20
 QUIET_SECONDS = 1.0  # a drained copy is deleted once nobody asked for it for this long
 DELETE_TIMEOUT = 60.0
+SLOWEST_CHECK = 20e6  # bytes/s a worker's check of a file on disk is allowed (a slow USB disk)
 _FILE_STATE = shoal_pb2.ExpertFileState
 
 
@@ -272,7 +273,10 @@ class Executor:
     def _drop(self, worker: str, key: ExpertKey, phase: int) -> shoal_pb2.ExpertFileState:
         request = shoal_pb2.DropRequest(layer=key[0], expert=key[1], phase=phase,
                                         quiet_seconds=self.quiet)
-        return self.workers[worker].link.call("DropExpert", request)
+        timeout = CONNECT_TIMEOUT
+        if phase == shoal_pb2.DropRequest.KEEP:  # the worker hashes the file first
+            timeout += self.files[key].bytes / SLOWEST_CHECK
+        return self.workers[worker].link.call("DropExpert", request, timeout=timeout)
 
     def _copy(self, step: Step) -> None:
         status = self._status(step.worker, step.key)

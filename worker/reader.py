@@ -137,6 +137,28 @@ def sha256_uncached(
     return digest.hexdigest()
 
 
+def file_problem(
+    path: Path, size: int, sha256: str, *, pace: Callable[[int], None] | None = None
+) -> str | None:
+    """Why the file at `path` is not the manifest's (`size` bytes, `sha256`) on the drive
+    now, or None when it is. A file replaced while it was read (a push renaming a fresh copy
+    over it) is not blamed: None, it is checked the next time."""
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if before.st_size != size:
+        return f"it has {before.st_size} bytes, the manifest says {size}"
+    try:
+        if sha256_uncached(path, size, pace=pace) == sha256:
+            return None
+        after = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    same = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    return "checksum does not match the manifest" if same else None
+
+
 # ---------------------------------------------------------------------------------------
 # Planning: which drive reads which chunk (pure)
 

@@ -12,21 +12,18 @@ with no intact file left is no longer offered, so coordinators route it to anoth
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.cache_policy import format_bytes, parse_budget
 from engine.errors import InvalidInput
-from worker.reader import sha256_uncached
+from worker.reader import file_problem
 from worker.residency import Residency
 
 DEFAULT_RATE = 32 << 20  # bytes/s: a few percent of one SSD; 100 GB are checked in ~an hour
 PASS_PAUSE = 1.0  # seconds between passes (the rate already bounds the drive's load)
-_BLOCK = 1 << 20  # read and paced in blocks of this size
 
 
 def parse_rate(text: str) -> int:
@@ -52,14 +49,6 @@ class ScrubPass:
 
 class _Stopped(Exception):
     pass
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class Scrubber:
@@ -109,7 +98,7 @@ class Scrubber:
         for key in list(cache.keys):
             entry = self._files[key]
             for _, path in cache.copies(key):
-                why = self._check(path, entry.bytes, entry.sha256)
+                why = file_problem(path, entry.bytes, entry.sha256, pace=self._pace)
                 found.files += 1
                 found.bytes += entry.bytes
                 if why is not None:
@@ -117,20 +106,6 @@ class Scrubber:
                     cache.lose_copy(key, path, f"{why} (found by the scrub)")
         found.seconds = time.monotonic() - started
         return found
-
-    def _check(self, path: Path, size: int, sha256: str) -> str | None:
-        before = _identity(path)
-        if before is None:
-            return "the file is gone"
-        if before[1] != size:
-            return f"it has {before[1]} bytes, the manifest says {size}"
-        try:
-            ok = sha256_uncached(path, size, chunk=_BLOCK, pace=self._pace) == sha256
-        except OSError as e:
-            return f"cannot be read ({e.strerror or e})"
-        if ok or _identity(path) != before:  # replaced meanwhile (a push): checked next pass
-            return None
-        return "checksum does not match the manifest"
 
     def _pace(self, count: int) -> None:
         """Sleep so that reading stays under `rate` on average; stop when closing."""

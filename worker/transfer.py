@@ -28,7 +28,7 @@ from engine.checkpoint import Manifest
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
 from engine.placement import ExpertKey
 from worker.holdings import DRAINING, SERVING
-from worker.reader import sha256_uncached
+from worker.reader import file_problem
 from worker.residency import Residency
 
 CHUNK_BYTES = 1 << 20
@@ -277,20 +277,6 @@ def check_quiet(seconds: float) -> float:
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_QUIET:
         raise InvalidInput(f"quiet_seconds must be between 0 and {MAX_QUIET:.0f}, got {seconds}")
     return float(seconds)
-
-
-def file_problem(path: Path, size: int, sha256: str) -> str | None:
-    """Why the file at `path` is not the manifest's (`size` bytes, `sha256`) now, or None.
-    Read around the page cache, so what is checked is what the drive holds."""
-    try:
-        actual = path.stat().st_size
-        if actual != size:
-            return f"it has {actual} bytes, the manifest says {size}"
-        if sha256_uncached(path, size) != sha256:
-            return "checksum does not match the manifest"
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    return None
 
 
 def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
