@@ -160,9 +160,11 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         )
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind and (de)serializers as `handler`, running
-    `behavior`."""
+def _same_kind(
+    handler: grpc.RpcMethodHandler, behavior: Callable, *, decode: bool = True
+) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` running `behavior`, with its
+    (de)serializers unless `decode` is False (a refusal does not parse the body)."""
     if handler.request_streaming and handler.response_streaming:
         make = grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
@@ -171,6 +173,8 @@ def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMe
         make = grpc.unary_stream_rpc_method_handler
     else:
         make = grpc.unary_unary_rpc_method_handler
+    if not decode:
+        return make(behavior)
     return make(behavior, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
@@ -186,7 +190,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     def refuse(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return _same_kind(handler, refuse)
+    return _same_kind(handler, refuse, decode=False)
 
 
 class _BoundedContext:
