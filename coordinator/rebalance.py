@@ -298,12 +298,27 @@ class Executor:
             except (_SourceFailed, CorruptData) as e:  # CorruptData: the receiver's check
                 self.log(f"warning: {source} could not send expert {step.key[0]}/{step.key[1]}: "
                          f"{e}; trying another copy")
+                if isinstance(e, CorruptData) and source != LOCAL:
+                    self._check_source(source, step.key)
                 offset = self._status(step.worker, step.key).partial_bytes
                 continue
             if reply.state == _FILE_STATE.SERVING:
                 return
             raise ShoalError(f"{step.worker} has {reply.partial_bytes} of {step.bytes} bytes")
         raise Unavailable(f"no copy of expert {step.key[0]}/{step.key[1]} could be sent")
+
+    def _check_source(self, source: str, key: ExpertKey) -> None:
+        """The bytes a worker sent failed the receiver's check: have it hash its own file (a
+        serving copy's KEEP), so that a copy that rotted there is reported and no longer
+        served, not sent again."""
+        try:
+            if self._status(source, key).state == _FILE_STATE.SERVING:
+                self._drop(source, key, shoal_pb2.DropRequest.KEEP)
+        except CorruptData as e:
+            self.done.rot.append(f"{source}: {e}")
+            self.log(f"warning: the copy on {source} rotted on disk: {e}")
+        except ShoalError:
+            pass  # unreachable now: the next run looks again
 
     def _sources(self, step: Step) -> list[str]:
         """The planned source first (the local files when they have it), then any other

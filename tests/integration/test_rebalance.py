@@ -273,3 +273,40 @@ def test_a_copy_that_rotted_is_caught_before_the_other_copy_is_deleted(
     finally:
         for link in links:
             link.close()
+
+
+@pytest.mark.slow
+def test_a_source_whose_copy_rotted_is_told_and_stops_serving_it(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """A copy relayed from a worker whose file rotted fails the receiver's check; the sender
+    is then asked to hash its own file, reports the rot and stops serving that copy."""
+    sharded = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    source, target = tmp_path / "source", tmp_path / "target"
+    shutil.copytree(sharded / "experts", source)
+    target.mkdir()
+    shutil.copy(sharded / "experts" / MANIFEST_NAME, target / MANIFEST_NAME)
+    shutil.rmtree(sharded / "experts")
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in (source, target)]
+    links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
+    try:
+        manifest = read_manifest(sharded)
+        key = (0, 3)
+        rotted = source / manifest.expert(*key).file
+        data = bytearray(rotted.read_bytes())
+        data[-50] ^= 0x04
+        rotted.write_bytes(bytes(data))
+        step = Step("copy", key, "target", "source", manifest.expert(*key).bytes)
+        executor = Executor(manifest, observe(links), {}, log=lambda m: None, progress=False)
+        with pytest.raises(ShoalError, match="could be sent"):
+            executor.run(MigrationPlan((step,), {}), "rebalance")
+        assert executor.done.rot and "source" in executor.done.rot[0]
+        served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
+                  for w in observe(links)}
+        assert key not in served["source"] and key not in served["target"]
+        assert not list(target.rglob("*.incoming"))  # the bad bytes were discarded
+    finally:
+        for link in links:
+            link.close()
