@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -72,9 +72,13 @@ class EngineStats:
 
     decode_steps: int = 0
     decode_rows: int = 0  # rows over all decode steps: decode_rows / decode_steps = batch
+    widest_step: int = 0  # the most rows one decode step carried
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     cached_tokens: int = 0  # prompt tokens served from the prompt cache
     failed_steps: int = 0
+
+    def as_json(self) -> dict:
+        return asdict(self)
 
 
 def split_at_stop(pending: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
@@ -325,6 +329,8 @@ class BatchEngine:
         _, responses = generator.next()
         if responses:
             self._count(decode_steps=1, decode_rows=len(responses))
+            if len(responses) > self.stats.widest_step:
+                self.stats = replace(self.stats, widest_step=len(responses))
         stopped = []
         for r in responses:
             live = self._live.get(r.uid)

@@ -361,7 +361,8 @@ def make_app(service: Service) -> Starlette:
         problem = service.health()
         body = {"status": "ok" if problem is None else "unavailable",
                 "model": service.model_id, "workers": len(service.membership.live()[1]),
-                "requests_in_flight": service.engine.in_flight}
+                "requests_in_flight": service.engine.in_flight,
+                "batching": service.engine.stats.as_json()}
         if problem is not None:
             body["detail"] = problem
         return JSONResponse(body, 200 if problem is None else 503)
