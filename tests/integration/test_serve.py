@@ -4,12 +4,8 @@ against mlx-lm in one process, and concurrent (batched) answers against the same
 sent one at a time, token for token and log-probability for log-probability."""
 
 import json
-import re
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
@@ -17,15 +13,19 @@ import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.generate import encode_messages, encode_text, generate
-from coordinator.local import LocalWorker, start_worker, start_workers, stop_workers
+from coordinator.local import (
+    LocalServer,
+    LocalWorker,
+    start_server,
+    start_worker,
+    start_workers,
+    stop_workers,
+)
 from engine.checkpoint import shard
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-0123456789"
-READY = re.compile(r"on (http://127\.0\.0\.1:\d+)/v1")
-START_TIMEOUT = 120.0
 
 PROMPTS = [  # different lengths: a batch of them is left-padded
     "hello there",
@@ -37,8 +37,8 @@ PROMPTS = [  # different lengths: a batch of them is left-padded
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
+    def __init__(self, local: LocalServer) -> None:
+        self.local, self.url = local, local.url
 
     def client(self, key: str | None = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0,
@@ -67,28 +67,11 @@ def server(cluster, secret_file):
     _, sharded, workers, root = cluster
     key_file = root / "key"
     key_file.write_text(KEY + "\n")
-    log = root / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(sharded),
-             "--workers", ",".join(w.address for w in workers), "--port", "0",
-             "--secret-file", str(secret_file), "--api-key-file", str(key_file),
-             "--model-id", "tiny", "--wait", "60"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not (match := READY.search(log.read_text())):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, f"server did not start: {log.read_text()}"
-            time.sleep(0.1)
-        yield Server(proc, match.group(1), log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    local = start_server(sharded, [w.address for w in workers], secret_file,
+                         root / "serve.log",
+                         ("--api-key-file", str(key_file), "--model-id", "tiny"))
+    yield Server(local)
+    local.stop()
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +268,26 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=1.0)
     assert _wait_idle(server) < 10
+
+
+def test_a_seeded_sample_does_not_depend_on_its_batch(server):
+    """With a seed, a request draws from its own random key: the same text alone and while
+    other requests share its batch; without one, samples differ."""
+    client = server.client()
+
+    def sample(seed: int | None) -> str:
+        return client.completions.create(model="tiny", prompt="hello there", max_tokens=12,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    alone = sample(7)
+    together: list[str] = []
+    threads = [threading.Thread(target=lambda: together.append(sample(7))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert together == [alone] * 3
+    assert len({sample(None) for _ in range(3)} | {alone}) > 1
 
 
 def test_a_lost_worker_ends_requests_with_its_experts_named_and_serving_resumes(
