@@ -225,6 +225,16 @@ class BatchEngine:
         self._thread.start()
 
     @property
+    def prompt_cache(self) -> dict:
+        """Entries and bytes in the prompt cache, and its bound (a snapshot)."""
+        return {"entries": len(self._prompt_cache), "bytes": self._prompt_cache.nbytes,
+                "limit": self.prompt_cache_bytes}
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return self._in_flight
@@ -256,21 +266,28 @@ class BatchEngine:
                 arrivals = self._take(block=not self._live)
                 if self._closed:
                     break
-                if arrivals or any(live.handle.cancelled for live in self._live.values()):
-                    if generator is None:
-                        generator = self._new_generator()
-                    self._admit(generator, arrivals)
-                if not self._live:
-                    continue
                 try:
+                    if arrivals or any(live.handle.cancelled for live in self._live.values()):
+                        if generator is None:
+                            generator = self._new_generator()
+                        self._admit(generator, arrivals)
+                    if not self._live:
+                        continue
                     self._before_step()
                     self._step(generator)
                 except Exception as e:  # noqa: BLE001 (every request must hear of it)
                     if not isinstance(e, ShoalError):
                         log.exception("a generation step failed")
                         e = ShoalError(f"generation failed: {type(e).__name__}: {e}")
+                    for handle in arrivals:  # those not admitted when it failed
+                        if not handle.done and all(
+                            live.handle is not handle for live in self._live.values()
+                        ):
+                            handle.deliver(Event(error=e))
+                            self._done(handle)
                     self._fail_all(e)
-                    generator.close()
+                    if generator is not None:
+                        generator.close()
                     generator = None
             for live in list(self._live.values()):
                 self._finish(live, Event(error=ShoalError("the server is shutting down")))

@@ -185,8 +185,10 @@ def fit_to_context(request: CompletionRequest, prompt_tokens: int,
     return replace(request, sampling=replace(request.sampling, max_tokens=min(asked, room)))
 
 
-def prompt_tokens(tokenizer: TokenizerWrapper, request: CompletionRequest) -> list[int]:
-    """The request's prompt as token ids, the chat template applied as mlx-lm does."""
+def prompt_tokens(tokenizer: TokenizerWrapper, request: CompletionRequest,
+                  vocab: int) -> list[int]:
+    """The request's prompt as token ids, the chat template applied as mlx-lm does; token
+    ids given must be below the model's `vocab` size."""
     if request.chat:
         try:
             return encode_messages(tokenizer, list(request.messages))
@@ -195,7 +197,6 @@ def prompt_tokens(tokenizer: TokenizerWrapper, request: CompletionRequest) -> li
         except Exception as e:  # the template itself refused (e.g. roles out of order)
             raise InvalidInput(f"the chat template refused these messages: {e}") from None
     if isinstance(request.prompt, tuple):
-        vocab = tokenizer.vocab_size
         if max(request.prompt) >= vocab:
             raise InvalidInput(f"token id {max(request.prompt)} is outside the vocabulary "
                                f"({vocab} tokens)")
@@ -300,6 +301,8 @@ class Service:
     started: int = 0
 
     def health(self) -> str | None:
+        if not self.engine.alive:
+            return "the generation thread has stopped; see the server's log"
         return missing_experts(self.membership, self.manifest)
 
 
@@ -317,22 +320,25 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-async def _events(service: Service, prompt: list[int],
-                  sampling: Sampling) -> AsyncIterator[Event]:
-    """The engine's events for one request, on this event loop; leaving early (a client
-    that disconnected) cancels the request, which frees its row in the batch."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
-    handle = service.engine.submit(prompt, sampling,
-                                   lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
-    try:
-        while True:
-            event = await queue.get()
-            yield event
-            if event.finish_reason is not None or event.error is not None:
-                return
-    finally:
-        handle.cancel()
+class _Subscription:
+    """One request's events on this event loop. cancel() (a client that went away) frees
+    its row in the batch; waiting with a timeout does not cancel anything."""
+
+    def __init__(self, service: Service, prompt: list[int], sampling: Sampling) -> None:
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._handle = service.engine.submit(
+            prompt, sampling, lambda e: loop.call_soon_threadsafe(self._queue.put_nowait, e))
+
+    async def next(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None if none came within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -362,7 +368,8 @@ def make_app(service: Service) -> Starlette:
         body = {"status": "ok" if problem is None else "unavailable",
                 "model": service.model_id, "workers": len(service.membership.live()[1]),
                 "requests_in_flight": service.engine.in_flight,
-                "batching": service.engine.stats.as_json()}
+                "batching": service.engine.stats.as_json(),
+                "prompt_cache": service.engine.prompt_cache}
         if problem is not None:
             body["detail"] = problem
         return JSONResponse(body, 200 if problem is None else 503)
@@ -378,7 +385,8 @@ def make_app(service: Service) -> Starlette:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidInput(f"the request body is not valid JSON: {e}") from None
         parsed = parse_request(body, chat=chat)
-        prompt = prompt_tokens(service.tokenizer, parsed)
+        prompt = prompt_tokens(service.tokenizer, parsed,
+                               int(service.manifest.config["vocab_size"]))
         parsed = fit_to_context(parsed, len(prompt), service.context)
         problem = service.health()
         if problem is not None:
@@ -410,17 +418,22 @@ async def _whole(service: Service, request: Request, parsed: CompletionRequest,
                  prompt: list[int], meta: dict) -> Response:
     """A non-streamed answer: every event gathered, unless the client leaves first."""
     events: list[Event] = []
+    subscription = _Subscription(service, prompt, parsed.sampling)
 
     async def gather() -> None:
-        async for event in _events(service, prompt, parsed.sampling):
-            events.append(event)
+        while not events or (events[-1].finish_reason is None and events[-1].error is None):
+            events.append(await subscription.next())
 
     work = asyncio.create_task(gather())
     gone = asyncio.create_task(_until_disconnect(request))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not work.done():  # the client left: cancelling the task cancels the request
-        work.cancel()
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left (or the server is stopping)
+            work.cancel()
+            subscription.cancel()
+    if not events or (events[-1].finish_reason is None and events[-1].error is None):
         return Response(status_code=499)
     last = events[-1]
     if last.error is not None:
@@ -474,16 +487,13 @@ async def _stream(service: Service, parsed: CompletionRequest, prompt: list[int]
     if parsed.echo:
         yield _sse(chunk(Event(text=tok.decode(prompt)), first))
         first = False
-    events = _events(service, prompt, parsed.sampling)
+    subscription = _Subscription(service, prompt, parsed.sampling)
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(anext(events), HEARTBEAT)
-            except TimeoutError:
+            event = await subscription.next(HEARTBEAT)
+            if event is None:
                 yield b": waiting\n\n"  # keeps proxies and clients from timing out
                 continue
-            except StopAsyncIteration:
-                break
             if event.error is not None:
                 status = 503 if isinstance(event.error, Unavailable) else 500
                 yield _sse(error_json(str(event.error),
@@ -498,8 +508,8 @@ async def _stream(service: Service, parsed: CompletionRequest, prompt: list[int]
                                 "usage": usage_json(event)})
                 break
         yield _sse("[DONE]")
-    finally:
-        await events.aclose()
+    finally:  # also when the client went away: Starlette cancels this generator
+        subscription.cancel()
 
 
 # ---------------------------------------------------------------------------------------
