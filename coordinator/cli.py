@@ -340,6 +340,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
     if not 0 <= args.port < 65536:
         raise InvalidInput(f"--port must be between 0 and 65535, got {args.port}")
+    if args.context is not None and args.context < 2:
+        raise InvalidInput(f"--context must be at least 2 tokens, got {args.context}")
     if args.max_batch < 1:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
     cache_bytes = parse_budget(args.prompt_cache_bytes).bytes
