@@ -78,3 +78,47 @@ def test_a_stop_string_ends_the_request_and_is_not_emitted(model):
         assert engine.in_flight == 0
     finally:
         engine.close()
+
+
+def _scores(events: list[Event]) -> list:
+    return [(s.token, s.logprob, s.top) for e in events for s in e.logprobs]
+
+
+@pytest.mark.parametrize("family,bits", [("qwen3_moe", None), ("deepseek_v3", 4)])
+def test_rows_joining_a_running_batch_equal_themselves_alone(family, bits, tiny_checkpoint):
+    """Three prompts of different lengths submitted while a long request decodes (so they
+    join a batch left-padded to its length), leaving at different steps: every token and
+    every top-5 log-probability equals the same request on an engine of its own."""
+    source = tiny_checkpoint(family, quantize_bits=bits)
+    model, tokenizer = load_model(source)[0], load_tokenizer(source)
+    lengths = [40, 12, 25, 6]
+    prompts = [[9, 4, 7, 1, 30, 22, 8, 61, 5, 5, 3], *PROMPTS]
+    alone = []
+    for prompt, n in zip(prompts, lengths, strict=True):
+        engine = BatchEngine(model, tokenizer, cache_key="alone")
+        try:
+            alone.append(_scores(answer(engine, prompt, Sampling(max_tokens=n,
+                                                                 top_logprobs=5))))
+        finally:
+            engine.close()
+    engine = BatchEngine(model, tokenizer, cache_key="together")
+    try:
+        queues: list[queue.Queue[Event]] = [queue.Queue() for _ in prompts]
+        engine.submit(prompts[0], Sampling(max_tokens=lengths[0], top_logprobs=5),
+                      queues[0].put)
+        first = [queues[0].get(timeout=60)]
+        for i in range(1, len(prompts)):
+            engine.submit(prompts[i], Sampling(max_tokens=lengths[i], top_logprobs=5),
+                          queues[i].put)
+        together = []
+        for i, q in enumerate(queues):
+            events = first if i == 0 else [q.get(timeout=60)]
+            while events[-1].finish_reason is None and events[-1].error is None:
+                events.append(q.get(timeout=60))
+            together.append(_scores(events))
+        assert engine.stats.widest_step == len(prompts)
+    finally:
+        engine.close()
+    for i in range(len(prompts)):
+        assert together[i] == alone[i], i
+        assert len(together[i]) == lengths[i]
