@@ -221,6 +221,7 @@ class BatchEngine:
         self._in_flight = 0  # requests submitted and not finished: read by other threads
         self._lock = threading.Lock()
         self._closed = False
+        self._stream: mx.Stream | None = None  # the engine thread's, set when it starts
         self._thread = threading.Thread(target=self._run, name="shoal batching", daemon=True)
         self._thread.start()
 
@@ -262,6 +263,7 @@ class BatchEngine:
         self._stream = mx.default_stream(mx.default_device())
         with mx.stream(self._stream):
             generator: BatchGenerator | None = None
+            arrivals: list[Handle] = []
             while not self._closed:
                 arrivals = self._take(block=not self._live)
                 if self._closed:
@@ -279,18 +281,13 @@ class BatchEngine:
                     if not isinstance(e, ShoalError):
                         log.exception("a generation step failed")
                         e = ShoalError(f"generation failed: {type(e).__name__}: {e}")
-                    for handle in arrivals:  # those not admitted when it failed
-                        if not handle.done and all(
-                            live.handle is not handle for live in self._live.values()
-                        ):
-                            handle.deliver(Event(error=e))
-                            self._done(handle)
-                    self._fail_all(e)
+                    self._count(failed_steps=1)
+                    self._fail_all(e, arrivals)
                     if generator is not None:
                         generator.close()
                     generator = None
-            for live in list(self._live.values()):
-                self._finish(live, Event(error=ShoalError("the server is shutting down")))
+            self._fail_all(ShoalError("the server is shutting down"),
+                           arrivals + self._take(block=False))
             if generator is not None:
                 generator.close()
 
@@ -319,10 +316,10 @@ class BatchEngine:
         if gone:
             generator.remove(gone)
             for uid in gone:
-                self._finish(self._live.pop(uid), None)
+                self._end(self._live.pop(uid).handle, None)
         for handle in arrivals:
             if handle.cancelled:
-                self._done(handle)
+                self._end(handle, None)
                 continue
             cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, handle.prompt)
             if cache is not None and not rest:  # the whole prompt is cached: redo its last
@@ -360,7 +357,7 @@ class BatchEngine:
                 self._keep(r.all_tokens, r.prompt_cache)
             if event.finish_reason is not None:
                 del self._live[r.uid]
-                self._finish(live, event)
+                self._end(live.handle, event)
             elif event.text or event.logprobs:
                 live.handle.deliver(event)
         if stopped:
@@ -371,19 +368,25 @@ class BatchEngine:
     def _keep(self, tokens: list[int], cache: list) -> None:
         self._prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
 
-    def _fail_all(self, error: ShoalError) -> None:
-        self._count(failed_steps=1)
+    def _fail_all(self, error: ShoalError, arrivals: list[Handle]) -> None:
+        """End every request in the batch, and those that arrived but were not admitted,
+        with `error`."""
         for live in list(self._live.values()):
-            self._finish(live, Event(error=error, usage=live.usage()))
+            self._end(live.handle, Event(error=error, usage=live.usage()))
         self._live.clear()
+        for handle in arrivals:
+            self._end(handle, Event(error=error))
 
-    def _finish(self, live: _Live, event: Event | None) -> None:
+    def _end(self, handle: Handle, event: Event | None) -> None:
+        """Deliver a request's last event (none for a cancelled one), once."""
+        if handle.done:
+            return
         if event is not None:
             try:
-                live.handle.deliver(event)
+                handle.deliver(event)
             except Exception:  # noqa: BLE001 (a caller's bug must not stop the engine)
                 log.exception("delivering a request's last event failed")
-        self._done(live.handle)
+        self._done(handle)
 
     def _done(self, handle: Handle) -> None:
         if not handle.done:
