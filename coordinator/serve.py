@@ -300,6 +300,13 @@ class Service:
     api_key: str | None = None
     started: int = 0
 
+    @property
+    def vocab(self) -> int:
+        """Token ids the model's embedding takes (a multimodal config nests it)."""
+        config = self.manifest.config
+        size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return int(size or len(self.tokenizer.get_vocab()))
+
     def health(self) -> str | None:
         if not self.engine.alive:
             return "the generation thread has stopped; see the server's log"
@@ -385,8 +392,7 @@ def make_app(service: Service) -> Starlette:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidInput(f"the request body is not valid JSON: {e}") from None
         parsed = parse_request(body, chat=chat)
-        prompt = prompt_tokens(service.tokenizer, parsed,
-                               int(service.manifest.config["vocab_size"]))
+        prompt = prompt_tokens(service.tokenizer, parsed, service.vocab)
         parsed = fit_to_context(parsed, len(prompt), service.context)
         problem = service.health()
         if problem is not None:

@@ -183,6 +183,8 @@ def test_too_long_prompts_and_negative_max_tokens_get_400(server):
         client.completions.create(model="tiny", prompt="hello", max_tokens=100_000)
     with pytest.raises(openai.BadRequestError, match="at least 1"):
         client.completions.create(model="tiny", prompt="hello", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="tiny", prompt=[5, 10**7], max_tokens=2)
     assert server.health().status_code == 200  # and it goes on serving
 
 
