@@ -131,10 +131,11 @@ def open_membership(
     if getattr(args, "workers", None):
         membership = Membership(secret, cluster=DEFAULT_CLUSTER, manifest=manifest,
                                 interface=args.interface, log=log)
-        membership.add_static(
-            Candidate(key=a, endpoints=((a.rpartition(":")[0], int(a.rpartition(":")[2])),))
-            for a in parse_addresses(args.workers)
-        )
+        candidates = []
+        for address in parse_addresses(args.workers):
+            host, _, port = address.rpartition(":")
+            candidates.append(Candidate(key=address, endpoints=((host, int(port)),)))
+        membership.add_static(candidates)
         return membership
     config = read_cluster_config(args.cluster_config) if args.cluster_config else None
     if config and args.cluster and args.cluster != config.name:
