@@ -305,6 +305,9 @@ class Cluster:
             return
         version, links, holdings = self.membership.live()
         self._route(holdings)
+        for link in self.links:
+            if link not in links:  # left: its stream may hold a stale error when it returns
+                link.reset()
         self.links, self.holdings, self.version = links, holdings, version
 
     def reload(self, index: int) -> None:
