@@ -110,7 +110,8 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
             remote.close()
     finally:
         stop_workers(workers)
-    figures["echo"] = echo_floor(figures["dispatch"], settings["echo_round_trips"], log_dir, net)
+    figures["echo"] = echo_floor(figures["dispatch"], settings["echo_round_trips"], log_dir, net,
+                                 secret_file)
     return figures
 
 
@@ -176,33 +177,41 @@ def serialization_us(width: int, rows: int, pairs: int, repeat: int = 50) -> dic
     return figures
 
 
-def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwork | None) -> dict:
+def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwork | None,
+               secret_file: Path) -> dict:
     """The same fan-out and message sizes over bare gRPC streams to echo processes, placed
-    where the workers were. Over the Thunderbolt-like network also without the relay and
-    through a relay that adds no delay: what the relay itself costs."""
+    where the workers were, over TLS as Shoal's links (and in plaintext: what TLS costs).
+    Over the Thunderbolt-like network also without the relay and through a relay that adds
+    no delay: what the relay itself costs."""
     fan_out = max(1, round(dispatch["workers_per_layer"]))
+    identity = load_secret(secret_file).require_identity()
     servers = []
     try:
-        for k in range(fan_out):
-            prefix, host = net.places()[k] if net else ([], "127.0.0.1")
+        for k in range(2 * fan_out):  # the first fan_out serve TLS, the others plaintext
+            prefix, host = net.places()[k % fan_out] if net else ([], "127.0.0.1")
+            tls = ["--secret-file", str(secret_file)] if k < fan_out else []
             log_file = open(log_dir / f"echo-{k}.log", "w")  # noqa: SIM115 (kept for the process)
             servers.append(subprocess.Popen(
                 [*prefix, sys.executable, "-m", "benchmarks.echo", "serve", "--host", host,
-                 "--reply-bytes", str(int(dispatch["reply_bytes"]))],
+                 "--reply-bytes", str(int(dispatch["reply_bytes"])), *tls],
                 stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
             ))
         addresses = [wait_for_line(log_dir / f"echo-{k}.log", r"on (\S+:\d+)") for k in
-                     range(fan_out)]
+                     range(2 * fan_out)]
+        secure, plain = addresses[:fan_out], addresses[fan_out:]
 
-        def floor(targets: list[str]) -> float:
-            return 1e3 * round_trips(targets, int(dispatch["request_bytes"]), count)
+        def floor(targets: list[str], tls: bool = True) -> float:
+            return 1e3 * round_trips(targets, int(dispatch["request_bytes"]), count,
+                                     identity=identity if tls else None)
 
         if net is None:
-            return {"streams": fan_out, "round_trip_ms": floor(addresses)}
+            return {"streams": fan_out, "round_trip_ms": floor(secure),
+                    "plaintext_ms": floor(plain, tls=False)}
         return {"streams": fan_out,
-                "round_trip_ms": floor([net.relay(a) for a in addresses]),
-                "without_relay_ms": floor(addresses),
-                "relay_without_delay_ms": floor([net.relay(a, delay=0.0) for a in addresses])}
+                "round_trip_ms": floor([net.relay(a) for a in secure]),
+                "plaintext_ms": floor([net.relay(a) for a in plain], tls=False),
+                "without_relay_ms": floor(secure),
+                "relay_without_delay_ms": floor([net.relay(a, delay=0.0) for a in secure])}
     finally:
         for server in servers:
             server.terminate()
@@ -364,7 +373,8 @@ def table(report: dict) -> str:
         "",
         f"per-layer round trip {d['layer_ms']:.2f} ms (slowest worker's compute "
         f"{d['slowest_worker_compute_ms']:.2f} ms, overhead {report['layer_overhead_ms']:.2f}"
-        f" ms); bare gRPC echo {e['round_trip_ms']:.2f} ms over {e['streams']} streams",
+        f" ms); bare gRPC echo {e['round_trip_ms']:.2f} ms over {e['streams']} TLS streams "
+        f"({e['plaintext_ms']:.2f} ms in plaintext)",
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]

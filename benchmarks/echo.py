@@ -14,10 +14,13 @@ import statistics
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
-from proto import GRPC_OPTIONS
+from engine.auth import load_secret
+from engine.tls import Identity
+from proto import GRPC_OPTIONS, secure_channel, server_credentials
 
 METHOD = "/shoal.bench.Echo/Stream"
 _CLOSE = object()
@@ -27,7 +30,7 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-def serve(host: str, port: int, reply_bytes: int) -> None:
+def serve(host: str, port: int, reply_bytes: int, identity: Identity | None = None) -> None:
     reply = b"\0" * reply_bytes
 
     def stream(request_iterator, context):
@@ -40,7 +43,9 @@ def serve(host: str, port: int, reply_bytes: int) -> None:
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if identity is None
+             else server.add_secure_port(address, server_credentials(identity)))
     server.start()
     print(f"echo serving on {host}:{bound}", flush=True)
     stop = threading.Event()
@@ -50,9 +55,12 @@ def serve(host: str, port: int, reply_bytes: int) -> None:
     server.stop(0)
 
 
-def round_trips(addresses: list[str], request_bytes: int, count: int, warmup: int = 20) -> float:
-    """Median seconds for one message out to every address and every reply back."""
-    channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in addresses]
+def round_trips(addresses: list[str], request_bytes: int, count: int, warmup: int = 20,
+                identity: Identity | None = None) -> float:
+    """Median seconds for one message out to every address and every reply back; over TLS
+    as Shoal's links when given the cluster's identity."""
+    channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) if identity is None
+                else secure_channel(a, identity, GRPC_OPTIONS) for a in addresses]
     queues, replies = [], []
     for channel in channels:
         call = channel.stream_stream(METHOD, request_serializer=_identity,
@@ -83,8 +91,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reply-bytes", type=int, required=True)
+    parser.add_argument("--secret-file", type=Path, help="serve TLS with this cluster's identity")
     args = parser.parse_args()
-    serve(args.host, args.port, args.reply_bytes)
+    identity = load_secret(args.secret_file).require_identity() if args.secret_file else None
+    serve(args.host, args.port, args.reply_bytes, identity)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
     dispatch = report["shoal"]["dispatch"]
     assert 1 <= dispatch["rpcs_per_token_per_layer"] <= 2  # one request per involved worker
     assert dispatch["bytes_sent_per_token"] > 0 and report["shoal"]["echo"]["round_trip_ms"] > 0
+    assert report["shoal"]["echo"]["plaintext_ms"] > 0  # TLS's cost is measured beside it
     assert report["decode_ratio_vs_mlx_lm_single"] > 0
     breakdown = dispatch["breakdown"]
     assert set(breakdown) == {f"{part}_us" for part, _ in BREAKDOWN_PARTS}
