@@ -1,0 +1,7 @@
+"""Shoal's commands. gRPC's C core logs at INFO by default (a refused TLS handshake prints a
+line per retry on the user's terminal): only errors, unless the user asks for more. It reads
+the setting once, when grpc is first imported, hence here."""
+
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -100,5 +100,5 @@ def test_generate_names_missing_experts_and_wrong_secret(
     wrong = create_secret(tmp_path / "wrong")
     run = shoal("generate", "--model", str(sharded), "--workers", only_half.address,
                 "--secret-file", str(wrong), "hi")
-    assert run.returncode == 2 and "UNAUTHENTICATED" in run.stderr
+    assert run.returncode == 2 and "refused this cluster's TLS identity" in run.stderr
     assert "cluster secret" in run.stderr
