@@ -1,0 +1,301 @@
+"""Speculative decoding for a sharded model: a draft model on the coordinator proposes tokens,
+the target checks them all in one forward (one request per worker per MoE layer, whatever the
+number of rows), and the number proposed follows how often the target agrees.
+
+The verification is mlx-lm's own `speculative_generate_step`, run in segments of constant N:
+when the acceptance estimate asks for another N, the segment is closed at the end of a
+verification step (its `finally` rewinds the caches as its loop would) and the next one starts
+on the same caches. N = 0 is plain decoding through the same step, one row per forward; while
+it lasts the draft sees nothing, and it catches up from the token history when drafting
+resumes. docs/speculative.md describes the rule and the figures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse, generation_stream, speculative_generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load
+
+from engine.errors import InvalidInput, NotFound
+
+DEFAULT_DRAFT_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """How many tokens to draft, from the acceptance seen so far.
+
+    `alpha` estimates the chance that a drafted token is accepted given that the ones before
+    it were; the n-th drafted token is used with chance alpha**n, so it is proposed only when
+    that exceeds `min_gain` (the default stops drafting at an acceptance of 25% or less, as
+    deltafin's drafter does on general chat). While stopped, one token is drafted every
+    `probe_every` tokens, the wait doubling after each failed probe, so that a draft that
+    becomes useful is noticed and a useless one costs little.
+    """
+
+    max_draft: int = DEFAULT_DRAFT_TOKENS
+    min_gain: float = 0.25
+    decay: float = 0.8  # per verification step: older steps count less
+    probe_every: int = 32
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_draft <= 64:
+            raise InvalidInput(f"--num-draft-tokens must be between 1 and 64, "
+                               f"got {self.max_draft}")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Decayed counts of accepted drafted tokens and of rejections (one per step that did not
+    accept all it was offered), and where plain decoding stands while drafting is stopped."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    plain_tokens: int = 0  # generated without drafting since drafting last stopped
+    probe_wait: int = 0  # plain tokens before the next probe
+
+    @property
+    def alpha(self) -> float | None:
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen else None
+
+
+def observe(policy: DraftPolicy, state: Acceptance, proposed: int, accepted: int) -> Acceptance:
+    """Fold one verification step into the estimate (proposed 0: a plain step)."""
+    if proposed == 0:
+        return replace(state, plain_tokens=state.plain_tokens + 1)
+    rejected = 1.0 if accepted < proposed else 0.0
+    state = replace(state, accepted=state.accepted * policy.decay + accepted,
+                    rejected=state.rejected * policy.decay + rejected, plain_tokens=0)
+    if draft_count(policy, state) == 0:  # stopped by this step: wait before probing again
+        wait = policy.probe_every if state.probe_wait == 0 else 2 * state.probe_wait
+        state = replace(state, probe_wait=wait)
+    elif accepted == proposed:
+        state = replace(state, probe_wait=0)
+    return state
+
+
+def draft_count(policy: DraftPolicy, state: Acceptance) -> int:
+    """Tokens to draft for the next verification step, before a probe is considered."""
+    alpha = state.alpha
+    if not policy.adaptive or alpha is None:
+        return policy.max_draft
+    if alpha <= policy.min_gain:
+        return 0
+    if alpha >= 1.0:
+        return policy.max_draft
+    # largest n with alpha**n > min_gain
+    n = math.ceil(math.log(policy.min_gain) / math.log(alpha)) - 1
+    return max(0, min(policy.max_draft, n))
+
+
+def next_draft(policy: DraftPolicy, state: Acceptance) -> int:
+    """Tokens to draft next: draft_count, or one token as a probe when its wait is over."""
+    n = draft_count(policy, state)
+    if n == 0 and state.plain_tokens >= state.probe_wait:
+        return 1
+    return n
+
+
+@dataclass
+class SpeculativeStats:
+    """What the draft did in one generation, for --stats and --json."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0  # target forwards that checked drafted tokens
+    plain_steps: int = 0  # target forwards without drafted tokens (drafting stopped)
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (token index, new N)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def report(self, generated: int) -> dict:
+        steps = self.verify_steps + self.plain_steps
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance,
+            "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
+            "tokens_per_step": generated / steps if steps else 0.0,
+            "draft_changes": [{"token": t, "num_draft_tokens": n} for t, n in self.changes],
+        }
+
+
+@dataclass
+class Draft:
+    """A draft model loaded on the coordinator, and the policy that paces it."""
+
+    model: nn.Module
+    policy: DraftPolicy
+    path: Path | None = None
+
+
+def load_draft(path: Path, tokenizer: TokenizerWrapper, policy: DraftPolicy) -> Draft:
+    """Load an mlx-lm model as the draft, refusing one whose tokenizer differs from the
+    target's (the verification compares token ids)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise NotFound(f"draft model folder {path} does not exist")
+    model, draft_tokenizer = load(str(path))
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size or (
+        draft_tokenizer.get_vocab() != tokenizer.get_vocab()
+    ):
+        raise InvalidInput(
+            f"the draft model {path} has another tokenizer than the target "
+            f"({draft_tokenizer.vocab_size} tokens against {tokenizer.vocab_size}, or other "
+            "ids); pick a draft of the same family (docs/speculative.md)"
+        )
+    return Draft(model, policy, path)
+
+
+def speculative_tokens(
+    prompt: mx.array,
+    model: nn.Module,
+    draft: Draft,
+    *,
+    max_tokens: int,
+    sampler,
+    stats: SpeculativeStats,
+) -> Generator[tuple[int, mx.array, bool], None, None]:
+    """(token, logprobs, from_draft), as mlx-lm's speculative_generate_step yields them, with
+    the number of drafted tokens chosen again after every verification step."""
+    target_cache = make_prompt_cache(model)
+    draft_cache = make_prompt_cache(draft.model)
+    if len(target_cache) != len(model.layers):  # mlx-lm splits the joint cache by layers
+        raise InvalidInput("speculative decoding needs one KV cache per layer of the model")
+    if not can_trim_prompt_cache(target_cache) or not can_trim_prompt_cache(draft_cache):
+        raise InvalidInput("speculative decoding needs models whose KV cache can be trimmed; "
+                           "this model's cache cannot")
+    history = [int(t) for t in prompt.tolist()]  # every token either model will have seen
+    pending = mx.array(history, mx.uint32)  # not yet in the target's cache
+    state = Acceptance()
+    current = None
+    made = 0
+    while made < max_tokens:
+        n = next_draft(draft.policy, state)
+        if n != current:
+            stats.changes.append((made, n))
+            current = n
+        if n > 0:
+            _catch_up(draft.model, draft_cache, history, target_cache[0].offset)
+        segment = speculative_generate_step(
+            pending, model, draft.model, num_draft_tokens=n, max_tokens=max_tokens - made,
+            sampler=sampler, prompt_cache=target_cache + draft_cache,
+        )
+        try:
+            while made < max_tokens:
+                # Counted before the tokens are handed on: the consumer may stop at any token.
+                proposed = min(n, max_tokens - made)
+                stats.proposed += proposed
+                if proposed:
+                    stats.verify_steps += 1
+                else:
+                    stats.plain_steps += 1
+                accepted = 0
+                for token, logprobs, from_draft in segment:
+                    made += 1
+                    history.append(int(token))
+                    accepted += from_draft
+                    stats.accepted += from_draft
+                    yield int(token), logprobs, from_draft
+                    if not from_draft or made == max_tokens:
+                        break
+                state = observe(draft.policy, state, proposed, accepted)
+                if next_draft(draft.policy, state) != n:
+                    break
+        finally:
+            segment.close()  # rewinds both caches to the end of the last step
+        pending = mx.array(history[-1:], mx.uint32)
+
+
+def _catch_up(
+    draft_model: nn.Module, draft_cache: list, history: list[int], want: int, step: int = 512
+) -> None:
+    """Feed the draft the tokens the target's cache holds and its own does not (those
+    generated while drafting was stopped, or the last drafted token of a step that accepted
+    all), so that both start the next segment from the same context."""
+    have = draft_cache[0].offset
+    with mx.stream(generation_stream):
+        while have < want:
+            chunk = history[have:min(want, have + step)]
+            draft_model(mx.array(chunk, mx.uint32)[None], cache=draft_cache)
+            mx.eval([c.state for c in draft_cache])
+            have += len(chunk)
+
+
+def stream_speculative(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompt: mx.array,
+    draft: Draft,
+    *,
+    max_tokens: int,
+    sampler,
+    stats: SpeculativeStats,
+) -> Iterator[GenerationResponse]:
+    """mlx-lm's stream_generate over speculative_tokens: the same responses, text, stop on
+    EOS and timing (mlx-lm's own stream_generate fixes N for the whole generation)."""
+    detokenizer = tokenizer.detokenizer
+    tokens = speculative_tokens(prompt, model, draft, max_tokens=max_tokens, sampler=sampler,
+                                stats=stats)
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    try:
+        for n, (token, logprobs, from_draft) in enumerate(tokens):
+            if n == 0:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            finished = token in tokenizer.eos_token_ids or n + 1 == max_tokens
+            if token not in tokenizer.eos_token_ids:
+                detokenizer.add_token(token)
+            if finished:
+                detokenizer.finalize()
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                token=token,
+                logprobs=logprobs,
+                from_draft=from_draft,
+                prompt_tokens=prompt.size,
+                prompt_tps=prompt_tps,
+                generation_tokens=n + 1,
+                generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=None if not finished else (
+                    "stop" if token in tokenizer.eos_token_ids else "length"),
+            )
+            if finished:
+                return
+    finally:
+        tokens.close()
+
+
+def format_report(report: dict, decode_tps: float, *, changes: bool = False) -> list[str]:
+    """Lines for stderr: what the draft proposed and the target accepted; with `changes`,
+    when adaptive drafting changed the number of drafted tokens."""
+    lines = [
+        f"draft: proposed {report['proposed']}, accepted {report['accepted']} "
+        f"({100 * report['acceptance_rate']:.0f}%), {report['tokens_per_step']:.2f} tokens per "
+        f"target forward ({report['verify_steps']} verifying, {report['plain_steps']} plain), "
+        f"decode {decode_tps:.1f} tok/s"
+    ]
+    if changes:
+        steps = []
+        for change in report["draft_changes"]:
+            n = change["num_draft_tokens"]
+            steps.append(f"from token {change['token']}: "
+                         + (f"{n} drafted" if n else "drafting stopped (acceptance too low)"))
+        lines.append("adaptive drafting: " + "; ".join(steps))
+    return lines
