@@ -349,7 +349,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from coordinator.demo import run_demo
 
     run_demo(args.prompt, experts=args.experts, top_k=args.top_k, workers=args.workers,
-             max_tokens=args.max_tokens)
+             max_tokens=args.max_tokens, draft=args.draft,
+             num_draft_tokens=args.num_draft_tokens)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -514,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="local worker processes (default 2)")
     p.add_argument("--max-tokens", type=int, default=60, metavar="N")
+    p.add_argument("--draft", action="store_true",
+                   help="answer again with speculative decoding: SmolLM2-135M itself, dense and "
+                   "quantized to 4 bits, drafts for the MoE; print both speeds and the "
+                   "acceptance")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="with --draft: most tokens drafted per step (default 3)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(

@@ -66,8 +66,10 @@ class Acceptance:
 
     @property
     def alpha(self) -> float | None:
+        """Accepted over offered, with one accepted and one rejected token of prior belief
+        so that a single unlucky step does not stop drafting; None before any evidence."""
         seen = self.accepted + self.rejected
-        return self.accepted / seen if seen else None
+        return (self.accepted + 1) / (seen + 2) if seen else None
 
 
 def observe(policy: DraftPolicy, state: Acceptance, proposed: int, accepted: int) -> Acceptance:
