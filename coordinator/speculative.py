@@ -32,20 +32,25 @@ DEFAULT_DRAFT_TOKENS = 3
 
 @dataclass(frozen=True)
 class DraftPolicy:
-    """How many tokens to draft, from the acceptance seen so far.
+    """How many tokens to draft, from the acceptance and the step times seen so far.
 
     `alpha` estimates the chance that a drafted token is accepted given that the ones before
-    it were; the n-th drafted token is used with chance alpha**n, so it is proposed only when
-    that exceeds `min_gain` (the default stops drafting at an acceptance of 25% or less, as
-    deltafin's drafter does on general chat). While stopped, one token is drafted every
-    `probe_every` tokens, the wait doubling after each failed probe, so that a draft that
-    becomes useful is noticed and a useless one costs little.
+    it were, so the n-th drafted token is used with chance alpha**n. It is worth proposing when
+    that exceeds what it costs, in plain decode steps: the measured extra time of a drafting
+    step per drafted token (the draft's forward and one more row for the target), and never
+    less than `min_gain` (the default stops drafting at an acceptance of 25% or less, as
+    deltafin's drafter does on general chat). Drafting starts at one token and grows as the
+    draft proves itself. While stopped, one token is drafted every `probe_every` tokens, the
+    wait doubling after each failed probe, so that a draft that becomes useful is noticed and
+    a useless one costs little. Every `measure_every` drafting steps one plain step keeps the
+    plain step time current.
     """
 
     max_draft: int = DEFAULT_DRAFT_TOKENS
     min_gain: float = 0.25
     decay: float = 0.8  # per verification step: older steps count less
     probe_every: int = 32
+    measure_every: int = 32
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -56,54 +61,78 @@ class DraftPolicy:
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Decayed counts of accepted drafted tokens and of rejections (one per step that did not
-    accept all it was offered), and where plain decoding stands while drafting is stopped."""
+    """What the policy knows: decayed counts of accepted drafted tokens and of rejections (one
+    per step that did not accept all it was offered), step times, and where plain decoding
+    stands while drafting is stopped."""
 
     accepted: float = 0.0
     rejected: float = 0.0
+    plain_seconds: float | None = None  # a plain step's time (moving average)
+    cost: float | None = None  # a drafting step's extra time per drafted token, in plain steps
+    steps: int = 0
+    since_measure: int = 0  # drafting steps since the last plain step
     plain_tokens: int = 0  # generated without drafting since drafting last stopped
     probe_wait: int = 0  # plain tokens before the next probe
 
     @property
-    def alpha(self) -> float | None:
-        """Accepted over offered, with one accepted and one rejected token of prior belief
-        so that a single unlucky step does not stop drafting; None before any evidence."""
-        seen = self.accepted + self.rejected
-        return (self.accepted + 1) / (seen + 2) if seen else None
+    def alpha(self) -> float:
+        """Accepted over offered, with one accepted and one rejected token of prior belief,
+        so that one unlucky step does not stop drafting."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
 
 
-def observe(policy: DraftPolicy, state: Acceptance, proposed: int, accepted: int) -> Acceptance:
-    """Fold one verification step into the estimate (proposed 0: a plain step)."""
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (old + new) / 2
+
+
+def observe(
+    policy: DraftPolicy, state: Acceptance, proposed: int, accepted: int,
+    seconds: float | None = None,
+) -> Acceptance:
+    """Fold one target forward into the estimate: `proposed` 0 is a plain step; `seconds`,
+    its time (None for the first, which also read the prompt)."""
+    state = replace(state, steps=state.steps + 1)
     if proposed == 0:
-        return replace(state, plain_tokens=state.plain_tokens + 1)
+        return replace(state, plain_tokens=state.plain_tokens + 1, since_measure=0,
+                       plain_seconds=state.plain_seconds if seconds is None
+                       else _average(state.plain_seconds, seconds))
+    was_drafting = draft_count(policy, state) > 0
+    if seconds is not None and state.plain_seconds:
+        extra = max(0.0, seconds - state.plain_seconds) / (proposed * state.plain_seconds)
+        state = replace(state, cost=_average(state.cost, extra))
     rejected = 1.0 if accepted < proposed else 0.0
     state = replace(state, accepted=state.accepted * policy.decay + accepted,
-                    rejected=state.rejected * policy.decay + rejected, plain_tokens=0)
-    if draft_count(policy, state) == 0:  # stopped by this step: wait before probing again
-        wait = policy.probe_every if state.probe_wait == 0 else 2 * state.probe_wait
-        state = replace(state, probe_wait=wait)
-    elif accepted == proposed:
-        state = replace(state, probe_wait=0)
+                    rejected=state.rejected * policy.decay + rejected, plain_tokens=0,
+                    since_measure=state.since_measure + 1)
+    if draft_count(policy, state) == 0:  # stopped: wait before probing again
+        first = was_drafting or state.probe_wait == 0
+        state = replace(state, probe_wait=policy.probe_every if first else 2 * state.probe_wait)
     return state
 
 
 def draft_count(policy: DraftPolicy, state: Acceptance) -> int:
-    """Tokens to draft for the next verification step, before a probe is considered."""
+    """Tokens worth drafting for the next step: the most n with alpha**n above the cost."""
+    if not policy.adaptive:
+        return policy.max_draft
     alpha = state.alpha
-    if not policy.adaptive or alpha is None:
-        return policy.max_draft
-    if alpha <= policy.min_gain:
+    threshold = max(policy.min_gain, state.cost or 0.0)
+    if alpha <= threshold:
         return 0
-    if alpha >= 1.0:
-        return policy.max_draft
-    # largest n with alpha**n > min_gain
-    n = math.ceil(math.log(policy.min_gain) / math.log(alpha)) - 1
+    n = math.ceil(math.log(threshold) / math.log(alpha)) - 1 if threshold < 1 else 0
     return max(0, min(policy.max_draft, n))
 
 
 def next_draft(policy: DraftPolicy, state: Acceptance) -> int:
-    """Tokens to draft next: draft_count, or one token as a probe when its wait is over."""
+    """Tokens to draft in the next step: draft_count; or a plain step to time when the plain
+    step time is unknown or old; or one token as a probe when drafting is stopped and its wait
+    is over."""
     n = draft_count(policy, state)
+    if not policy.adaptive:
+        return n
+    if n > 0 and state.steps > 0 and (
+        state.plain_seconds is None or state.since_measure >= policy.measure_every
+    ):
+        return 0
     if n == 0 and state.plain_tokens >= state.probe_wait:
         return 1
     return n
@@ -184,13 +213,13 @@ def speculative_tokens(
     history = [int(t) for t in prompt.tolist()]  # every token either model will have seen
     pending = mx.array(history, mx.uint32)  # not yet in the target's cache
     state = Acceptance()
-    current = None
+    counted = None
     made = 0
     while made < max_tokens:
         n = next_draft(draft.policy, state)
-        if n != current:
-            stats.changes.append((made, n))
-            current = n
+        if draft_count(draft.policy, state) != counted:  # timing steps are not changes
+            counted = draft_count(draft.policy, state)
+            stats.changes.append((made, counted))
         if n > 0:
             _catch_up(draft.model, draft_cache, history, target_cache[0].offset)
         segment = speculative_generate_step(
@@ -207,7 +236,11 @@ def speculative_tokens(
                 else:
                     stats.plain_steps += 1
                 accepted = 0
-                for token, logprobs, from_draft in segment:
+                seconds = 0.0  # in the step itself, not in the consumer
+                while True:
+                    started = time.perf_counter()
+                    token, logprobs, from_draft = next(segment)
+                    seconds += time.perf_counter() - started
                     made += 1
                     history.append(int(token))
                     accepted += from_draft
@@ -215,7 +248,9 @@ def speculative_tokens(
                     yield int(token), logprobs, from_draft
                     if not from_draft or made == max_tokens:
                         break
-                state = observe(draft.policy, state, proposed, accepted)
+                first = state.steps == 0  # its time includes reading the prompt
+                state = observe(draft.policy, state, proposed, accepted,
+                                None if first else seconds)
                 if next_draft(draft.policy, state) != n:
                     break
         finally:

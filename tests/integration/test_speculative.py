@@ -63,7 +63,7 @@ def test_greedy_ids_with_a_draft_equal_those_without(family, workers, clusters):
         # Always agrees: every verification accepts its N drafted tokens.
         remote.dispatcher.stats.layers.clear()
         agreeing = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
-                            draft=Draft(itself, DraftPolicy(n)))
+                            draft=Draft(itself, DraftPolicy(n, adaptive=False)))
         assert agreeing.token_ids == plain.token_ids, f"{family}, N={n}, own checkpoint"
         spec = agreeing.speculative
         assert spec.acceptance == 1.0 and spec.plain_steps == 0, spec
@@ -92,16 +92,17 @@ def test_adaptive_drafting_stops_a_useless_draft_and_keeps_the_output(clusters):
     spec = drafted.speculative
     # A few steps to learn that it is useless, one probe after 32 plain tokens, no more.
     assert spec.verify_steps <= 5 and spec.plain_steps >= 40, spec
-    assert spec.changes[0] == (0, 6) and any(n == 0 for _, n in spec.changes), spec.changes
+    assert spec.changes[0] == (0, 1) and spec.changes[-1][1] == 0, spec.changes
 
 
 def test_sampling_with_a_draft_is_seeded_like_plain_sampling(clusters):
     """mlx-lm's rule: draft and target each sample, and a drafted token stands when it equals
-    the target's sample, so every token is the target's. A seed repeats the run."""
+    the target's sample, so every token is the target's. A seed repeats a run with a fixed N
+    (adaptive drafting decides on measured times, which change how the samples are drawn)."""
     remote, source, _ = clusters["qwen3_moe"]
     itself, _ = load(str(source))
     runs = [generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
-                     temperature=0.8, seed=7, draft=Draft(itself, DraftPolicy(3)))
+                     temperature=0.8, seed=7, draft=Draft(itself, DraftPolicy(3, adaptive=False)))
             for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     assert len(runs[0].token_ids) == NEW_TOKENS
@@ -128,7 +129,7 @@ def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, mon
             assert "Paris" in plain.text
             itself, _ = load(str(dense))
             agreeing = generate(remote.model, remote.tokenizer, ids, max_tokens=8,
-                                draft=Draft(itself, DraftPolicy(3)))
+                                draft=Draft(itself, DraftPolicy(3, adaptive=False)))
             assert agreeing.token_ids == plain.token_ids
             assert agreeing.speculative.acceptance == 1.0, agreeing.speculative
             stranger, _ = load(str(build_random_draft(tmp_path / "random", Path(dense))))
