@@ -42,14 +42,17 @@ class DraftPolicy:
     deltafin's drafter does on general chat). Drafting starts at one token and grows as the
     draft proves itself. While stopped, one token is drafted every `probe_every` tokens, the
     wait doubling after each failed probe, so that a draft that becomes useful is noticed and
-    a useless one costs little. Every `measure_every` drafting steps one plain step keeps the
-    plain step time current.
+    a useless one costs little; a probe first feeds the draft what it missed (at most the last
+    `probe_every` tokens), so where drafting is dear the wait is also long enough for a probe
+    to cost at most `probe_budget` of the time between probes. Every `measure_every` drafting
+    steps one plain step keeps the plain step time current.
     """
 
     max_draft: int = DEFAULT_DRAFT_TOKENS
     min_gain: float = 0.25
     decay: float = 0.8  # per verification step: older steps count less
     probe_every: int = 32
+    probe_budget: float = 0.02
     measure_every: int = 32
     adaptive: bool = True
 
@@ -106,7 +109,10 @@ def observe(
                     since_measure=state.since_measure + 1)
     if draft_count(policy, state) == 0:  # stopped: wait before probing again
         first = was_drafting or state.probe_wait == 0
-        state = replace(state, probe_wait=policy.probe_every if first else 2 * state.probe_wait)
+        wait = policy.probe_every if first else 2 * state.probe_wait
+        # a probe reads up to probe_every + 1 tokens into the draft, each at most `cost`
+        dear = math.ceil((policy.probe_every + 1) * (state.cost or 0.0) / policy.probe_budget)
+        state = replace(state, probe_wait=max(wait, dear))
     return state
 
 
@@ -211,6 +217,7 @@ def speculative_tokens(
         raise InvalidInput("speculative decoding needs models whose KV cache can be trimmed; "
                            "this model's cache cannot")
     history = [int(t) for t in prompt.tolist()]  # every token either model will have seen
+    draft_start = 0  # the draft's cache holds history[draft_start:]
     pending = mx.array(history, mx.uint32)  # not yet in the target's cache
     state = Acceptance()
     counted = None
@@ -221,7 +228,10 @@ def speculative_tokens(
             counted = draft_count(draft.policy, state)
             stats.changes.append((made, counted))
         if n > 0:
-            _catch_up(draft.model, draft_cache, history, target_cache[0].offset)
+            draft_cache, draft_start = _catch_up(
+                draft.model, draft_cache, draft_start, history, target_cache[0].offset,
+                window=draft.policy.probe_every,
+            )
         segment = speculative_generate_step(
             pending, model, draft.model, num_draft_tokens=n, max_tokens=max_tokens - made,
             sampler=sampler, prompt_cache=target_cache + draft_cache,
@@ -259,18 +269,31 @@ def speculative_tokens(
 
 
 def _catch_up(
-    draft_model: nn.Module, draft_cache: list, history: list[int], want: int, step: int = 512
-) -> None:
-    """Feed the draft the tokens the target's cache holds and its own does not (those
-    generated while drafting was stopped, or the last drafted token of a step that accepted
-    all), so that both start the next segment from the same context."""
-    have = draft_cache[0].offset
+    draft_model: nn.Module,
+    draft_cache: list,
+    start: int,
+    history: list[int],
+    want: int,
+    *,
+    window: int,
+    step: int = 512,
+) -> tuple[list, int]:
+    """Feed the draft the tokens the target's cache holds (`history[:want]`) and its own does
+    not: the last drafted token of a step that accepted all, or those generated while drafting
+    was stopped. The draft holds `history[start:]`. When it lags by more than `window` tokens it
+    starts afresh on the last `window` only: reading them all could cost more than a probe can
+    win (a draft sees less context then; the output, verified by the target, is the same)."""
+    have = start + draft_cache[0].offset
+    if want - have > window:
+        draft_cache, start = make_prompt_cache(draft_model), want - window
+        have = start
     with mx.stream(generation_stream):
         while have < want:
             chunk = history[have:min(want, have + step)]
             draft_model(mx.array(chunk, mx.uint32)[None], cache=draft_cache)
             mx.eval([c.state for c in draft_cache])
             have += len(chunk)
+    return draft_cache, start
 
 
 def stream_speculative(

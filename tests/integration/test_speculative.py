@@ -140,3 +140,21 @@ def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, mon
             remote.close()
     finally:
         stop_workers(local)
+
+
+def test_probes_that_restart_the_draft_on_recent_tokens_keep_the_output(clusters):
+    """Probes every few tokens, each after the draft missed more than its window: the draft
+    starts afresh on the recent tokens, and the output stays the target's."""
+    remote, source, random_dir = clusters["deepseek_v3"]
+    plain = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=40)
+    itself, _ = load(str(source))
+    stranger, _ = load(str(random_dir))
+    eager = DraftPolicy(3, probe_every=4, probe_budget=100.0)
+    useless = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=40,
+                       draft=Draft(stranger, eager))
+    assert useless.token_ids == plain.token_ids
+    assert useless.speculative.verify_steps >= 5, useless.speculative  # 3, then probes
+    useful = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=40,
+                      draft=Draft(itself, eager))
+    assert useful.token_ids == plain.token_ids
+    assert useful.speculative.accepted > 0
