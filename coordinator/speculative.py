@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -204,7 +204,7 @@ def speculative_tokens(
     draft: Draft,
     *,
     max_tokens: int,
-    sampler,
+    sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """(token, logprobs, from_draft), as mlx-lm's speculative_generate_step yields them, with
@@ -303,7 +303,7 @@ def stream_speculative(
     draft: Draft,
     *,
     max_tokens: int,
-    sampler,
+    sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
 ) -> Iterator[GenerationResponse]:
     """mlx-lm's stream_generate over speculative_tokens: the same responses, text, stop on

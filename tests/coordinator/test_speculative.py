@@ -1,6 +1,7 @@
 """Adaptive drafting as pure functions of what the steps showed, and the draft options of
 `shoal generate` as a user meets them."""
 
+import json
 import random
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.speculative import Acceptance, DraftPolicy, draft_count, next_draft, observe
+from engine.checkpoint import shard
 from engine.errors import InvalidInput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,3 +93,31 @@ def test_draft_options_are_checked_before_anything_loads(tmp_path):
     run = shoal(*common, "--draft-model", str(tmp_path), "--num-draft-tokens", "0")
     assert run.returncode == 2 and "between 1 and 64" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_a_draft_reports_what_it_proposed(
+    tiny_checkpoint, start_worker, secret_file, tmp_path
+):
+    source = tiny_checkpoint("mixtral")
+    sharded = tmp_path / "out"
+    shard(source, sharded, workers=2, progress=False)
+    workers = ",".join(start_worker([sharded / f"worker-{k}"]).address for k in range(2))
+    common = ("generate", "hello world", "--model", str(sharded), "--workers", workers,
+              "--secret-file", str(secret_file), "--max-tokens", "12")
+    plain = json.loads(shoal(*common, "--json").stdout)
+    run = shoal(*common, "--json", "--draft-model", str(source), "--num-draft-tokens", "4",
+                "--fixed-draft")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["token_ids"] == plain["token_ids"]
+    spec = report["speculative"]
+    assert spec["proposed"] > 0 and spec["accepted"] == spec["proposed"]  # its own weights
+    assert spec["acceptance_rate"] == 1.0 and spec["tokens_per_step"] == pytest.approx(
+        len(report["token_ids"]) / spec["verify_steps"], rel=0.2)
+    for key in ("verify_steps", "plain_steps", "decode_tps", "draft_changes"):
+        assert key in spec
+
+    run = shoal(*common, "--stats", "--draft-model", str(source))
+    assert run.returncode == 0, run.stderr
+    assert "draft: proposed" in run.stderr and "adaptive drafting: from token 0" in run.stderr
