@@ -18,6 +18,7 @@ from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
+    from coordinator.speculative import DraftPolicy
     from engine.checkpoint import Manifest
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -130,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def draft_options(p: argparse.ArgumentParser) -> None:
-    """--draft-model and --num-draft-tokens, for `shoal generate` and the benchmarks."""
+    """--draft-model, --num-draft-tokens and --fixed-draft of `shoal generate`."""
     from coordinator.speculative import DEFAULT_DRAFT_TOKENS
 
     p.add_argument("--draft-model", type=Path, metavar="PATH",
@@ -144,7 +145,7 @@ def draft_options(p: argparse.ArgumentParser) -> None:
                    help="always propose N tokens, however few are accepted")
 
 
-def draft_policy(args: argparse.Namespace):
+def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
     """The drafting policy that --draft-model and friends ask for, or None without a draft."""
     from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
 

@@ -191,7 +191,7 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
         for layer, s in sorted(stats.layers.items())
     }
     total = stats.total()
-    report = {
+    return {
         "token_ms": [round(1e3 * t, 3) for t in result.token_seconds],
         "layers": layers,
         "bytes_sent_per_token": total.bytes_sent / generated,
@@ -199,9 +199,6 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
         "dispatch_seconds": total.seconds,
         "requests": total.requests,
     }
-    if result.speculative is not None:
-        report["speculative"] = speculative_report(result)
-    return report
 
 
 def speculative_report(result: GenerationResult) -> dict:
