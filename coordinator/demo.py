@@ -9,7 +9,6 @@ draft (docs/speculative.md), and both speeds are printed.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
 import sys
@@ -47,7 +46,8 @@ def build_once(target: Path, build: Callable[[Path], object], what: str) -> Path
     shutil.rmtree(partial, ignore_errors=True)
     print(f"demo: building {what} (first run only) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    build(partial)
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's chatter: never mix it into output
+        build(partial)
     os.replace(partial, target)
     print(f"demo: built {what} in {time.perf_counter() - started:.0f} s -> {target}",
           file=sys.stderr, flush=True)
@@ -76,8 +76,7 @@ def prepare_draft(*, progress: bool = True) -> Path:
     dense = prepare_dense(progress=progress)
 
     def build(out: Path) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm's [INFO] lines
-            convert(str(dense), str(out), quantize=True, q_bits=DRAFT_BITS, q_group_size=64)
+        convert(str(dense), str(out), quantize=True, q_bits=DRAFT_BITS, q_group_size=64)
 
     return build_once(cache_root() / "demo" / f"smollm2-135m-instruct-q{DRAFT_BITS}", build,
                       f"the {DRAFT_BITS}-bit draft model")

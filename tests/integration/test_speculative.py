@@ -61,7 +61,7 @@ def test_greedy_ids_with_a_draft_equal_those_without(family, workers, clusters):
     stranger, _ = load(str(random_dir))
     for n in (1, 3, 6):
         # Always agrees: every verification accepts its N drafted tokens.
-        remote.dispatcher.stats.layers.clear()
+        remote.dispatcher.stats.reset()
         agreeing = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
                             draft=Draft(itself, DraftPolicy(n, adaptive=False)))
         assert agreeing.token_ids == plain.token_ids, f"{family}, N={n}, own checkpoint"
