@@ -228,7 +228,7 @@ def speculative_tokens(
             counted = draft_count(draft.policy, state)
             stats.changes.append((made, counted))
         if n > 0:
-            draft_cache, draft_start = _catch_up(
+            draft_cache, draft_start = catch_up(
                 draft.model, draft_cache, draft_start, history, target_cache[0].offset,
                 window=draft.policy.probe_every,
             )
@@ -268,7 +268,7 @@ def speculative_tokens(
         pending = mx.array(history[-1:], mx.uint32)
 
 
-def _catch_up(
+def catch_up(
     draft_model: nn.Module,
     draft_cache: list,
     start: int,

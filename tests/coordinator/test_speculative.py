@@ -121,3 +121,37 @@ def test_generate_with_a_draft_reports_what_it_proposed(
     run = shoal(*common, "--stats", "--draft-model", str(source))
     assert run.returncode == 0, run.stderr
     assert "draft: proposed" in run.stderr and "adaptive drafting: from token 0" in run.stderr
+
+
+def test_catching_up_gives_the_draft_the_context_it_missed(tiny_checkpoint):
+    """After drafting was stopped, the draft reads what it missed and then predicts as if it
+    had read everything; when it missed more than the window, it starts on the window."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from coordinator.speculative import catch_up
+
+    model, _ = load(str(tiny_checkpoint("qwen3_moe")))
+    history = [(7 * i + 11) % 290 + 5 for i in range(40)]
+
+    def next_logits(cache: list, token: int) -> mx.array:
+        return model(mx.array([[token]]), cache=cache)[0, -1]
+
+    reference = make_prompt_cache(model)
+    model(mx.array([history[:30]]), cache=reference)
+    expected = next_logits(reference, history[30])
+
+    behind = make_prompt_cache(model)
+    model(mx.array([history[:22]]), cache=behind)  # drafting stopped after 22 tokens
+    cache, start = catch_up(model, behind, 0, history, 30, window=16)
+    assert (start, cache[0].offset) == (0, 30) and cache is behind
+    assert mx.allclose(next_logits(cache, history[30]), expected, atol=1e-5)
+
+    far = make_prompt_cache(model)
+    model(mx.array([history[:5]]), cache=far)
+    cache, start = catch_up(model, far, 0, history, 30, window=16)
+    assert (start, cache[0].offset) == (14, 16) and cache is not far
+    fresh = make_prompt_cache(model)
+    model(mx.array([history[14:30]]), cache=fresh)
+    assert mx.allclose(next_logits(cache, history[30]), next_logits(fresh, history[30]))
