@@ -356,6 +356,6 @@ def format_report(report: dict, decode_tps: float, *, changes: bool = False) -> 
         for change in report["draft_changes"]:
             n = change["num_draft_tokens"]
             steps.append(f"from token {change['token']}: "
-                         + (f"{n} drafted" if n else "drafting stopped (acceptance too low)"))
+                         + (f"{n} drafted" if n else "drafting stopped (it did not pay)"))
         lines.append("adaptive drafting: " + "; ".join(steps))
     return lines
