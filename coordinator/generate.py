@@ -1,5 +1,6 @@
 """The coordinator's model: mlx-lm's dense part with every switch module replaced by a
-RemoteSwitch, and generation through mlx-lm's own loop, sampler and KV cache."""
+RemoteSwitch, and generation through mlx-lm's own loop, sampler and KV cache (with a draft
+model, through mlx-lm's speculative step: coordinator/speculative.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from coordinator.cluster import Cluster, connect
 from coordinator.dispatch import Dispatcher, DispatchStats, install
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
+from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
 from engine.checkpoint import Manifest, check_safetensors, read_manifest
 from engine.errors import CorruptData, InvalidInput, NotFound
 
@@ -132,6 +134,7 @@ class GenerationResult:
     decode_tps: float = 0.0
     token_seconds: list[float] = field(default_factory=list)  # wall time of each new token
     finish_reason: str | None = None
+    speculative: SpeculativeStats | None = None  # with a draft model
 
 
 def generate(
@@ -143,8 +146,10 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
+    draft: Draft | None = None,
 ) -> GenerationResult:
-    """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's."""
+    """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's.
+    With a `draft`, the draft proposes tokens that `model` verifies several at a time."""
     if max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -153,10 +158,18 @@ def generate(
         mx.random.seed(seed)
     result = GenerationResult(prompt_token_ids=list(prompt_ids))
     sampler = make_sampler(temp=temperature)
+    if draft is None:
+        responses = stream_generate(
+            model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler
+        )
+    else:
+        result.speculative = SpeculativeStats()
+        responses = stream_speculative(
+            model, tokenizer, mx.array(prompt_ids), draft, max_tokens=max_tokens,
+            sampler=sampler, stats=result.speculative,
+        )
     last = time.perf_counter()
-    for response in stream_generate(
-        model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler
-    ):
+    for response in responses:
         now = time.perf_counter()
         result.token_seconds.append(now - last)
         last = now
@@ -197,6 +210,15 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
         "requests": total.requests,
         "breakdown": stats.decode.breakdown(),  # decode calls only, us per MoE layer call
     }
+
+
+def speculative_report(result: GenerationResult) -> dict:
+    """What the draft proposed and the target accepted, with the decode speed it gave."""
+    assert result.speculative is not None
+    # token_seconds has one entry per target token, the stopping EOS included
+    report = result.speculative.report(len(result.token_seconds))
+    report["decode_tps"] = result.decode_tps
+    return report
 
 
 BREAKDOWN_PARTS = (

@@ -363,3 +363,38 @@ def _join_kv_b_proj(
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# Files a model folder's tokenizer may consist of; a draft built beside a model copies them.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def build_random_draft(out_dir: Path, like: Path, *, seed: int = 1) -> Path:
+    """Write a small random dense Llama with the tokenizer and vocabulary of the checkpoint at
+    `like`: a draft model for speculative decoding that (almost) never agrees with it."""
+    out_dir = Path(out_dir)
+    _check_options(out_dir, "mlx", "float32", None, 32)
+    source = json.loads((Path(like) / "config.json").read_text())
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": source["vocab_size"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        **{key: source[key] for key in ("bos_token_id", "eos_token_id") if key in source},
+    }
+    model = random_model(config, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    for name in _TOKENIZER_FILES:
+        if (Path(like) / name).exists():
+            (out_dir / name).write_bytes((Path(like) / name).read_bytes())
+    return out_dir
