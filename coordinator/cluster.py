@@ -221,7 +221,7 @@ class WorkerLink:
             if "handshake failed" in (e.details() or "").lower():
                 raise Unauthenticated(
                     f"worker {self.address} refused this cluster's TLS identity or holds "
-                    "another's: copy the same secret file (shoal cluster-init) to every Mac"
+                    "another's: copy the same cluster secret file (shoal cluster-init) to every Mac"
                 ) from None
             raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:

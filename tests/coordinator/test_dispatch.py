@@ -104,7 +104,7 @@ class _Link:
             seq=request.seq, output=encode(np.zeros((experts.size, width), np.float32),
                                            "float32")))
 
-    def receive(self):
+    def receive(self, timeout: float):
         return self.replies.pop(0)
 
 
