@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.checkpoint import Manifest
 
 DEMO_PROMPT = "What is the capital of France?"
+QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes
 BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at least
 
 
@@ -317,13 +318,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from coordinator.planning import parse_worker_capacity, plan_report, print_plan
+    from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, plan_report, print_plan
     from engine.checkpoint import read_sizes
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
 
-    sizes = read_sizes(args.model)
+    if args.bits is not None and args.bits not in QUANTIZE_BITS:
+        raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")
     workers = [parse_worker_capacity(w) for w in args.worker]
+    sizes = read_sizes(args.model, bits=args.bits, group_size=args.group_size)
     heat = read_heat(args.heat) if args.heat else None
     if heat is not None:
         check_heat_matches(heat, sizes.experts)
@@ -333,6 +336,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=1))
     else:
         print_plan(report)
+    sys.exit(VERDICT_EXIT[report["verdict"]])
 
 
 def print_stats(stats: dict) -> None:
@@ -503,9 +507,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(or only their disks), which experts go where with hot experts replicated, the "
         "predicted imbalance before and after replication, and a rough bound on decode "
         "tokens/s. MODEL is a folder written by `shoal shard`, or a model's config.json "
-        "(sizes are then estimated, quantization included).",
+        "(a Hugging Face original or an mlx-community conversion: sizes are then estimated "
+        "from its dtype and quantization, per-layer overrides included). Exit status: 0 fits "
+        "in memory, 3 fits only by streaming experts from disk, 4 does not fit, 2 bad input.",
     )
-    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG")
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG",
+                   help="a folder written by `shoal shard`, a model folder, or its config.json")
+    p.add_argument("--bits", type=int, metavar="BITS",
+                   help="what if the experts and dense weights were quantized to BITS "
+                   "(2, 3, 4, 5, 6 or 8) as `shoal shard --quantize BITS` does (config only)")
+    p.add_argument("--group-size", type=int, default=64, metavar="G",
+                   help="quantization group size for --bits (default 64)")
     p.add_argument("--worker", action="append", required=True, metavar="NAME=MEMORY[:DISK]",
                    help="a Mac: memory for experts and free disk, e.g. studio=192G:2T (repeat)")
     p.add_argument("--heat", type=Path, metavar="HEAT.json",
