@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -119,8 +120,89 @@ def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str
     return budget, how
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything is loaded."""
+    check_name(args.cluster, "cluster name")
+    if args.node_id:
+        check_name(args.node_id, "node id")
+    if args.readers < 1:
+        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
+    if not 0 <= args.port < 65536:
+        raise ShoalError(f"--port must be 0-65535, got {args.port}")
+    if args.memory_budget:
+        parse_budget(args.memory_budget)
+
+
+def bind(
+    host: str, port: int, executor: futures.Executor, secret: bytes
+) -> tuple[grpc.Server, int]:
+    """A gRPC server that owns host:port alone, bound before any expert is loaded.
+
+    gRPC sets SO_REUSEPORT by default, so a second worker on a taken port would start
+    silently and the kernel would deal connections out to both: turned off here.
+    """
+    server = grpc.server(
+        executor,
+        interceptors=[AuthInterceptor(CredentialChecker(secret))],
+        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ShoalError(
+            f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
+            "another program: `lsof -i :PORT` names it) or not an address of this host; "
+            "give another --port"
+        )
+    return server, bound
+
+
 def serve(args: argparse.Namespace) -> None:
+    check_args(args)
     secret = load_secret(secret_path(args.secret_file))
+    addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
+    handlers: list[int] = []  # native ids of the threads that run the calls (and MLX)
+    executor = futures.ThreadPoolExecutor(
+        max_workers=16, thread_name_prefix="rpc",
+        initializer=lambda: handlers.append(threading.get_native_id()),
+    )
+    server, port = bind(args.host, args.port, executor, secret)
+    residency = None
+    try:
+        residency = load(args)
+        run(args, server, port, residency, addresses)
+    finally:
+        server.stop(grace=None).wait()
+        if residency is not None:
+            residency.close()
+        # The call threads ran mlx-lm's compiled functions, whose cache is thread-local and
+        # holds Python objects: its C++ destructor takes the GIL as the thread exits. A thread
+        # that got that far while the interpreter was finalizing was killed inside the
+        # destructor ("terminate called without an active exception", one stop in three).
+        # So they all end here, and their destructors finish, before the interpreter exits.
+        executor.shutdown(wait=True, cancel_futures=True)
+        wait_for_threads_to_exit(handlers)
+
+
+def wait_for_threads_to_exit(native_ids: list[int], timeout: float = 2.0) -> None:
+    """Let threads that Python has joined run their C++ thread-local destructors to the end.
+
+    Python's join returns before those run. Linux lists live threads in /proc/self/task;
+    elsewhere a pause that releases the GIL serves (the destructors need only the GIL).
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        time.sleep(0.2)
+        return
+    deadline = time.monotonic() + timeout
+    while any((tasks / str(i)).exists() for i in native_ids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def load(args: argparse.Namespace) -> Residency:
+    """Scan (and verify) the stores and set up the memory budget."""
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
@@ -128,10 +210,6 @@ def serve(args: argparse.Namespace) -> None:
         # A store folder with only the manifest: `shoal deploy` sends the experts.
         print(f"shoal-worker: no intact expert files in {', '.join(map(str, args.store))} yet; "
               "waiting for `shoal deploy` to send some", file=sys.stderr, flush=True)
-    check_name(args.cluster, "cluster name")
-    addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
-    if args.readers < 1:
-        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
     expert_bytes = scan.expert_bytes()
     budget, how = choose_budget(args, expert_bytes)
     resident = min(budget, expert_bytes)
@@ -148,19 +226,21 @@ def serve(args: argparse.Namespace) -> None:
     if residency.streaming:
         # Evicted experts' memory goes back to the system instead of MLX's buffer cache.
         mx.set_cache_limit(4 * residency.reader.buffer_bytes)
+    return residency
+
+
+def run(
+    args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
+    addresses: list[str],
+) -> None:
+    """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""
+    scan = residency.scan
 
     def note(message: str) -> None:
         print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
-    node_id = check_name(args.node_id, "node id") if args.node_id else load_node_id(
-        node_id_path(), log=note
-    )
+    node_id = args.node_id or load_node_id(node_id_path(), log=note)
     memory_budget = residency.budget
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=16),
-        interceptors=[AuthInterceptor(CredentialChecker(secret))],
-        options=GRPC_OPTIONS,
-    )
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
         ExpertServicer(residency, node_id, memory_budget), server
     )
@@ -168,13 +248,9 @@ def serve(args: argparse.Namespace) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(liveness, server)
     for service in ("", shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name):
         liveness.set(service, health_pb2.HealthCheckResponse.SERVING)
-    try:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        where = f"{args.host}:{args.port}"
-        raise ShoalError(f"cannot listen on {where} (port in use, or not an address of this host)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     server.start()
     layers = len(residency.layers)
     print(
@@ -196,9 +272,6 @@ def serve(args: argparse.Namespace) -> None:
             log=lambda m: print(f"shoal-worker {node_id}: {m}", flush=True),
         )
         advertiser.start()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
