@@ -227,6 +227,25 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
     return tuple(found)
 
 
+def resolve_model_dir(model_dir: Path) -> Path:
+    """A model folder, or a Hugging Face cache entry (models--ORG--NAME, as `hf download`
+    leaves it) -> the snapshot folder that holds config.json and the weights (symlinks into
+    blobs/, read through as ordinary files)."""
+    model_dir = Path(model_dir)
+    snapshots = model_dir / "snapshots"
+    if (model_dir / "config.json").exists() or not snapshots.is_dir():
+        return model_dir
+    ref = model_dir / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = sorted(p for p in snapshots.iterdir() if (p / "config.json").exists())
+    if len(found) != 1:
+        names = ", ".join(p.name[:12] for p in found) or "none with a config.json"
+        raise NotFound(f"{model_dir} is a Hugging Face cache entry with snapshots {names}: "
+                       "give the snapshot folder (snapshots/HASH) to use")
+    return found[0]
+
+
 def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
     """Load any mlx-lm checkpoint lazily (weights are read only when evaluated)."""
     model_dir = Path(model_dir)
@@ -251,10 +270,13 @@ def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
 
 
 def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
-    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this model.
+    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this
+    model into these same store folders.
 
-    A marker naming the source is written before anything else, so an interrupted run can be
-    repeated into the same folder and a different model is never mixed in.
+    A marker naming the source and the stores is written before anything else, so an
+    interrupted run can be repeated into the same folder, while a different model, or the same
+    one split for another number of workers (whose old expert files would stay behind in
+    worker-0 and be served), is never mixed in.
     """
     marker = out_dir / SHARD_MARKER
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -270,17 +292,23 @@ def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) 
                 "or the same one with other --quantize options); choose another folder or "
                 "remove it first"
             )
-        stale = sorted(
-            p.name for p in out_dir.iterdir()
-            if p.is_dir() and p.name not in stores and p.name != "dense"
-        )
-        if stale:
+        present = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name != "dense")
+        # Markers of older versions do not name the stores: then the folders present tell.
+        earlier_stores = earlier.get("stores", present)
+        if sorted(earlier_stores) != sorted(stores) or not set(present) <= set(stores):
             raise ShoalError(
-                f"{out_dir} holds store folders from an earlier split ({', '.join(stale)}); "
-                "choose another folder or remove it first"
+                f"{out_dir} holds a split into {_describe_stores(earlier_stores)}, not "
+                f"{_describe_stores(stores)}: its expert files would be left in the wrong "
+                "store folders. Choose another folder, or remove this one first"
             )
-    body = {"source_id": sid, "model_type": model_type}
+    body = {"source_id": sid, "model_type": model_type, "stores": stores}
     write_atomic(marker, json.dumps(body).encode())
+
+
+def _describe_stores(stores: list[str]) -> str:
+    if stores == ["experts"]:
+        return "one store folder (experts/)"
+    return f"{len(stores)} store folders ({', '.join(sorted(stores))})"
 
 
 def _copy_side_files(model_dir: Path, dense_dir: Path) -> None:
@@ -354,8 +382,11 @@ def shard(
     group_size: int = 64,
     progress: bool = True,
 ) -> Manifest:
-    """Split a checkpoint into OUT/dense and per-expert files in one or N store folders."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    """Split a checkpoint into OUT/dense and per-expert files in one or N store folders.
+
+    The source may be a Hugging Face cache entry; OUT may be on another drive than the
+    source (every file is written to a temporary name beside its final one, then renamed)."""
+    model_dir, out_dir = resolve_model_dir(model_dir), Path(out_dir)
     options = {"quantize_bits": quantize_bits, "group_size": group_size}
     if quantize_bits is not None and quantize_bits not in (2, 3, 4, 5, 6, 8):
         raise InvalidInput(f"--quantize takes 2, 3, 4, 5, 6 or 8 bits, not {quantize_bits}")
