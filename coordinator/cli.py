@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.auth import create_secret, load_secret, secret_path
-from engine.errors import InvalidInput, ShoalError
+from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
@@ -51,37 +51,79 @@ def cmd_shard(args: argparse.Namespace) -> None:
     )
 
 
+class StreamedText:
+    """Generated text goes to stdout as it comes, without a newline at the end of a piece;
+    anything said on stderr meanwhile first ends the line, so it never runs into the text."""
+
+    def __init__(self) -> None:
+        self.mid_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            print(text, end="", flush=True)
+            self.mid_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.mid_line:
+            print(flush=True)
+            self.mid_line = False
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot work before the model is loaded (which takes minutes when large)."""
+    if args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if args.wait < 0:
+        raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    if not (Path(args.model) / "manifest.json").exists():
+        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
+                           "(it has no manifest.json)")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.cluster import parse_addresses
+    from coordinator.doctor import refused_at_once
     from coordinator.generate import encode_prompt, generate, open_remote_model, stats_report
     from coordinator.membership import stderr_log
     from coordinator.worker_stats import format_report, read_stats, run_report
     from engine.checkpoint import read_manifest
 
+    check_generate_args(args)
     secret = load_secret(secret_path(args.secret_file))
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
     addresses = parse_addresses(args.workers) if args.workers else []
+    refused = [a for a in addresses if refused_at_once(a)]
+    if refused:
+        raise Unavailable(
+            f"nothing listens at {', '.join(refused)} (the connection was refused at once): "
+            "is shoal-worker running there, on that port? `shoal doctor --workers ...` checks"
+        )
+    out = StreamedText()
+
+    def say(message: str) -> None:
+        out.end_line()
+        stderr_log(message)
+
     membership = None if args.workers else open_membership(
-        args, secret, read_manifest(args.model), log=stderr_log
+        args, secret, read_manifest(args.model), log=say
     )
     remote = None
     try:
         remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=stderr_log)
+                                   wait=args.wait, on_wait=say)
         prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
-
-        def stream(text: str) -> None:
-            print(text, end="", flush=True)
-
         before = read_stats(remote.cluster.links) if args.stats else {}
         result = generate(
             remote.model, remote.tokenizer, prompt_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            on_text=None if args.json else stream,
+            on_text=None if args.json else out.write,
         )
         after = read_stats(remote.cluster.links) if args.stats else {}
     finally:
+        out.end_line()  # an error or warning after partial output starts on its own line
         if remote is not None:
             record_run_heat(args.model, remote.manifest, remote.cluster.links)
             remote.close()
@@ -104,7 +146,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print()
     print(
         f"prefill {len(prompt_ids)} tokens at {result.prefill_tps:.1f} tok/s, "
         f"decode {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s",
@@ -339,6 +380,59 @@ def cmd_plan(args: argparse.Namespace) -> None:
     sys.exit(VERDICT_EXIT[report["verdict"]])
 
 
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from coordinator.cluster import parse_addresses
+    from coordinator.discovery import Candidate, parse_endpoint
+    from coordinator.doctor import (
+        check_mdns,
+        check_memory,
+        check_mlx,
+        check_network,
+        check_secret,
+        check_stores,
+        check_workers,
+        checks_json,
+        failed,
+        format_checks,
+        inspect_workers,
+    )
+    from coordinator.membership import Membership, member_rows
+    from engine.checkpoint import read_manifest
+
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    addresses = parse_addresses(args.workers) if args.workers else []
+    manifest = read_manifest(args.model) if args.model else None
+    path = secret_path(args.secret_file)
+    checks = [check_secret(path)]
+    network, announced = check_network(args.interface)
+    checks += network
+    if not args.no_mdns:
+        checks.append(check_mdns(announced))
+    checks += [check_memory(), *check_stores(args.store or []), check_mlx()]
+    if addresses or args.cluster or args.cluster_config:
+        secret = load_secret(path) if checks[0].verdict == "ok" else os.urandom(32)
+        if addresses:
+            membership = Membership(secret, cluster="doctor", manifest=manifest,
+                                    interface=args.interface)
+            membership.add_static(Candidate(a, (parse_endpoint(a, "--workers"),))
+                                  for a in addresses)
+        else:
+            membership = open_membership(args, secret, manifest)
+        try:
+            browse = 0.0 if addresses or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+            rows = member_rows(membership.settle(args.wait, at_least=browse))
+        finally:
+            membership.close()
+        checks += check_workers(inspect_workers(rows, secret),
+                                manifest.fingerprint if manifest else None)
+    if args.json:
+        print(json.dumps({"checks": checks_json(checks), "ok": not failed(checks)}, indent=1))
+    else:
+        print(format_checks(checks))
+    sys.exit(1 if failed(checks) else 0)
+
+
 def print_stats(stats: dict) -> None:
     out = sys.stderr
     print("per layer (all calls):", file=out)
@@ -358,6 +452,22 @@ def print_stats(stats: dict) -> None:
           f"received {stats['bytes_received_per_token']:.0f}", file=out)
 
 
+def version_text() -> str:
+    """shoal's version, its wire protocol and the MLX it runs on (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    from proto import PROTOCOL_VERSION
+
+    return (f"shoal {of('shoal')} (protocol {PROTOCOL_VERSION}; mlx {of('mlx')}, "
+            f"mlx-lm {of('mlx-lm')}, grpcio {of('grpcio')})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -367,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
             "start `shoal-worker --store OUT/worker-K` on each machine, then `shoal generate`."
         ),
     )
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def discovery_options(p: argparse.ArgumentParser, *, wait: float, wait_help: str) -> None:
@@ -402,12 +513,20 @@ def build_parser() -> argparse.ArgumentParser:
         "mlx-lm's stacked/quantized layout) and write OUT_DIR/dense, one file per (layer, "
         "expert) with a checksummed manifest, and store folders for the workers.",
     )
-    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR",
+                   help="the source checkpoint: a folder with config.json and "
+                   "model*.safetensors (Hugging Face or mlx-community), or a Hugging Face "
+                   "cache entry such as ~/.cache/huggingface/hub/models--ORG--NAME")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR",
+                   help="where to write the split: an empty folder, on any drive (it need "
+                   "not be the source's); about the size of the source, or of its quantized "
+                   "form with --quantize (`shoal plan` tells)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="write N store folders OUT_DIR/worker-K balanced by bytes "
                    "(default: one folder OUT_DIR/experts)")
-    p.add_argument("--quantize", type=int, metavar="BITS", help="quantize with mlx-lm first")
+    p.add_argument("--quantize", type=int, metavar="BITS",
+                   help="quantize with mlx-lm first (2, 3, 4, 5, 6 or 8 bits; affine, as "
+                   "mlx_lm.convert -q does)")
     p.add_argument("--group-size", type=int, default=64, metavar="G",
                    help="quantization group size (default 64)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -427,7 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "workers of --cluster on the local network with Bonjour)")
     discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
                       "expert (default 30)")
-    p.add_argument("--max-tokens", type=int, default=100, metavar="N")
+    p.add_argument("--max-tokens", type=int, default=100, metavar="N",
+                   help="stop after N generated tokens, or earlier at the end of the answer "
+                   "(default 100)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
@@ -472,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts per token (default: E, which computes the dense model exactly)")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="local worker processes (default 2)")
-    p.add_argument("--max-tokens", type=int, default=60, metavar="N")
+    p.add_argument("--max-tokens", type=int, default=60, metavar="N",
+                   help="stop after N generated tokens, or earlier at the end of the answer "
+                   "(default 60)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
@@ -533,6 +656,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network round trip per MoE layer for the speed bound (default 0.3)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "doctor", help="check this Mac (and the cluster's workers) for what Shoal needs",
+        description="Check, with a verdict for each: the cluster secret (present, private), "
+        "the network interfaces and the addresses a worker here would announce (Thunderbolt "
+        "Bridge first), whether Bonjour works from this process (on macOS it needs the "
+        "Local Network permission), memory, each --store folder and its drive, and MLX's "
+        "device. With --workers, --cluster or --cluster-config, also each worker: reachable "
+        "(a refused connection is told apart from a silent host), the path and round trip, "
+        "its protocol version and model fingerprint. Exit status 1 when something is wrong.",
+    )
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="check these workers (by address)")
+    discovery_options(p, wait=4.0, wait_help="how long to look for and check workers "
+                      "(default 4)")
+    p.add_argument("--store", action="append", type=Path, metavar="DIR",
+                   help="a store folder a worker on this Mac would serve (repeat)")
+    p.add_argument("--model", type=Path, metavar="OUT_DIR",
+                   help="the sharded model the workers should serve (checks fingerprints)")
+    p.add_argument("--no-mdns", action="store_true", help="skip the Bonjour check")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    secret_option(p)
+    p.set_defaults(func=cmd_doctor)
 
     def live_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
