@@ -84,9 +84,23 @@ def check_generate_args(args: argparse.Namespace) -> None:
                            "(it has no manifest.json)")
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
+def worker_addresses(text: str) -> list[str]:
+    """--workers HOST:PORT,...: refused at once when nothing listens at one of them, rather
+    than after loading the model and waiting for it to answer."""
     from coordinator.cluster import parse_addresses
     from coordinator.doctor import refused_at_once
+
+    addresses = parse_addresses(text)
+    refused = [a for a in addresses if refused_at_once(a)]
+    if refused:
+        raise Unavailable(
+            f"nothing listens at {', '.join(refused)} (the connection was refused at once): "
+            "is shoal-worker running there, on that port? `shoal doctor --workers ...` checks"
+        )
+    return addresses
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.generate import encode_prompt, generate, open_remote_model, stats_report
     from coordinator.membership import stderr_log
     from coordinator.worker_stats import format_report, read_stats, run_report
@@ -94,13 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     check_generate_args(args)
     secret = load_secret(secret_path(args.secret_file))
-    addresses = parse_addresses(args.workers) if args.workers else []
-    refused = [a for a in addresses if refused_at_once(a)]
-    if refused:
-        raise Unavailable(
-            f"nothing listens at {', '.join(refused)} (the connection was refused at once): "
-            "is shoal-worker running there, on that port? `shoal doctor --workers ...` checks"
-        )
+    addresses = worker_addresses(args.workers) if args.workers else []
     out = StreamedText()
 
     def say(message: str) -> None:
@@ -196,13 +204,13 @@ def open_live_workers(
 ) -> tuple[list, Callable[[], None]]:
     """The workers to talk to, and how to let go of them: --workers (each must answer), else
     the healthy workers of the cluster (Bonjour or --cluster-config) found within --wait."""
-    from coordinator.cluster import WorkerLink, parse_addresses
+    from coordinator.cluster import WorkerLink
     from coordinator.membership import stderr_log
 
     if args.workers and (args.cluster_config or args.cluster):
         raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
     if args.workers:
-        links = [WorkerLink(address, secret) for address in parse_addresses(args.workers)]
+        links = [WorkerLink(address, secret) for address in worker_addresses(args.workers)]
 
         def close() -> None:
             for link in links:
