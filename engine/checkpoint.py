@@ -646,7 +646,7 @@ def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> 
                 "config.json (plan the source model's config instead)"
             )
         return sizes_from_manifest(read_manifest(path))
-    config_path = path / "config.json" if path.is_dir() else path
+    config_path = resolve_model_dir(path) / "config.json" if path.is_dir() else path
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
