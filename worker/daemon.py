@@ -99,7 +99,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
         help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
     )
+    parser.add_argument("--version", action="version", version=version_text())
     return parser.parse_args(argv)
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mine = version("shoal")
+    except PackageNotFoundError:
+        mine = "(not installed)"
+    return f"shoal-worker {mine} (protocol {PROTOCOL_VERSION}, mlx {mx.__version__})"
 
 
 def physical_memory() -> int:

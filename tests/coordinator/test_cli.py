@@ -36,6 +36,8 @@ def test_every_command_explains_itself(args):
 def test_worker_explains_itself():
     run = shoal("--help", module="worker.daemon")
     assert run.returncode == 0 and "--store" in run.stdout and "checksum" in run.stdout
+    run = shoal("--version", module="worker.daemon")
+    assert run.returncode == 0 and run.stdout.startswith("shoal-worker 0.")
 
 
 def test_cluster_init_writes_a_private_secret_once(tmp_path):
