@@ -25,7 +25,8 @@ from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
 from coordinator.demo import build_once, cache_root
-from coordinator.generate import open_remote_model
+from coordinator.dispatch import LayerStats
+from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import create_secret, load_secret
 from engine.checkpoint import read_manifest, shard
@@ -94,7 +95,8 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
                                          lengths=settings["lengths"],
                                          decode_tokens=settings["decode_tokens"],
                                          runs=settings["runs"], long_runs=settings["long_runs"])
-            figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"])
+            figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"],
+                                                  max(settings["lengths"]))
             width = int(remote.manifest.config["hidden_size"])
             k = int(remote.manifest.config["num_experts_per_tok"])
             longest = max(settings["lengths"])
@@ -112,37 +114,36 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
     return figures
 
 
-def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
-    prompt = bench_prompt(vocab, 16)
+def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dict:
     stats = remote.dispatcher.stats
 
-    def counters(max_tokens: int) -> dict:
-        stats.layers.clear()
-        timed_generation(remote.model, remote.tokenizer, prompt, max_tokens)
-        total = stats.total()
-        return {"calls": total.calls, "seconds": total.seconds, "requests": total.requests,
-                "sent": total.bytes_sent, "received": total.bytes_received,
-                "compute": total.worker_compute_seconds,
-                "slowest": total.slowest_compute_seconds, "shared": total.shared_seconds,
-                "layers": len(stats.layers)}
+    def counters(max_tokens: int, length: int = 16) -> tuple[LayerStats, int]:
+        stats.reset()
+        timed_generation(remote.model, remote.tokenizer, bench_prompt(vocab, length),
+                         max_tokens)
+        return stats.total(), len(stats.layers)
 
-    prefill_only, whole = counters(1), counters(tokens + 1)
-    d = {k: whole[k] - prefill_only[k] for k in whole if k != "layers"}
-    layers = whole["layers"]
+    (prefill_only, _), (whole, layers) = counters(1), counters(tokens + 1)
+    counters(1, prefill_length)
+    long_prefill = stats.prefill  # the prompt's pass, without its last token's
+    d = LayerStats(**{k: getattr(whole, k) - getattr(prefill_only, k) for k in vars(whole)})
     return {
         "tokens": tokens,
         "moe_layers": layers,
-        "layer_ms": 1e3 * d["seconds"] / d["calls"],
-        "worker_compute_ms_per_request": 1e3 * d["compute"] / d["requests"],
+        "layer_ms": 1e3 * d.seconds / d.calls,
+        "worker_compute_ms_per_request": 1e3 * d.worker_compute_seconds / d.requests,
         # a call lasts as long as its slowest worker: the overhead is measured against that
-        "slowest_worker_compute_ms": 1e3 * d["slowest"] / d["calls"],
-        "shared_expert_ms": 1e3 * d["shared"] / d["calls"],
-        "rpcs_per_token_per_layer": d["requests"] / (tokens * layers),
-        "workers_per_layer": d["requests"] / d["calls"],
-        "bytes_sent_per_token": d["sent"] / tokens,
-        "bytes_received_per_token": d["received"] / tokens,
-        "request_bytes": d["sent"] / d["requests"],
-        "reply_bytes": d["received"] / d["requests"],
+        "slowest_worker_compute_ms": 1e3 * d.slowest_compute_seconds / d.calls,
+        "shared_expert_ms": 1e3 * d.shared_seconds / d.calls,
+        "rpcs_per_token_per_layer": d.requests / (tokens * layers),
+        "workers_per_layer": d.requests / d.calls,
+        "bytes_sent_per_token": d.bytes_sent / tokens,
+        "bytes_received_per_token": d.bytes_received / tokens,
+        "request_bytes": d.bytes_sent / d.requests,
+        "reply_bytes": d.bytes_received / d.requests,
+        "breakdown": d.breakdown(),
+        "prefill_length": prefill_length,
+        "prefill_breakdown": long_prefill.breakdown(),
     }
 
 
@@ -230,7 +231,8 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
                "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
                "--long-runs", str(settings["long_runs"])]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
         if run.returncode != 0 or not out.exists():
             tail = (run.stdout + run.stderr).strip()[-800:]
             return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
@@ -367,6 +369,10 @@ def table(report: dict) -> str:
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
+    lines += ["", "per-layer decode breakdown (us per MoE layer call):",
+              breakdown_table(d["breakdown"]),
+              f"per-layer prefill breakdown, {d['prefill_length']}-token prompt (us per call):",
+              breakdown_table(d["prefill_breakdown"])]
     for shape, us in report["shoal"]["serialization_us"].items():
         lines.append(f"serialization, {shape}: request {us['request']:.0f} us, reply "
                      f"{us['reply']:.0f} us (build, serialize, parse, view; both ends)")
@@ -378,4 +384,5 @@ def table(report: dict) -> str:
         value = report.get(key)
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.2f}'}")
     return "\n".join(lines)
+
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.auth import create_secret, load_secret, secret_path
+from engine.auth import create_secret, load_secret, secret_mode, secret_path
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at 
 
 def cmd_cluster_init(args: argparse.Namespace) -> None:
     path = create_secret(secret_path(args.secret_file), force=args.force)
-    print(f"wrote a new cluster secret to {path} (mode 0600)")
+    print(f"wrote a new cluster secret to {path} (mode {secret_mode(path):04o})")
     print("copy it to the same path on every Mac of the cluster, for example:")
     print(f"  scp -p {path} other-mac.local:{path}")
 
@@ -442,6 +442,8 @@ def cmd_doctor(args: argparse.Namespace) -> None:
 
 
 def print_stats(stats: dict) -> None:
+    from coordinator.generate import breakdown_table
+
     out = sys.stderr
     print("per layer (all calls):", file=out)
     print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'slowest worker ms':>17} "
@@ -458,6 +460,8 @@ def print_stats(stats: dict) -> None:
           + " ".join(f"{t:.1f}" for t in ms[1:20]) + (" ..." if len(ms) > 20 else ""), file=out)
     print(f"bytes per token: sent {stats['bytes_sent_per_token']:.0f}, "
           f"received {stats['bytes_received_per_token']:.0f}", file=out)
+    print("per-layer decode breakdown (us per MoE layer call):", file=out)
+    print(breakdown_table(stats["breakdown"]), file=out)
 
 
 def version_text() -> str:

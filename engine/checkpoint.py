@@ -17,13 +17,15 @@ import os
 import re
 import shutil
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 from tqdm import tqdm
 
@@ -34,7 +36,9 @@ MANIFEST_NAME = "manifest.json"
 SHARD_MARKER = ".shoal-shard.json"
 MANIFEST_FORMAT = "shoal-manifest"
 MANIFEST_VERSION = 1
-SEAM = "switch_mlp"
+# The seam: mlx-lm's routed-expert modules, called as `module(x, inds)` by every MoE block,
+# whatever attribute name the block keeps them under (switch_mlp, experts, switch_glu, ...).
+SWITCH_CLASSES = (SwitchGLU, SwitchMLP)
 # Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -56,7 +60,11 @@ class ExpertFile:
     expert: int
     file: str  # relative to a store folder
     bytes: int
-    sha256: str
+    sha256: str  # the authority: checked at start, on arrival, before a migration deletes
+    # CRC-32 (8 hex digits): the fast check of every read while serving, about 2.4x cheaper
+    # than SHA-256 (docs/security.md). Empty in manifests written before it existed, whose
+    # reads are checked with the SHA-256.
+    crc32: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,13 +118,20 @@ class Manifest:
                     MoeLayer(**{**layer, "params": tuple(layer["params"])})
                     for layer in body["layers"]
                 ),
-                experts=tuple(ExpertFile(**e) for e in body["experts"]),
-                dense_files=tuple(ExpertFile(**e) for e in body["dense_files"]),
+                experts=tuple(_expert_file(e) for e in body["experts"]),
+                dense_files=tuple(_expert_file(e) for e in body["dense_files"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, InvalidInput):
                 raise
             raise CorruptData(f"{origin} is not a readable Shoal manifest ({e})") from None
+
+
+def _expert_file(entry: dict) -> ExpertFile:
+    """An entry of the manifest; fields added by later versions are ignored, so a manifest
+    stays readable both ways as fields are added."""
+    known = {f.name for f in fields(ExpertFile)}
+    return ExpertFile(**{k: v for k, v in entry.items() if k in known})
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -147,6 +162,16 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def checksums_file(path: Path, chunk: int = 8 << 20) -> tuple[str, str]:
+    """The file's SHA-256 and CRC-32 (hex), from one read."""
+    digest, crc = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+            crc = zlib.crc32(block, crc)
+    return digest.hexdigest(), f"{crc:08x}"
 
 
 def expert_file_name(layer: int, expert: int) -> str:
@@ -198,11 +223,19 @@ def get_module(model: nn.Module, path: str) -> nn.Module:
     return node
 
 
+def _expert_counts(config: dict) -> list[int]:
+    """Expert counts a config states, top level or nested (text_config of llama4, gemma4)."""
+    nested = [v for v in config.values() if isinstance(v, dict)]
+    return [c[k] for c in (config, *nested) for k in _EXPERT_COUNT_KEYS
+            if isinstance(c.get(k), int) and not isinstance(c.get(k), bool)]
+
+
 def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
-    """Every routed-expert switch module in the model, or a clear refusal."""
+    """Every routed-expert switch module in the model (found by its mlx-lm class, wherever
+    the block keeps it), or a clear refusal."""
     found = []
     for path, module in model.named_modules():
-        if path.split(".")[-1] != SEAM:
+        if not isinstance(module, SWITCH_CLASSES):
             continue
         params = tuple(name for name, _ in tree_flatten(module.parameters()))
         counts = {name: arr.shape[0] for name, arr in tree_flatten(module.parameters())}
@@ -215,10 +248,10 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
         found.append(MoeLayer(layer, path, next(iter(counts.values())), params))
     model_type = config.get("model_type", "?")
     if not found:
-        if any(isinstance(config.get(k), int) and config[k] > 1 for k in _EXPERT_COUNT_KEYS):
+        if any(count > 1 for count in _expert_counts(config)):
             raise ShoalError(
-                f"model type {model_type!r} has experts, but its MoE block does not use "
-                f"mlx-lm's `{SEAM}(x, inds)` seam, so Shoal cannot serve its experts remotely"
+                f"model type {model_type!r} has experts, but its MoE block does not keep them "
+                "in mlx-lm's SwitchGLU/SwitchMLP module, so Shoal cannot serve them remotely"
             )
         raise ShoalError(f"model type {model_type!r} is a dense model: it has no routed experts")
     found.sort(key=lambda layer: layer.layer)
@@ -432,7 +465,8 @@ def shard(
                 name = expert_file_name(layer.layer, expert)
                 path = out_dir / store_of[(layer.layer, expert)] / name
                 size = _write_expert(path, tensors, layer.layer, expert)
-                experts.append(ExpertFile(layer.layer, expert, name, size, sha256_file(path)))
+                sha256, crc32 = checksums_file(path)
+                experts.append(ExpertFile(layer.layer, expert, name, size, sha256, crc32))
                 bar.update(expert_bytes[(layer.layer, expert)])
 
     config = json.loads((dense_dir / "config.json").read_text())
@@ -577,12 +611,16 @@ def _storage(config: dict, bits: int | None, group_size: int) -> _Storage:
 _HF_SOURCE_NAMES = {"embed_q": "kv_b_proj", "unembed_out": "kv_b_proj"}
 
 
-def _skipped(path: str, skip: tuple[str, ...]) -> bool:
-    """Whether a Hugging Face ignore list names this mlx-lm module; HF names every expert
-    (mlp.experts.3.up_proj) where mlx-lm stacks them (mlp.switch_mlp.up_proj)."""
+def _skipped(path: str, skip: tuple[str, ...], switches: tuple[str, ...]) -> bool:
+    """Whether a Hugging Face ignore list names this mlx-lm module. HF names every expert
+    (mlp.experts.3.up_proj) where mlx-lm stacks them in a switch module (mlp.switch_mlp.up_proj,
+    `switches` being those modules' paths)."""
     parent, _, leaf = path.rpartition(".")
     hf = f"{parent}.{_HF_SOURCE_NAMES.get(leaf, leaf)}".lstrip(".")
-    names = (path, hf, hf.replace(f".{SEAM}.", ".experts.0."))
+    names = [path, hf]
+    for switch in switches:
+        if path.startswith(switch + "."):
+            names.append(f"{switch.rpartition('.')[0]}.experts.0.{path[len(switch) + 1:]}")
     return any(
         any(re.match(entry[3:], n) for n in names) if entry.startswith("re:") else entry in names
         for entry in skip
@@ -602,6 +640,8 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
     storage = _storage(config, bits, group_size)
     model = build_skeleton(config)
     params = {name: a.size for name, a in tree_flatten(model.parameters())}
+    layers = find_moe_layers(model, config)
+    switches = tuple(layer.path for layer in layers)
     model.set_dtype(storage.dtype)
     q = storage.quantization
     if q:
@@ -610,7 +650,7 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
         def predicate(path: str, module: nn.Module) -> bool | dict:
             if path in q:  # mlx-lm's per-layer entries (mixed quantization)
                 return q[path]
-            if not hasattr(module, "to_quantized") or _skipped(path, storage.skip):
+            if not hasattr(module, "to_quantized") or _skipped(path, storage.skip, switches):
                 return False
             if module.weight.shape[-1] % q["group_size"]:
                 return False
@@ -618,7 +658,6 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
 
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
                     mode=q.get("mode", "affine"), class_predicate=predicate)
-    layers = find_moe_layers(model, config)
     experts = {}
     expert_total = expert_params = 0
     for layer in layers:

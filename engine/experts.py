@@ -12,11 +12,14 @@ import io
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.checkpoint import MoeLayer, get_module
 from engine.errors import CorruptData, ShoalError
+from engine.tensors import to_mlx
 
 
 def build_skeleton(config: dict) -> nn.Module:
@@ -28,6 +31,16 @@ def build_skeleton(config: dict) -> nn.Module:
         raise ShoalError(f"this mlx-lm cannot build model type {kind}: {e}") from None
     with contextlib.redirect_stdout(io.StringIO()):
         return model_class(args_class.from_dict(config))
+
+
+def switch_widths(module: nn.Module) -> tuple[int, int]:
+    """(input, output) width of an mlx-lm switch module, from its own first and last linear:
+    not always the model's hidden size (Kimi K3 and nemotron_h run experts in a latent space)."""
+    first, last = (
+        (module.gate_proj, module.down_proj) if isinstance(module, SwitchGLU)
+        else (module.fc1, module.fc2)
+    )
+    return int(first.input_dims), int(last.output_dims)
 
 
 def _quantize_like_checkpoint(
@@ -85,6 +98,8 @@ class ExpertRunner:
                     f"expert tensor {layer.path}.{name} has shape {tuple(array.shape[1:])}, "
                     f"the model expects {shape}"
                 )
+        self.input_width, self.output_width = switch_widths(self.module)
+        self._loaded: dict[str, mx.array] | None = None  # the stack the module holds now
         self._index_cache: dict[int, mx.array] = {}
 
     def check(self, tensors: dict[str, mx.array], what: str) -> dict[str, mx.array]:
@@ -107,15 +122,28 @@ class ExpertRunner:
         mx.eval([list(t.values()) for t in experts])
         return stacked
 
-    def gathered(self, stacked: dict[str, mx.array], hidden: mx.array,
-                 positions: mx.array) -> mx.array:
-        """Row i of `hidden` through the expert at `positions[i]` of the stack: (m, hidden)."""
-        self.module.update(tree_unflatten(list(stacked.items())))
-        return self.module(hidden, positions[:, None])[:, 0, :]
+    def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray, dtype: mx.Dtype,
+                 rows: np.ndarray, positions: np.ndarray) -> mx.array:
+        """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`) through the
+        expert at `positions[i]` of the stack; (m, output width). The stack is given to the
+        module once, not per call; the request's arrays go to MLX as one buffer."""
+        if self._loaded is not stacked:
+            self.module.update(tree_unflatten(list(stacked.items())))
+            self._loaded = stacked
+        n, m = hidden.shape[0], positions.size
+        per_row = m // n
+        if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
+            # Each row's pairs together and equally many (always so in decode): the module
+            # takes the rows as they are, as the single-process model does, without a gather.
+            x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
+            return self.module(x, inds).reshape(m, -1)
+        x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
+        return self.module(x[at], inds[:, None])[:, 0, :]
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""
         self.module.update(tree_unflatten([(name, a[None]) for name, a in tensors.items()]))
+        self._loaded = None
         n = hidden.shape[0]
         if n not in self._index_cache:
             self._index_cache[n] = mx.zeros((n, 1), dtype=mx.int32)

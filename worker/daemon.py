@@ -8,7 +8,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
-from worker.service import AuthInterceptor, ExpertServicer
+from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
+from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer
 from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
@@ -92,8 +92,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
     )
     parser.add_argument(
-        "--verify-reads", action="store_true",
-        help="check the checksum of every expert read from a drive, not only at start",
+        "--no-verify-reads", action="store_true",
+        help="do not check the checksum of each expert read from a drive while serving "
+        "(by default every read is checked: a file that rotted is caught, that expert alone "
+        "stops being offered and is computed by another copy)",
+    )
+    parser.add_argument(
+        "--scrub", nargs="?", const=format_rate(DEFAULT_RATE), metavar="RATE",
+        help="re-check every expert file against the manifest's checksum in the background, "
+        "reading at most RATE bytes/s (e.g. 16M, 200M; default "
+        f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
     )
     parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
@@ -142,6 +150,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ShoalError(f"--port must be 0-65535, got {args.port}")
     if args.memory_budget:
         parse_budget(args.memory_budget)
+    if args.scrub:
+        parse_rate(args.scrub)
 
 
 def bind(
@@ -154,7 +164,7 @@ def bind(
     """
     server = grpc.server(
         executor,
-        interceptors=[AuthInterceptor(CredentialChecker(secret))],
+        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret))],
         options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     try:
@@ -170,46 +180,29 @@ def bind(
     return server, bound
 
 
+def format_rate(rate: int) -> str:
+    return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
+
+
 def serve(args: argparse.Namespace) -> None:
     check_args(args)
     secret = load_secret(secret_path(args.secret_file))
     addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
-    handlers: list[int] = []  # native ids of the threads that run the calls (and MLX)
-    executor = futures.ThreadPoolExecutor(
-        max_workers=16, thread_name_prefix="rpc",
-        initializer=lambda: handlers.append(threading.get_native_id()),
-    )
+    executor = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc")
     server, port = bind(args.host, args.port, executor, secret)
     residency = None
     try:
         residency = load(args)
         run(args, server, port, residency, addresses)
     finally:
-        server.stop(grace=None).wait()
+        server.stop(grace=None).wait(5)
+        # The calls still running were cancelled by stop(); give their threads a bounded while.
+        joiner = threading.Thread(target=executor.shutdown, kwargs={"cancel_futures": True},
+                                  daemon=True)
+        joiner.start()
+        joiner.join(5)
         if residency is not None:
             residency.close()
-        # The call threads ran mlx-lm's compiled functions, whose cache is thread-local and
-        # holds Python objects: its C++ destructor takes the GIL as the thread exits. A thread
-        # that got that far while the interpreter was finalizing was killed inside the
-        # destructor ("terminate called without an active exception", one stop in three).
-        # So they all end here, and their destructors finish, before the interpreter exits.
-        executor.shutdown(wait=True, cancel_futures=True)
-        wait_for_threads_to_exit(handlers)
-
-
-def wait_for_threads_to_exit(native_ids: list[int], timeout: float = 2.0) -> None:
-    """Let threads that Python has joined run their C++ thread-local destructors to the end.
-
-    Python's join returns before those run. Linux lists live threads in /proc/self/task;
-    elsewhere a pause that releases the GIL serves (the destructors need only the GIL).
-    """
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        time.sleep(0.2)
-        return
-    deadline = time.monotonic() + timeout
-    while any((tasks / str(i)).exists() for i in native_ids) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def load(args: argparse.Namespace) -> Residency:
@@ -231,7 +224,8 @@ def load(args: argparse.Namespace) -> Residency:
         flush=True,
     )
     residency = Residency(
-        scan, budget=budget, readers_per_drive=args.readers, verify_reads=args.verify_reads,
+        scan, budget=budget, readers_per_drive=args.readers,
+        verify_reads=not args.no_verify_reads,
         report=lambda m: print(f"shoal-worker: warning: {m}", file=sys.stderr, flush=True),
     )
     if residency.streaming:
@@ -283,10 +277,18 @@ def run(
             log=lambda m: print(f"shoal-worker {node_id}: {m}", flush=True),
         )
         advertiser.start()
+    scrubber = None
+    if args.scrub:
+        scrub_rate = parse_rate(args.scrub)
+        scrubber = Scrubber(residency, scrub_rate, log=note)
+        scrubber.start()
+        note(f"scrubbing expert files at up to {format_bytes(scrub_rate)}/s")
     stop.wait()
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         advertiser.close()
+    if scrubber is not None:
+        scrubber.close()
     server.stop(grace=2).wait(5)
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
@@ -310,6 +312,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    # Stopped cleanly (a signal): end here, without the interpreter's teardown. A thread that
+    # ran MLX's compiled functions frees its compile cache as the thread ends, which takes the
+    # GIL; when that lands while the interpreter finalizes, the process aborts (SIGABRT,
+    # "terminate called without an active exception", 2 stops in 6 with a coordinator
+    # connected). Everything that needed stopping has stopped; only output is left to flush.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

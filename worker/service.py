@@ -12,12 +12,14 @@ import grpc
 
 from engine.auth import METADATA_KEY, CredentialChecker
 from engine.errors import (
+    MAX_MESSAGE,
     ShoalError,
     Unauthenticated,
+    clip,
 )
 from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
-from worker.residency import Request, Residency
+from worker.residency import Request, Residency, Timing
 from worker.store import free_disk
 from worker.transfer import Chunk, ExpertFiles, FileState
 
@@ -64,15 +66,24 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                 self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
             if not message.HasField("hidden"):
                 continue  # a hint alone: no reply
+            timing = Timing()
             try:
-                out = self.residency.compute(decode_request(message))
+                request = decode_request(message)
+                parsed = time.perf_counter()
+                out = self.residency.compute(request, timing)
             except ShoalError as e:
                 context.abort(status_for(e), f"request {message.seq}: {e}")
+            computed = time.perf_counter()
+            output = encode(to_numpy(out), dtype_name(out.dtype))
+            done = time.perf_counter()
             yield shoal_pb2.ExpertReply(
                 seq=message.seq,
-                output=encode(to_numpy(out), dtype_name(out.dtype)),
-                compute_seconds=time.perf_counter() - started,
+                output=output,
+                compute_seconds=done - started,
                 inventory_version=self.residency.holdings.version,
+                timing=shoal_pb2.WorkerTiming(
+                    parse=parsed - started, matrix=timing.matrix,
+                    bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
             )
 
 
@@ -149,19 +160,71 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         )
 
 
+def _same_kind(
+    handler: grpc.RpcMethodHandler, behavior: Callable, *, decode: bool = True
+) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` running `behavior`, with its
+    (de)serializers unless `decode` is False (a refusal does not parse the body)."""
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    if not decode:
+        return make(behavior)
+    return make(behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
+    return (handler.unary_unary or handler.unary_stream or handler.stream_unary
+            or handler.stream_stream)
+
+
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that refuses the call."""
 
     def refuse(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return _same_kind(handler, refuse, decode=False)
+
+
+class _BoundedContext:
+    """A handler's context whose error messages are cut to MAX_MESSAGE characters."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        self._context.abort(code, clip(details, MAX_MESSAGE))
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(clip(details, MAX_MESSAGE))
+
+
+class BoundedErrors(grpc.ServerInterceptor):
+    """Every error message a handler sends is at most MAX_MESSAGE characters: a message that
+    quotes what a client sent (a 64 KiB dtype name) must not outgrow the metadata limit of
+    the client reading it, which then saw a transport error instead of the refusal."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        behavior = _behavior(handler)
+        return _same_kind(handler, lambda request, context: behavior(
+            request, _BoundedContext(context)))
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

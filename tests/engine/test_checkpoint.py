@@ -102,9 +102,24 @@ def test_shard_refuses_a_dense_model(dense_llama, tmp_path):
         shard(dense_llama, tmp_path / "out", progress=False)
 
 
-def test_shard_refuses_experts_without_the_switch_mlp_seam(gpt_oss, tmp_path):
-    with pytest.raises(ShoalError, match="does not use mlx-lm's `switch_mlp"):
-        shard(gpt_oss, tmp_path / "out", progress=False)
+def test_shard_finds_the_switch_module_by_class_not_by_name(gpt_oss, tmp_path):
+    manifest = shard(gpt_oss, tmp_path / "out", progress=False)  # gpt_oss keeps `experts`
+    assert [layer.path for layer in manifest.layers] == [
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert [layer.num_experts for layer in manifest.layers] == [4, 4]
+
+
+def test_shard_refuses_experts_outside_a_switch_module(tmp_path):
+    from mlx_lm.models import llama
+
+    # A nested config that states experts (as llama4's and gemma4's text_config do) while
+    # the model builds no SwitchGLU/SwitchMLP: named for what it is, not called dense.
+    config = dict(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                  num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=64,
+                  text_config={"num_local_experts": 4})
+    source = save_mlx_model(llama, config, tmp_path / "src")
+    with pytest.raises(ShoalError, match="has experts, but .* SwitchGLU/SwitchMLP"):
+        shard(source, tmp_path / "out", progress=False)
 
 
 def test_shard_refuses_truncated_weights(tiny_checkpoint, tmp_path):
@@ -181,3 +196,26 @@ def test_shard_reads_a_hugging_face_cache_entry_with_symlinked_blobs(tiny_checkp
         assert cached.fingerprint == direct.fingerprint
         dense = tmp_path / f"from-{given.name}" / "dense"
         assert not any(p.is_symlink() for p in dense.iterdir())  # copies, not links
+
+
+def test_expert_entries_carry_a_crc32_and_manifests_read_both_ways(tiny_checkpoint, tmp_path):
+    """Each expert's CRC-32 is computed at shard time; a manifest written before it existed
+    (no crc32) and one with a field a later version added both still read."""
+    import json
+    import zlib
+
+    from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, shard
+
+    out = tmp_path / "out"
+    manifest = shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    for e in manifest.experts:
+        assert e.crc32 == f"{zlib.crc32((out / 'experts' / e.file).read_bytes()):08x}"
+    body = json.loads((out / "experts" / MANIFEST_NAME).read_text())
+    for e in body["experts"]:
+        del e["crc32"]
+    old = Manifest.from_json(json.dumps(body), origin="old")
+    assert all(e.crc32 == "" for e in old.experts)
+    assert old.fingerprint == read_manifest(out / "experts").fingerprint
+    for e in body["experts"]:
+        e["added_later"] = 1
+    assert Manifest.from_json(json.dumps(body), origin="newer").experts == old.experts

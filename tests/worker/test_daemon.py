@@ -1,17 +1,19 @@
 """The shoal-worker command's start and stop, with real processes on loopback: a taken port
 is refused before any expert is loaded (another worker's too: no SO_REUSEPORT sharing), bad
-arguments likewise, and a worker stopped in the middle of serving exits cleanly."""
+arguments likewise, and SIGTERM while a coordinator computes on it ends it with status 0,
+every time (it used to abort with SIGABRT in about one stop in three)."""
 
+import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
-from coordinator.generate import generate, open_remote_model
+from coordinator.generate import open_remote_model
 from engine.auth import load_secret
 from engine.checkpoint import shard
 
@@ -66,30 +68,37 @@ def test_bad_arguments_are_refused_before_loading(store, secret_file, args, mess
     assert "memory budget" not in run.stdout
 
 
+STOPS = 6
+
+
 @pytest.mark.slow
-def test_a_worker_stopped_while_serving_exits_cleanly(store, secret_file, start_worker):
-    """Its call threads used to end during interpreter exit, in MLX's thread-local compile
-    cache destructor: `terminate called without an active exception`, one stop in three."""
+def test_sigterm_mid_compute_exits_cleanly_every_time(tiny_checkpoint, tmp_path, start_worker,
+                                                      secret_file):
+    sharded = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     secret = load_secret(secret_file)
-    for attempt in range(6):
-        worker = start_worker([store / "worker-0"], "--no-advertise")
-        remote = open_remote_model(store, [worker.address], secret, wait=10)
+    codes = []
+    for _ in range(STOPS):
+        worker = start_worker([sharded / "experts"], "--no-advertise")
+        remote = open_remote_model(sharded, [worker.address], secret)
+        computed = threading.Event()
         stop = threading.Event()
 
-        def decode(remote=remote, stop=stop) -> None:
+        def compute(dispatcher=remote.dispatcher, computed=computed, stop=stop):
             while not stop.is_set():
                 try:
-                    generate(remote.model, remote.tokenizer, [1, 2, 3, 4], max_tokens=4)
-                except Exception:
+                    dispatcher(0, mx.ones((1, 4, 64)), mx.array([[[0, 1]] * 4]))
+                except Exception:  # the worker went away: expected, this is the test
                     return
+                computed.set()
 
-        thread = threading.Thread(target=decode)
+        thread = threading.Thread(target=compute, daemon=True)
         thread.start()
-        time.sleep(1.0)
-        worker.stop()
+        assert computed.wait(30)
+        worker.proc.send_signal(signal.SIGTERM)
+        codes.append(worker.proc.wait(30))
         stop.set()
-        thread.join(10)
+        thread.join(30)
         remote.close()
-        output = worker.output()
-        assert worker.proc.returncode == 0, (attempt, output)
-        assert "terminate called" not in output and "stopped" in output, (attempt, output)
+        assert "stopped" in worker.output()
+    assert codes == [0] * STOPS
