@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.auth import create_secret, load_secret, secret_mode, secret_path
-from engine.errors import InvalidInput, ShoalError
+from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine.checkpoint import Manifest
 
 DEMO_PROMPT = "What is the capital of France?"
+QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes
 BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at least
 
 
@@ -52,25 +53,78 @@ def cmd_shard(args: argparse.Namespace) -> None:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
+class StreamedText:
+    """Generated text goes to stdout as it comes, without a newline at the end of a piece;
+    anything said on stderr meanwhile first ends the line, so it never runs into the text."""
+
+    def __init__(self) -> None:
+        self.mid_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            print(text, end="", flush=True)
+            self.mid_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.mid_line:
+            print(flush=True)
+            self.mid_line = False
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot work before the model is loaded (which takes minutes when large)."""
+    if args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if args.wait < 0:
+        raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    if not (Path(args.model) / "manifest.json").exists():
+        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
+                           "(it has no manifest.json)")
+
+
+def worker_addresses(text: str) -> list[str]:
+    """--workers HOST:PORT,...: refused at once when nothing listens at one of them, rather
+    than after loading the model and waiting for it to answer."""
     from coordinator.cluster import parse_addresses
+    from coordinator.doctor import refused_at_once
+
+    addresses = parse_addresses(text)
+    refused = [a for a in addresses if refused_at_once(a)]
+    if refused:
+        raise Unavailable(
+            f"nothing listens at {', '.join(refused)} (the connection was refused at once): "
+            "is shoal-worker running there, on that port? `shoal doctor --workers ...` checks"
+        )
+    return addresses
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.generate import encode_prompt, generate, open_remote_model, stats_report
     from coordinator.membership import stderr_log
     from coordinator.worker_stats import format_report, read_stats, run_report
     from engine.checkpoint import read_manifest
 
+    check_generate_args(args)
     policy = draft_policy(args)  # checks the draft options before anything is loaded
     secret = load_secret(secret_path(args.secret_file))
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
-    addresses = parse_addresses(args.workers) if args.workers else []
+    addresses = worker_addresses(args.workers) if args.workers else []
+    out = StreamedText()
+
+    def say(message: str) -> None:
+        out.end_line()
+        stderr_log(message)
+
     membership = None if args.workers else open_membership(
-        args, secret, read_manifest(args.model), log=stderr_log
+        args, secret, read_manifest(args.model), log=say
     )
     remote = None
     try:
         remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=stderr_log)
+                                   wait=args.wait, on_wait=say)
         prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
         draft = None
         if policy is not None:
@@ -78,17 +132,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
             draft = load_draft(args.draft_model, remote.tokenizer, policy)
 
-        def stream(text: str) -> None:
-            print(text, end="", flush=True)
-
         before = read_stats(remote.cluster.links) if args.stats else {}
         result = generate(
             remote.model, remote.tokenizer, prompt_ids,
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            on_text=None if args.json else stream, draft=draft,
+            on_text=None if args.json else out.write, draft=draft,
         )
         after = read_stats(remote.cluster.links) if args.stats else {}
     finally:
+        out.end_line()  # an error or warning after partial output starts on its own line
         if remote is not None:
             record_run_heat(args.model, remote.manifest, remote.cluster.links)
             remote.close()
@@ -115,7 +167,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print()
     print(
         f"prefill {len(prompt_ids)} tokens at {result.prefill_tps:.1f} tok/s, "
         f"decode {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s",
@@ -211,13 +262,13 @@ def open_live_workers(
 ) -> tuple[list, Callable[[], None]]:
     """The workers to talk to, and how to let go of them: --workers (each must answer), else
     the healthy workers of the cluster (Bonjour or --cluster-config) found within --wait."""
-    from coordinator.cluster import WorkerLink, parse_addresses
+    from coordinator.cluster import WorkerLink
     from coordinator.membership import stderr_log
 
     if args.workers and (args.cluster_config or args.cluster):
         raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
     if args.workers:
-        links = [WorkerLink(address, secret) for address in parse_addresses(args.workers)]
+        links = [WorkerLink(address, secret) for address in worker_addresses(args.workers)]
 
         def close() -> None:
             for link in links:
@@ -361,6 +412,8 @@ def print_worker_stats(rows: list[dict]) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from coordinator.demo import run_demo
 
+    if args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
     run_demo(args.prompt, experts=args.experts, top_k=args.top_k, workers=args.workers,
              max_tokens=args.max_tokens, draft=args.draft,
              num_draft_tokens=args.num_draft_tokens)
@@ -421,13 +474,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from coordinator.planning import parse_worker_capacity, plan_report, print_plan
+    from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, plan_report, print_plan
     from engine.checkpoint import read_sizes
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
 
-    sizes = read_sizes(args.model)
+    if args.bits is not None and args.bits not in QUANTIZE_BITS:
+        raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")
     workers = [parse_worker_capacity(w) for w in args.worker]
+    sizes = read_sizes(args.model, bits=args.bits, group_size=args.group_size)
     heat = read_heat(args.heat) if args.heat else None
     if heat is not None:
         check_heat_matches(heat, sizes.experts)
@@ -437,6 +492,60 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=1))
     else:
         print_plan(report)
+    sys.exit(VERDICT_EXIT[report["verdict"]])
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from coordinator.cluster import parse_addresses
+    from coordinator.discovery import Candidate, parse_endpoint
+    from coordinator.doctor import (
+        check_mdns,
+        check_memory,
+        check_mlx,
+        check_network,
+        check_secret,
+        check_stores,
+        check_workers,
+        checks_json,
+        failed,
+        format_checks,
+        inspect_workers,
+    )
+    from coordinator.membership import Membership, member_rows
+    from engine.checkpoint import read_manifest
+
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    addresses = parse_addresses(args.workers) if args.workers else []
+    manifest = read_manifest(args.model) if args.model else None
+    path = secret_path(args.secret_file)
+    checks = [check_secret(path)]
+    network, announced = check_network(args.interface)
+    checks += network
+    if not args.no_mdns:
+        checks.append(check_mdns(announced))
+    checks += [check_memory(), *check_stores(args.store or []), check_mlx()]
+    if addresses or args.cluster or args.cluster_config:
+        secret = load_secret(path) if checks[0].verdict == "ok" else os.urandom(32)
+        if addresses:
+            membership = Membership(secret, cluster="doctor", manifest=manifest,
+                                    interface=args.interface)
+            membership.add_static(Candidate(a, (parse_endpoint(a, "--workers"),))
+                                  for a in addresses)
+        else:
+            membership = open_membership(args, secret, manifest)
+        try:
+            browse = 0.0 if addresses or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+            rows = member_rows(membership.settle(args.wait, at_least=browse))
+        finally:
+            membership.close()
+        checks += check_workers(inspect_workers(rows, secret),
+                                manifest.fingerprint if manifest else None)
+    if args.json:
+        print(json.dumps({"checks": checks_json(checks), "ok": not failed(checks)}, indent=1))
+    else:
+        print(format_checks(checks))
+    sys.exit(1 if failed(checks) else 0)
 
 
 def print_stats(stats: dict) -> None:
@@ -462,6 +571,22 @@ def print_stats(stats: dict) -> None:
     print(breakdown_table(stats["breakdown"]), file=out)
 
 
+def version_text() -> str:
+    """shoal's version, its wire protocol and the MLX it runs on (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    from proto import PROTOCOL_VERSION
+
+    return (f"shoal {of('shoal')} (protocol {PROTOCOL_VERSION}; mlx {of('mlx')}, "
+            f"mlx-lm {of('mlx-lm')}, grpcio {of('grpcio')})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -471,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
             "start `shoal-worker --store OUT/worker-K` on each machine, then `shoal generate`."
         ),
     )
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def discovery_options(p: argparse.ArgumentParser, *, wait: float, wait_help: str) -> None:
@@ -506,12 +632,20 @@ def build_parser() -> argparse.ArgumentParser:
         "mlx-lm's stacked/quantized layout) and write OUT_DIR/dense, one file per (layer, "
         "expert) with a checksummed manifest, and store folders for the workers.",
     )
-    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    p.add_argument("model_dir", type=Path, metavar="MODEL_DIR",
+                   help="the source checkpoint: a folder with config.json and "
+                   "model*.safetensors (Hugging Face or mlx-community), or a Hugging Face "
+                   "cache entry such as ~/.cache/huggingface/hub/models--ORG--NAME")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR",
+                   help="where to write the split: an empty folder, on any drive (it need "
+                   "not be the source's); about the size of the source, or of its quantized "
+                   "form with --quantize (`shoal plan` tells)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="write N store folders OUT_DIR/worker-K balanced by bytes "
                    "(default: one folder OUT_DIR/experts)")
-    p.add_argument("--quantize", type=int, metavar="BITS", help="quantize with mlx-lm first")
+    p.add_argument("--quantize", type=int, metavar="BITS",
+                   help="quantize with mlx-lm first (2, 3, 4, 5, 6 or 8 bits; affine, as "
+                   "mlx_lm.convert -q does)")
     p.add_argument("--group-size", type=int, default=64, metavar="G",
                    help="quantization group size (default 64)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -531,7 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "workers of --cluster on the local network with Bonjour)")
     discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
                       "expert (default 30)")
-    p.add_argument("--max-tokens", type=int, default=100, metavar="N")
+    p.add_argument("--max-tokens", type=int, default=100, metavar="N",
+                   help="stop after N generated tokens, or earlier at the end of the answer "
+                   "(default 100)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
@@ -574,10 +710,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=16, metavar="E",
                    help="experts per layer to split each MLP into (default 16)")
     p.add_argument("--top-k", type=int, metavar="K",
-                   help="experts per token (default: E, which computes the dense model exactly)")
+                   help="experts per token (default: E, which computes the dense model exactly). "
+                   "K below E first fits a router and experts on the CPU (about 3 minutes on "
+                   "2 cores), and this small model then answers poorly: 40%% of next tokens "
+                   "agree with the dense model at 8 of 16, 16%% at 4 (docs/demo.md)")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="local worker processes (default 2)")
-    p.add_argument("--max-tokens", type=int, default=60, metavar="N")
+    p.add_argument("--max-tokens", type=int, default=60, metavar="N",
+                   help="stop after N generated tokens, or earlier at the end of the answer "
+                   "(default 60)")
     p.add_argument("--draft", action="store_true",
                    help="answer again with speculative decoding: SmolLM2-135M itself, dense and "
                    "quantized to 4 bits, drafts for the MoE; print both speeds and the "
@@ -618,9 +759,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(or only their disks), which experts go where with hot experts replicated, the "
         "predicted imbalance before and after replication, and a rough bound on decode "
         "tokens/s. MODEL is a folder written by `shoal shard`, or a model's config.json "
-        "(sizes are then estimated, quantization included).",
+        "(a Hugging Face original or an mlx-community conversion: sizes are then estimated "
+        "from its dtype and quantization, per-layer overrides included). Exit status: 0 fits "
+        "in memory, 3 fits only by streaming experts from disk, 4 does not fit, 2 bad input.",
     )
-    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG")
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG",
+                   help="a folder written by `shoal shard`, a model folder, or its config.json")
+    p.add_argument("--bits", type=int, metavar="BITS",
+                   help="what if the experts and dense weights were quantized to BITS "
+                   "(2, 3, 4, 5, 6 or 8) as `shoal shard --quantize BITS` does (config only)")
+    p.add_argument("--group-size", type=int, default=64, metavar="G",
+                   help="quantization group size for --bits (default 64)")
     p.add_argument("--worker", action="append", required=True, metavar="NAME=MEMORY[:DISK]",
                    help="a Mac: memory for experts and free disk, e.g. studio=192G:2T (repeat)")
     p.add_argument("--heat", type=Path, metavar="HEAT.json",
@@ -674,6 +823,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_position_embeddings)")
     secret_option(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "doctor", help="check this Mac (and the cluster's workers) for what Shoal needs",
+        description="Check, with a verdict for each: the cluster secret (present, private), "
+        "the network interfaces and the addresses a worker here would announce (Thunderbolt "
+        "Bridge first), whether Bonjour works from this process (on macOS it needs the "
+        "Local Network permission), memory, each --store folder and its drive, and MLX's "
+        "device. With --workers, --cluster or --cluster-config, also each worker: reachable "
+        "(a refused connection is told apart from a silent host), the path and round trip, "
+        "its protocol version and model fingerprint. Exit status 1 when something is wrong.",
+    )
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="check these workers (by address)")
+    discovery_options(p, wait=4.0, wait_help="how long to look for and check workers "
+                      "(default 4)")
+    p.add_argument("--store", action="append", type=Path, metavar="DIR",
+                   help="a store folder a worker on this Mac would serve (repeat)")
+    p.add_argument("--model", type=Path, metavar="OUT_DIR",
+                   help="the sharded model the workers should serve (checks fingerprints)")
+    p.add_argument("--no-mdns", action="store_true", help="skip the Bonjour check")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    secret_option(p)
+    p.set_defaults(func=cmd_doctor)
 
     def live_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",

@@ -213,6 +213,16 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def colour_limits(largest: float) -> tuple[float, float]:
+    """The colour scale of a heat map: from zero tokens to the hottest expert's count.
+
+    Left to itself matplotlib scales from the smallest count to the largest, so a uniform
+    model (every count equal) got a bar spanning a sliver around that one value, its cells a
+    middle colour that reads as "lukewarm" instead of "all equally hot".
+    """
+    return 0.0, max(float(largest), 1.0)
+
+
 def plot_heat(record: HeatRecord, manifest: Manifest, path: Path) -> None:
     """A PNG heat map: one row per MoE layer, one column per expert, colour = tokens."""
     try:
@@ -232,7 +242,9 @@ def plot_heat(record: HeatRecord, manifest: Manifest, path: Path) -> None:
         for e in range(width):
             grid[row, e] = total.get((lay, e), 0)
     fig, ax = plt.subplots(figsize=(max(6.0, width / 8), max(3.0, len(layers) / 4)))
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="inferno")
+    low, high = colour_limits(grid.max())
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="inferno",
+                      vmin=low, vmax=high)
     ax.set_xlabel("expert")
     ax.set_ylabel("layer")
     ax.set_yticks(range(len(layers)), [str(lay) for lay in layers])

@@ -123,6 +123,13 @@ def inventory_stale(member: Member, now: float) -> bool:
     return member.state == "healthy" and now - member.handshake_at >= INVENTORY_REFRESH
 
 
+def stale_twins(members: Iterable[Member], newcomer: Member) -> list[str]:
+    """Keys of unreachable members with the newcomer's node id: the same worker restarted on
+    another port (its old advert outlived it when it died without a goodbye)."""
+    return [m.key for m in members if m.key != newcomer.key and m.state == "unreachable"
+            and m.node_id == newcomer.node_id]
+
+
 def duplicate_ids(members: Iterable[Member]) -> dict[str, list[str]]:
     """Node ids claimed by more than one live worker -> their addresses. (A stale entry of a
     worker that restarted elsewhere is unreachable, and does not count.)"""
@@ -247,6 +254,9 @@ class Membership:
             if old and (old.address, old.advert) == (member.address, member.advert):
                 return  # a repeated announcement
             self._forget_locked(candidate.key)
+            for key in stale_twins(self._members.values(), member):
+                self._forget_locked(key)
+                del self._members[key]
             self._set_locked(member)
             if member.state == "incompatible":
                 self._say(f"ignoring worker {member.node_id}: {member.detail}")

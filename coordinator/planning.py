@@ -1,4 +1,7 @@
-"""`shoal plan`: the placement planner as a what-if tool, and how its answer is shown."""
+"""`shoal plan`: the placement planner as a what-if tool, and how its answer is shown.
+
+Its exit status is the verdict, so scripts can ask "does this model fit these Macs?".
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,9 @@ from engine.cache_policy import parse_budget
 from engine.checkpoint import ModelSizes
 from engine.errors import InvalidInput, ShoalError
 from engine.placement import SpeedAssumptions, WorkerCapacity, decode_bound, plan_placement
+
+# Exit status of `shoal plan` for each verdict (2 stays "bad input", as for every command).
+VERDICT_EXIT = {"fits": 0, "streams": 3, "does not fit": 4}
 
 
 def parse_worker_capacity(text: str) -> WorkerCapacity:
@@ -34,13 +40,14 @@ def plan_report(
     report = {
         "model": {"model_type": sizes.model_type, "estimated_from_config": sizes.estimated,
                   "experts": len(sizes.experts), "expert_bytes": sum(sizes.experts.values()),
-                  "dense_bytes": sizes.dense_bytes, "top_k": sizes.top_k},
+                  "dense_bytes": sizes.dense_bytes, "top_k": sizes.top_k,
+                  "precision": sizes.precision, "expert_bits_per_weight": sizes.expert_bits},
         "heat": "uniform" if heat is None else "from file",
     }
     try:
         plan = plan_placement(workers, sizes.experts, heat, spare=spare)
     except InvalidInput as e:
-        return {**report, "fits": False, "reason": str(e)}
+        return {**report, "fits": False, "verdict": "does not fit", "reason": str(e)}
     per_worker = {w.name: {"memory": w.memory, "disk": w.disk, "experts": 0, "bytes": 0,
                            "replica_copies": 0} for w in workers}
     for key, names in plan.holders.items():
@@ -51,6 +58,7 @@ def plan_report(
     return {
         **report,
         "fits": True,
+        "verdict": "fits" if plan.resident else "streams",
         "resident": plan.resident,
         "workers": per_worker,
         "replicas": {f"{layer}/{expert}": n for (layer, expert), n in plan.replicas.items()},
@@ -68,6 +76,10 @@ def print_plan(report: dict) -> None:
     print(f"model {m['model_type']} ({source}): {m['experts']} experts, "
           f"{m['expert_bytes'] / gib:.1f} GiB of experts, {m['dense_bytes'] / gib:.1f} GiB "
           f"dense (on the coordinator), top-{m['top_k']}; heat {report['heat']}")
+    if m["precision"]:
+        bits = m["expert_bits_per_weight"]
+        per_weight = f" ({bits:.2f} bits per expert weight)" if bits else ""
+        print(f"weights: {m['precision']}{per_weight}")
     if not report["fits"]:
         print(f"does not fit: {report['reason']}")
         return

@@ -260,6 +260,25 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
     return tuple(found)
 
 
+def resolve_model_dir(model_dir: Path) -> Path:
+    """A model folder, or a Hugging Face cache entry (models--ORG--NAME, as `hf download`
+    leaves it) -> the snapshot folder that holds config.json and the weights (symlinks into
+    blobs/, read through as ordinary files)."""
+    model_dir = Path(model_dir)
+    snapshots = model_dir / "snapshots"
+    if (model_dir / "config.json").exists() or not snapshots.is_dir():
+        return model_dir
+    ref = model_dir / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = sorted(p for p in snapshots.iterdir() if (p / "config.json").exists())
+    if len(found) != 1:
+        names = ", ".join(p.name[:12] for p in found) or "none with a config.json"
+        raise NotFound(f"{model_dir} is a Hugging Face cache entry with snapshots {names}: "
+                       "give the snapshot folder (snapshots/HASH) to use")
+    return found[0]
+
+
 def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
     """Load any mlx-lm checkpoint lazily (weights are read only when evaluated)."""
     model_dir = Path(model_dir)
@@ -284,10 +303,13 @@ def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
 
 
 def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
-    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this model.
+    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this
+    model into these same store folders.
 
-    A marker naming the source is written before anything else, so an interrupted run can be
-    repeated into the same folder and a different model is never mixed in.
+    A marker naming the source and the stores is written before anything else, so an
+    interrupted run can be repeated into the same folder, while a different model, or the same
+    one split for another number of workers (whose old expert files would stay behind in
+    worker-0 and be served), is never mixed in.
     """
     marker = out_dir / SHARD_MARKER
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -303,17 +325,23 @@ def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) 
                 "or the same one with other --quantize options); choose another folder or "
                 "remove it first"
             )
-        stale = sorted(
-            p.name for p in out_dir.iterdir()
-            if p.is_dir() and p.name not in stores and p.name != "dense"
-        )
-        if stale:
+        present = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name != "dense")
+        # Markers of older versions do not name the stores: then the folders present tell.
+        earlier_stores = earlier.get("stores", present)
+        if sorted(earlier_stores) != sorted(stores) or not set(present) <= set(stores):
             raise ShoalError(
-                f"{out_dir} holds store folders from an earlier split ({', '.join(stale)}); "
-                "choose another folder or remove it first"
+                f"{out_dir} holds a split into {_describe_stores(earlier_stores)}, not "
+                f"{_describe_stores(stores)}: its expert files would be left in the wrong "
+                "store folders. Choose another folder, or remove this one first"
             )
-    body = {"source_id": sid, "model_type": model_type}
+    body = {"source_id": sid, "model_type": model_type, "stores": stores}
     write_atomic(marker, json.dumps(body).encode())
+
+
+def _describe_stores(stores: list[str]) -> str:
+    if stores == ["experts"]:
+        return "one store folder (experts/)"
+    return f"{len(stores)} store folders ({', '.join(sorted(stores))})"
 
 
 def _copy_side_files(model_dir: Path, dense_dir: Path) -> None:
@@ -387,8 +415,11 @@ def shard(
     group_size: int = 64,
     progress: bool = True,
 ) -> Manifest:
-    """Split a checkpoint into OUT/dense and per-expert files in one or N store folders."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    """Split a checkpoint into OUT/dense and per-expert files in one or N store folders.
+
+    The source may be a Hugging Face cache entry; OUT may be on another drive than the
+    source (every file is written to a temporary name beside its final one, then renamed)."""
+    model_dir, out_dir = resolve_model_dir(model_dir), Path(out_dir)
     options = {"quantize_bits": quantize_bits, "group_size": group_size}
     if quantize_bits is not None and quantize_bits not in (2, 3, 4, 5, 6, 8):
         raise InvalidInput(f"--quantize takes 2, 3, 4, 5, 6 or 8 bits, not {quantize_bits}")
@@ -468,6 +499,8 @@ class ModelSizes:
     dense_bytes: int
     top_k: int
     estimated: bool  # True when computed from a config rather than read from real files
+    precision: str = ""  # how the weights are stored, in words, e.g. "4-bit affine, group 64"
+    expert_bits: float = 0.0  # bits per routed-expert parameter, scales included
 
 
 def _top_k(config: dict) -> int:
@@ -475,52 +508,188 @@ def _top_k(config: dict) -> int:
     return int(config.get("num_experts_per_tok") or text.get("num_experts_per_tok") or 1)
 
 
+def _describe_quantization(config: dict) -> str:
+    q = config.get("quantization")
+    if not q:
+        return str(config.get("torch_dtype") or config.get("dtype") or "as stored")
+    mixed = any(isinstance(v, dict | bool) for v in q.values())
+    text = f"{q.get('bits')}-bit {q.get('mode', 'affine')}, group {q.get('group_size')}"
+    return text + (" with per-layer overrides" if mixed else "")
+
+
 def sizes_from_manifest(manifest: Manifest) -> ModelSizes:
     experts = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     dense = sum(f.bytes for f in manifest.dense_files)
-    return ModelSizes(manifest.model_type, experts, dense, _top_k(manifest.config), False)
+    # A manifest holds bytes, not parameter counts: bits per weight stay unknown (0).
+    return ModelSizes(manifest.model_type, experts, dense, _top_k(manifest.config), False,
+                      _describe_quantization(manifest.config))
 
 
-def estimate_sizes(config: dict) -> ModelSizes:
-    """Byte sizes from a config alone (a model not downloaded yet): mlx-lm builds the module
-    tree lazily, so no weight is ever allocated; quantization follows the config's entry."""
+# Floating dtypes a Hugging Face config names in torch_dtype (older) or dtype (newer).
+_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """How the weights a worker will hold are stored, as decided from a config."""
+
+    dtype: mx.Dtype  # of everything not quantized
+    quantization: dict | None  # mlx-lm's {"group_size", "bits", "mode", per-path overrides}
+    skip: tuple[str, ...]  # module names or "re:" patterns a Hugging Face config leaves as is
+    words: str
+
+
+def _config_dtype(config: dict) -> tuple[mx.Dtype, str]:
+    text = config.get("text_config", {})
+    name = (config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype")
+            or text.get("dtype"))
+    if name is None:
+        return mx.bfloat16, "bfloat16 (assumed: the config names no dtype)"
+    if name not in _DTYPES:
+        raise InvalidInput(f"the config's dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name], name
+
+
+def _hf_quantization(qc: dict, dtype_words: str) -> tuple[dict | None, tuple[str, ...], str]:
+    """Map a Hugging Face quantization_config to what mlx-lm's loader turns it into."""
+    method = qc.get("quant_method")
+    skip = tuple(qc.get("ignore") or qc.get("modules_to_not_convert") or ())
+    block = list(qc.get("weight_block_size") or ())
+    if method == "fp8" and qc.get("scale_fmt") == "ue8m0" and block == [32, 32]:
+        return {"group_size": 32, "bits": 8, "mode": "mxfp8"}, skip, "FP8 kept as mxfp8"
+    if method == "fp8":
+        # mlx-lm dequantizes block-scaled FP8 in the model's sanitize(), so what `shoal shard`
+        # writes (and workers hold) is the config's dtype unless --quantize is given.
+        blocks = "x".join(map(str, block)) or "per-tensor"
+        return None, skip, (f"FP8 (blocks {blocks}) in the source, which mlx-lm loads as "
+                            f"{dtype_words}; plan --bits 8 (or 4) for `shoal shard --quantize`")
+    if method in ("mxfp4", "mxfp8"):
+        q = {"group_size": 32, "bits": 4 if method == "mxfp4" else 8, "mode": method}
+        return q, skip, method
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        modes = {"pack-quantized": "affine", "nvfp4-pack-quantized": "nvfp4",
+                 "mxfp4-pack-quantized": "mxfp4"}
+        if fmt not in modes:
+            raise InvalidInput(
+                f"mlx-lm cannot load compressed-tensors format {fmt!r}; dequantize the "
+                "checkpoint to bf16 first (then plan with --bits)"
+            )
+        weights = next(iter((qc.get("config_groups") or {"": {}}).values())).get("weights", {})
+        defaults = {"affine": (32, 4), "nvfp4": (16, 4), "mxfp4": (32, 4)}[modes[fmt]]
+        q = {"group_size": weights.get("group_size") or defaults[0],
+             "bits": weights.get("num_bits") or defaults[1], "mode": modes[fmt]}
+        return q, skip, f"compressed-tensors {fmt}"
+    if method in ("awq", "gptq"):
+        q = {"group_size": qc.get("group_size", 128), "bits": qc.get("bits", 4), "mode": "affine"}
+        return q, skip, method
+    if method == "modelopt":
+        settings = qc.get("quantization", qc)
+        return {"group_size": settings.get("group_size", 16), "bits": 4, "mode": "nvfp4"}, \
+            skip, "ModelOpt NVFP4"
+    raise InvalidInput(f"Shoal cannot size a checkpoint quantized with {method!r}")
+
+
+def _storage(config: dict, bits: int | None, group_size: int) -> _Storage:
+    dtype, dtype_words = _config_dtype(config)
+    if bits is not None:
+        q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        return _Storage(dtype, q, (), f"{bits}-bit affine, group {group_size} (as "
+                        f"`shoal shard --quantize {bits}` would write it)")
+    if config.get("quantization"):  # an mlx-lm conversion: mlx-community and mlx_lm.convert
+        return _Storage(dtype, config["quantization"], (), _describe_quantization(config))
+    qc = config.get("quantization_config") or config.get("text_config", {}).get(
+        "quantization_config")
+    if qc:
+        q, skip, words = _hf_quantization(qc, dtype_words)
+        return _Storage(dtype, q, skip, words)
+    return _Storage(dtype, None, (), dtype_words)
+
+
+# mlx-lm modules that its sanitize() derives from a Hugging Face module of another name
+# (MLA's kv_b_proj is split into the two absorbed projections).
+_HF_SOURCE_NAMES = {"embed_q": "kv_b_proj", "unembed_out": "kv_b_proj"}
+
+
+def _skipped(path: str, skip: tuple[str, ...], switches: tuple[str, ...]) -> bool:
+    """Whether a Hugging Face ignore list names this mlx-lm module. HF names every expert
+    (mlp.experts.3.up_proj) where mlx-lm stacks them in a switch module (mlp.switch_mlp.up_proj,
+    `switches` being those modules' paths)."""
+    parent, _, leaf = path.rpartition(".")
+    hf = f"{parent}.{_HF_SOURCE_NAMES.get(leaf, leaf)}".lstrip(".")
+    names = [path, hf]
+    for switch in switches:
+        if path.startswith(switch + "."):
+            names.append(f"{switch.rpartition('.')[0]}.experts.0.{path[len(switch) + 1:]}")
+    return any(
+        any(re.match(entry[3:], n) for n in names) if entry.startswith("re:") else entry in names
+        for entry in skip
+    )
+
+
+def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
+    """Byte sizes from a config alone (a model not downloaded yet), as workers will hold them.
+
+    mlx-lm builds the module tree with lazy weights, so nothing is allocated: the tree is cast
+    to the config's dtype and quantized the way mlx-lm's loader would (an MLX `quantization`
+    entry with its per-layer overrides, or a Hugging Face `quantization_config`), or as
+    `shoal shard --quantize BITS` would when `bits` asks "what if".
+    """
     from engine.experts import build_skeleton
 
+    storage = _storage(config, bits, group_size)
     model = build_skeleton(config)
-    quantization = config.get("quantization")
-    if quantization:
-        nn.quantize(
-            model,
-            group_size=quantization["group_size"],
-            bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
-            class_predicate=lambda _, m: hasattr(m, "to_quantized")
-            and m.weight.shape[-1] % quantization["group_size"] == 0,
-        )
+    params = {name: a.size for name, a in tree_flatten(model.parameters())}
     layers = find_moe_layers(model, config)
+    switches = tuple(layer.path for layer in layers)
+    model.set_dtype(storage.dtype)
+    q = storage.quantization
+    if q:
+        quant_predicate = getattr(model, "quant_predicate", None)
+
+        def predicate(path: str, module: nn.Module) -> bool | dict:
+            if path in q:  # mlx-lm's per-layer entries (mixed quantization)
+                return q[path]
+            if not hasattr(module, "to_quantized") or _skipped(path, storage.skip, switches):
+                return False
+            if module.weight.shape[-1] % q["group_size"]:
+                return False
+            return quant_predicate(path, module) if quant_predicate else True
+
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
+                    mode=q.get("mode", "affine"), class_predicate=predicate)
     experts = {}
-    expert_total = 0
+    expert_total = expert_params = 0
     for layer in layers:
         module_bytes = sum(a.nbytes for _, a in tree_flatten(get_module(model, layer.path)
                                                             .parameters()))
         expert_total += module_bytes
+        expert_params += sum(n for name, n in params.items()
+                             if name.startswith(layer.path + ".") and name.endswith("weight"))
         per_expert = module_bytes // layer.num_experts
         experts.update({(layer.layer, e): per_expert for e in range(layer.num_experts)})
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     return ModelSizes(config.get("model_type", "?"), experts, total - expert_total,
-                      _top_k(config), True)
+                      _top_k(config), True, storage.words,
+                      8 * expert_total / expert_params if expert_params else 0.0)
 
 
-def read_sizes(path: Path) -> ModelSizes:
-    """Sizes of a sharded model folder (its manifest), or estimated from a config.json."""
+def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
+    """Sizes of a sharded model folder (its manifest), or estimated from a config.json
+    (`bits`: as if quantized to that many bits, which only a config can answer)."""
     path = Path(path)
     if (path / MANIFEST_NAME).exists():
+        if bits is not None:
+            raise InvalidInput(
+                f"{path} is already sharded, so its sizes are real; --bits applies to a "
+                "config.json (plan the source model's config instead)"
+            )
         return sizes_from_manifest(read_manifest(path))
-    config_path = path / "config.json" if path.is_dir() else path
+    config_path = resolve_model_dir(path) / "config.json" if path.is_dir() else path
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise NotFound(f"{path} is neither a sharded model folder nor a config.json") from None
     except json.JSONDecodeError as e:
         raise CorruptData(f"{config_path} is not valid JSON ({e})") from None
-    return estimate_sizes(config)
+    return estimate_sizes(config, bits=bits, group_size=group_size)

@@ -55,7 +55,7 @@ def replica_routes(
         for key in held:
             owners_of.setdefault(key, []).append(worker)
     routes: dict[int, LayerRoutes] = {}
-    missing: list[str] = []
+    missing: dict[int, list[int]] = {}
     for layer, count in sorted(layers.items()):
         widest = max((len(owners_of.get((layer, e), ())) for e in range(count)), default=0)
         copies = np.full((count, max(widest, 1)), -1, dtype=np.int32)
@@ -72,10 +72,10 @@ def replica_routes(
             counts[expert] = len(ordered)
         absent = np.flatnonzero(counts == 0)
         if absent.size:
-            missing.append(f"layer {layer}: {describe_ids(absent.tolist())}")
+            missing[layer] = absent.tolist()
         routes[layer] = LayerRoutes(copies, counts)
     if missing:
-        raise Unavailable("no live worker holds these experts: " + "; ".join(missing))
+        raise Unavailable("no live worker holds these experts: " + describe_experts(missing))
     return routes
 
 
@@ -98,8 +98,37 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
     return routes.copies[experts, (rank + turn + experts) % counts]
 
 
+def describe_experts(
+    by_layer: Mapping[int, Sequence[int]], *, layers_shown: int = 3, ids_shown: int = 4
+) -> str:
+    """Expert ids per layer, summarised for a message a person reads: counts per layer and
+    the first few ids ('layer 3: 128 experts (0, 2, 4, 6, ...)'), the first few layers only.
+    A DeepSeek-V3 split over two workers once made this list 35 KB."""
+    layers = sorted(layer for layer, ids in by_layer.items() if ids)
+    parts = []
+    for layer in layers[:layers_shown]:
+        ids = sorted(by_layer[layer])
+        short = describe_ids(ids)
+        if len(ids) <= ids_shown or len(short) <= 40:
+            parts.append(f"layer {layer}: {short}")
+        else:
+            first = ", ".join(map(str, ids[:ids_shown]))
+            parts.append(f"layer {layer}: {len(ids)} experts ({first}, ...)")
+    text = "; ".join(parts)
+    if len(layers) > layers_shown:
+        total = sum(len(by_layer[layer]) for layer in layers)
+        text = (f"{total} experts in {len(layers)} layers ({ranges(layers)}): "
+                f"{text}; and {len(layers) - layers_shown} more layers")
+    return text
+
+
 def describe_ids(ids: Sequence[int]) -> str:
-    """'1-3, 7' for [1, 2, 3, 7]: short enough for an error message."""
+    """'experts 1-3, 7' for [1, 2, 3, 7]: short enough for an error message."""
+    return "experts " + ranges(ids)
+
+
+def ranges(ids: Sequence[int]) -> str:
+    """'1-3, 7' for [1, 2, 3, 7]."""
     parts, ids = [], sorted(ids)
     start = prev = ids[0]
     for value in [*ids[1:], None]:
@@ -109,7 +138,7 @@ def describe_ids(ids: Sequence[int]) -> str:
         parts.append(str(start) if start == prev else f"{start}-{prev}")
         if value is not None:
             start = prev = value
-    return "experts " + ", ".join(parts)
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------

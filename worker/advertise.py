@@ -1,6 +1,9 @@
 """Bonjour registration of a worker (`_shoal._tcp.local.`), and its node id: stable per
 machine, kept in the config folder, and made anew when the file was copied from another Mac.
 
+A worker also watches the adverts of its cluster and warns when another worker announces
+its node id: a duplicate is said loudly on the worker's side as on the coordinator's.
+
 The node id file is JSON: {"node_id": "studio-3f9a1c", "machine": "<fingerprint>"}. The
 machine fingerprint is a hash of the platform's machine identity, so a config folder
 restored onto another Mac (Migration Assistant, dotfile sync) is noticed and not reused.
@@ -18,15 +21,18 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.advert import SERVICE_TYPE, Advert, encode_txt
+from engine.advert import SERVICE_TYPE, Advert, decode_txt, encode_txt
 from engine.auth import default_secret_path
 from engine.checkpoint import write_atomic
+from engine.errors import InvalidInput
 
 NODE_ID_FILE = "node-id"
 REGISTER_TIMEOUT = 10.0
+RESOLVE_TIMEOUT_MS = 3000
 
 
 def node_id_path() -> Path:
@@ -88,6 +94,19 @@ def load_node_id(path: Path, *, log: Callable[[str], None]) -> str:
     return choice.node_id
 
 
+def instance_name(node_id: str, machine: str, port: int) -> str:
+    """The Bonjour instance name: the node id and a tag of this machine and port.
+
+    Coordinators know workers by instance name, so two workers that share a node id must never
+    share one. mDNS would rename a conflicting registration, but only if the probe's answer
+    gets through, and answers to probes are unicast, which not every mDNS socket of a Mac
+    receives: then both registered the same name and one worker hid the other. The tag stays
+    the same when a worker restarts on the same port, so its new advert replaces the old one.
+    """
+    tag = hashlib.sha256(f"{machine}:{port}".encode()).hexdigest()[:6]
+    return f"{node_id[:56]}-{tag}"
+
+
 def machine_fingerprint() -> str:
     """A hash of this machine's identity: IOPlatformUUID on macOS, machine-id on Linux,
     else the hardware address, else the host name. Stable across restarts of one machine."""
@@ -133,8 +152,11 @@ class Advertiser:
         self.port = port
         self.log = log
         self.name: str | None = None  # the instance name in use once registered
+        self.duplicates: set[str] = set()  # instance names of others that use our node id
         self._zc = None
         self._info = None
+        self._watch = None
+        self._resolver = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="watch")
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._register, name="advertise", daemon=True)
@@ -143,9 +165,10 @@ class Advertiser:
         self._thread.start()
 
     def _register(self) -> None:
-        from zeroconf import IPVersion, ServiceInfo, Zeroconf
+        from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, Zeroconf
 
-        wanted = f"{self.advert.node_id}.{SERVICE_TYPE}"
+        wanted = f"{instance_name(self.advert.node_id, machine_fingerprint(), self.port)}." \
+            f"{SERVICE_TYPE}"
         try:
             with self._lock:
                 if self._closed:
@@ -167,21 +190,51 @@ class Advertiser:
             )
             return
         self.name = self._info.name
-        if self._info.name != wanted:
-            self.log(
-                f"warning: another worker on this network already uses node id "
-                f"{self.advert.node_id!r}: advertising as {self._info.name.split('.')[0]!r}. "
-                "Give each worker its own --node-id (or delete the node-id file on the copy)"
-            )
         self.log(
             f"advertising {SERVICE_TYPE[:-7]} in cluster {self.advert.cluster!r} on "
             + ", ".join(f"{a}:{self.port}" for a in self.addresses)
+        )
+        with self._lock:
+            if not self._closed:
+                self._watch = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._seen])
+
+    def _seen(self, zeroconf: object, service_type: str, name: str, state_change: object) -> None:
+        from zeroconf import ServiceStateChange
+
+        if name != self.name and state_change is not ServiceStateChange.Removed:
+            with self._lock:
+                if not self._closed:
+                    self._resolver.submit(self._check_other, name)
+
+    def _check_other(self, name: str) -> None:
+        from zeroconf import IPVersion, ServiceInfo
+
+        info = ServiceInfo(SERVICE_TYPE, name)
+        if self._closed or not info.request(self._zc, RESOLVE_TIMEOUT_MS):
+            return
+        try:
+            other = decode_txt(info.properties)
+        except InvalidInput:
+            return
+        same = (other.node_id, other.cluster) == (self.advert.node_id, self.advert.cluster)
+        if not same or name in self.duplicates:
+            return
+        self.duplicates.add(name)
+        where = ", ".join(f"{a}:{info.port}" for a in info.parsed_addresses(IPVersion.V4Only))
+        self.log(
+            f"warning: another worker on this network already uses node id "
+            f"{self.advert.node_id!r} in cluster {self.advert.cluster!r} (at {where}); "
+            "coordinators mark both `duplicate id`. Give each worker its own --node-id "
+            "(or delete the node-id file on the copy)"
         )
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
         self._thread.join(REGISTER_TIMEOUT)
+        if self._watch is not None:
+            self._watch.cancel()
+        self._resolver.shutdown(wait=True, cancel_futures=True)
         if self._zc is None:
             return
         try:

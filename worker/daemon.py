@@ -31,6 +31,7 @@ from engine.interfaces import (
     local_interfaces,
     select_interface,
 )
+from engine.tls import Identity
 from proto import (
     PROTOCOL_VERSION,
     SERVER_OPTIONS,
@@ -120,7 +121,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
         help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
     )
+    parser.add_argument("--version", action="version", version=version_text())
     return parser.parse_args(argv)
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mine = version("shoal")
+    except PackageNotFoundError:
+        mine = "(not installed)"
+    return f"shoal-worker {mine} (protocol {PROTOCOL_VERSION}, mlx {mx.__version__})"
 
 
 def physical_memory() -> int:
@@ -141,6 +153,49 @@ def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str
     return budget, how
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything is loaded."""
+    check_name(args.cluster, "cluster name")
+    if args.node_id:
+        check_name(args.node_id, "node id")
+    if args.readers < 1:
+        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
+    if not 0 <= args.port < 65536:
+        raise ShoalError(f"--port must be 0-65535, got {args.port}")
+    if args.memory_budget:
+        parse_budget(args.memory_budget)
+    if args.scrub:
+        parse_rate(args.scrub)
+
+
+def bind(
+    host: str, port: int, executor: futures.Executor, secret: bytes, identity: Identity
+) -> tuple[grpc.Server, int]:
+    """A gRPC server that owns host:port alone, bound before any expert is loaded, serving
+    TLS only (docs/security.md).
+
+    gRPC sets SO_REUSEPORT by default, so a second worker on a taken port would start
+    silently and the kernel would deal connections out to both: turned off here.
+    """
+    server = grpc.server(
+        executor,
+        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret)), PeerLimit()],
+        options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=MAX_CALLS,
+    )
+    try:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ShoalError(
+            f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
+            "another program: `lsof -i :PORT` names it) or not an address of this host; "
+            "give another --port"
+        )
+    return server, bound
+
+
 def format_rate(rate: int) -> str:
     return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
 
@@ -157,9 +212,32 @@ def listen_host(host: str | None, interface: str | None) -> str:
 
 def serve(args: argparse.Namespace) -> None:
     args.host = listen_host(args.host, args.interface)
-    scrub_rate = parse_rate(args.scrub) if args.scrub else None
+    check_args(args)
     secret = load_secret(secret_path(args.secret_file))
     identity = secret.require_identity()  # before loading any expert: refuse early
+    addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
+    # Every call holds a thread (Compute streams for as long as a coordinator is connected):
+    # the pool has room beyond the server's cap, so liveness checks always find a thread, and
+    # PeerLimit keeps one host from taking the whole cap.
+    executor = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8, thread_name_prefix="rpc")
+    server, port = bind(args.host, args.port, executor, secret, identity)
+    residency = None
+    try:
+        residency = load(args)
+        run(args, server, port, residency, addresses)
+    finally:
+        server.stop(grace=None).wait(5)
+        # The calls still running were cancelled by stop(); give their threads a bounded while.
+        joiner = threading.Thread(target=executor.shutdown, kwargs={"cancel_futures": True},
+                                  daemon=True)
+        joiner.start()
+        joiner.join(5)
+        if residency is not None:
+            residency.close()
+
+
+def load(args: argparse.Namespace) -> Residency:
+    """Scan (and verify) the stores and set up the memory budget."""
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
@@ -167,10 +245,6 @@ def serve(args: argparse.Namespace) -> None:
         # A store folder with only the manifest: `shoal deploy` sends the experts.
         print(f"shoal-worker: no intact expert files in {', '.join(map(str, args.store))} yet; "
               "waiting for `shoal deploy` to send some", file=sys.stderr, flush=True)
-    check_name(args.cluster, "cluster name")
-    addresses = [] if args.no_advertise else announced_addresses(args.host, args.interface)
-    if args.readers < 1:
-        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
     expert_bytes = scan.expert_bytes()
     budget, how = choose_budget(args, expert_bytes)
     resident = min(budget, expert_bytes)
@@ -188,24 +262,21 @@ def serve(args: argparse.Namespace) -> None:
     if residency.streaming:
         # Evicted experts' memory goes back to the system instead of MLX's buffer cache.
         mx.set_cache_limit(4 * residency.reader.buffer_bytes)
+    return residency
+
+
+def run(
+    args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
+    addresses: list[str],
+) -> None:
+    """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""
+    scan = residency.scan
 
     def note(message: str) -> None:
         print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
-    node_id = check_name(args.node_id, "node id") if args.node_id else load_node_id(
-        node_id_path(), log=note
-    )
+    node_id = args.node_id or load_node_id(node_id_path(), log=note)
     memory_budget = residency.budget
-    # Every call holds a thread (Compute streams for as long as a coordinator is connected):
-    # the pool has room beyond the server's cap, so liveness checks always find a thread, and
-    # PeerLimit keeps one host from taking the whole cap.
-    pool = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8)
-    server = grpc.server(
-        pool,
-        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret)), PeerLimit()],
-        options=SERVER_OPTIONS,
-        maximum_concurrent_rpcs=MAX_CALLS,
-    )
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
         ExpertServicer(residency, node_id, memory_budget), server
     )
@@ -213,13 +284,9 @@ def serve(args: argparse.Namespace) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(liveness, server)
     for service in ("", shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name):
         liveness.set(service, health_pb2.HealthCheckResponse.SERVING)
-    try:
-        port = server.add_secure_port(f"{args.host}:{args.port}", server_credentials(identity))
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        where = f"{args.host}:{args.port}"
-        raise ShoalError(f"cannot listen on {where} (port in use, or not an address of this host)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     server.start()
     layers = len(residency.layers)
     print(
@@ -245,13 +312,11 @@ def serve(args: argparse.Namespace) -> None:
         )
         advertiser.start()
     scrubber = None
-    if scrub_rate is not None:
+    if args.scrub:
+        scrub_rate = parse_rate(args.scrub)
         scrubber = Scrubber(residency, scrub_rate, log=note)
         scrubber.start()
         note(f"scrubbing expert files at up to {format_bytes(scrub_rate)}/s")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
@@ -259,11 +324,6 @@ def serve(args: argparse.Namespace) -> None:
     if scrubber is not None:
         scrubber.close()
     server.stop(grace=2).wait(5)
-    # The calls still running were cancelled by stop(); give their threads a bounded while.
-    joiner = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True}, daemon=True)
-    joiner.start()
-    joiner.join(5)
-    residency.close()
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 

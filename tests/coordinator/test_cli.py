@@ -25,6 +25,7 @@ def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
 @pytest.mark.parametrize("args", [
     ("--help",), ("shard", "--help"), ("generate", "--help"), ("cluster-init", "--help"),
     ("workers", "--help"), ("plan", "--help"), ("bench", "--help"), ("demo", "--help"),
+    ("doctor", "--help"),
 ])
 def test_every_command_explains_itself(args):
     run = shoal(*args)
@@ -35,6 +36,8 @@ def test_every_command_explains_itself(args):
 def test_worker_explains_itself():
     run = shoal("--help", module="worker.daemon")
     assert run.returncode == 0 and "--store" in run.stdout and "checksum" in run.stdout
+    run = shoal("--version", module="worker.daemon")
+    assert run.returncode == 0 and run.stdout.startswith("shoal-worker 0.")
 
 
 def test_cluster_init_writes_a_private_secret_once(tmp_path):
@@ -102,3 +105,48 @@ def test_generate_names_missing_experts_and_wrong_secret(
                 "--secret-file", str(wrong), "hi")
     assert run.returncode == 2 and "refused this cluster's TLS identity" in run.stderr
     assert "cluster secret" in run.stderr
+
+
+def test_version_and_help_say_what_a_newcomer_needs():
+    run = shoal("--version")
+    assert run.returncode == 0 and run.stdout.startswith("shoal 0.") and "protocol" in run.stdout
+    generate_help = shoal("generate", "--help").stdout
+    assert "--max-tokens N" in generate_help and "(default 100)" in generate_help
+    shard_help = " ".join(shoal("shard", "--help").stdout.split())
+    demo_help = " ".join(shoal("demo", "--help").stdout.split())
+    assert "answers poorly" in demo_help and "(default 60)" in demo_help
+    run = shoal("demo", "--max-tokens", "0")
+    assert run.returncode == 2 and "--max-tokens must be at least 1" in run.stderr
+    assert "MODEL_DIR the source checkpoint" in shard_help
+    assert "OUT_DIR where to write" in shard_help
+
+
+def test_generate_refuses_bad_arguments_and_dead_workers_before_loading(sharded, secret_file):
+    import time
+
+    run = shoal("generate", "--model", str(sharded), "--workers", "127.0.0.1:1",
+                "--secret-file", str(secret_file), "--max-tokens", "0", "hi")
+    assert run.returncode == 2 and "--max-tokens must be at least 1, got 0" in run.stderr
+    started = time.monotonic()
+    run = shoal("generate", "--model", str(sharded), "--workers", "127.0.0.1:1",
+                "--secret-file", str(secret_file), "hi")
+    assert run.returncode == 2 and "refused at once" in run.stderr, run.stderr
+    assert "did not answer" not in run.stderr and time.monotonic() - started < 8
+    run = shoal("heat", "--model", str(sharded), "--workers", "127.0.0.1:1",
+                "--secret-file", str(secret_file))
+    assert run.returncode == 2 and "refused at once" in run.stderr, run.stderr
+    run = shoal("generate", "--model", str(sharded / "dense"), "--workers", "127.0.0.1:1",
+                "--secret-file", str(secret_file), "hi")
+    assert run.returncode == 2 and "not a folder written by `shoal shard`" in run.stderr
+
+
+def test_streamed_text_ends_its_line_before_anything_else_is_said(capsys):
+    from coordinator.cli import StreamedText
+
+    out = StreamedText()
+    out.write("The capital is Par")
+    out.end_line()
+    out.end_line()  # once only
+    out.write("is.\n")
+    out.end_line()  # already at a line start
+    assert capsys.readouterr().out == "The capital is Par\nis.\n"

@@ -127,7 +127,7 @@ def test_other_clusters_and_models_are_ignored_and_duplicates_and_secrets_report
     cluster = cluster_name("mixed")
     other_model = tmp_path / "other-model"
     shard(tiny_checkpoint("mixtral"), other_model, workers=2, progress=False)
-    start_worker([sharded / "worker-0"], "--cluster", cluster, "--node-id", "a")
+    first = start_worker([sharded / "worker-0"], "--cluster", cluster, "--node-id", "a")
     twin = start_worker([sharded / "worker-1"], "--cluster", cluster, "--node-id", "a")
     start_worker([sharded / "worker-1"], "--cluster", cluster + "-x", "--node-id", "x")
     start_worker([other_model / "worker-0"], "--cluster", cluster, "--node-id", "m")
@@ -150,7 +150,9 @@ def test_other_clusters_and_models_are_ignored_and_duplicates_and_secrets_report
     assert "cluster secret" in workers[3]["detail"]
     assert all(w["path"] == "local" and w["rtt_ms"] is not None for w in workers[:2])
     assert all(w["experts"] == 12 and w["memory_budget"] > 0 for w in workers[:2])
-    assert "already uses node id 'a'" in twin.output()
+    # Both say so, whichever started first (no mDNS renaming is needed for it).
+    for worker in (first, twin):
+        wait_until(lambda w=worker: "already uses node id 'a'" in w.output(), 10, "warning")
 
     table = shoal("workers", "--cluster", cluster, "--interface", LOOPBACK,
                   "--secret-file", str(secret_file), "--wait", "3")

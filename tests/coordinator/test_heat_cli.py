@@ -74,3 +74,24 @@ def test_without_heat_it_says_how_to_get_some(tiny_checkpoint, tmp_path, capsys)
     shard(tiny_checkpoint("qwen3_moe"), out_dir, progress=False)
     code, out, _ = shoal(capsys, "heat", "--model", str(out_dir), "--offline")
     assert code == 0 and "no heat recorded yet" in out
+
+
+def test_a_uniform_model_is_drawn_hot_on_a_scale_from_zero(tiny_checkpoint, tmp_path):
+    """Every expert equally used: the map is one colour at the top of a 0..count bar (it was
+    drawn in a middle colour on a bar around the single value)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from coordinator.heat import colour_limits, plot_heat
+
+    assert colour_limits(120) == (0.0, 120.0) and colour_limits(0) == (0.0, 1.0)
+    out = tmp_path / "out"
+    manifest = shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    counts = {(m.layer, e): 50 for m in manifest.layers for e in range(m.num_experts)}
+    record = fold_reading(HeatRecord(manifest.fingerprint), "a", "1", counts)
+    png = tmp_path / "uniform.png"
+    plot_heat(record, manifest, png)
+    pixels = imread(png)
+    height, width = pixels.shape[:2]
+    centre = pixels[height // 2, width // 3, :3]  # inside the map, left of the colour bar
+    assert centre.sum() > 2.4, centre  # the hot end of inferno (about 2.6), not its middle

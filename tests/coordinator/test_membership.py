@@ -20,6 +20,7 @@ from coordinator.membership import (
     member_for,
     member_rows,
     needs_handshake,
+    stale_twins,
 )
 from engine.advert import Advert
 from engine.errors import InvalidInput
@@ -103,6 +104,16 @@ def test_a_duplicated_node_id_is_reported_unless_one_copy_is_a_dead_entry():
     table = format_table(rows)
     assert "duplicate id" in table and "node id studio-a is used by several workers" in table
     assert "bridge0 (thunderbolt)" in table and "1.0 GiB" in table
+
+
+def test_a_worker_restarted_on_another_port_replaces_its_dead_entry_only():
+    old = member_for(candidate(), LOCAL, prefer=None, manifest=None, now=0.0)
+    new = replace(old, key="studio-a-9f9f9f._shoal._tcp.local.", address="10.0.0.10:50552")
+    assert stale_twins([old, new], new) == []  # alive: a real duplicate, reported
+    dead = replace(old, state="unreachable")
+    assert stale_twins([dead, new], new) == [dead.key]
+    other = replace(dead, node_id="studio-b")
+    assert stale_twins([other, new], new) == []
 
 
 def test_shipped_cluster_configs_parse():

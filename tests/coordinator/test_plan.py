@@ -39,8 +39,35 @@ def test_plan_replicates_hot_experts_from_a_heat_file(sharded, tmp_path):
 
 def test_plan_says_when_the_model_does_not_fit(sharded):
     run = plan("--model", str(sharded), "--worker", "a=10K:20K", "--worker", "b=10K:20K")
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 4, run.stderr
     assert "does not fit: the cluster cannot hold the model" in run.stdout
+
+
+def test_plan_exit_status_tells_fits_streams_and_does_not_fit(tmp_path):
+    # The real DeepSeek-V3 config (FP8 source, held as bf16 unless quantized): 1218 GiB of
+    # experts; at 4 bits 343 GiB.
+    from tests.engine.published_configs import DEEPSEEK_V3
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(DEEPSEEK_V3))
+    two_studios = ["--worker", "a=192G:2T", "--worker", "b=192G:2T"]
+    as_is = plan("--model", str(config), *two_studios)
+    assert as_is.returncode == 3, as_is.stderr
+    assert "1218.0 GiB of experts" in as_is.stdout and "only by streaming" in as_is.stdout
+    assert "FP8" in as_is.stdout
+    four_bits = plan("--model", str(config), *two_studios, "--bits", "4", "--json")
+    assert four_bits.returncode == 0, four_bits.stderr
+    report = json.loads(four_bits.stdout)
+    assert report["verdict"] == "fits" and report["model"]["expert_bits_per_weight"] == 4.5
+    small = plan("--model", str(config), "--worker", "a=64G:100G", "--bits", "4")
+    assert small.returncode == 4 and "does not fit" in small.stdout
+    bad = plan("--model", str(config), "--worker", "a=64G", "--bits", "7")
+    assert bad.returncode == 2 and "--bits takes" in bad.stderr
+
+
+def test_plan_refuses_bits_for_a_sharded_folder(sharded):
+    run = plan("--model", str(sharded), "--worker", "a=1G", "--bits", "4")
+    assert run.returncode == 2 and "already sharded" in run.stderr
 
 
 def test_plan_estimates_from_a_config_and_refuses_bad_input(tiny_checkpoint, tmp_path):

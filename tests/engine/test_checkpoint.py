@@ -160,6 +160,44 @@ def test_shard_command_reports_errors_without_traceback(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+def test_shard_refuses_a_folder_split_for_another_number_of_workers(tiny_checkpoint, tmp_path):
+    source, out = tiny_checkpoint("qwen3_moe"), tmp_path / "out"
+    shard(source, out, workers=2, progress=False)
+    before = sorted(p.name for p in (out / "worker-0").rglob("*.safetensors"))
+    # More workers: worker-0 and worker-1 exist under both splits, with other experts each.
+    with pytest.raises(ShoalError, match=r"split into 2 store folders .* not 4 store folders"):
+        shard(source, out, workers=4, progress=False)
+    with pytest.raises(ShoalError, match="one store folder"):
+        shard(source, out, progress=False)
+    assert sorted(p.name for p in (out / "worker-0").rglob("*.safetensors")) == before
+    assert not (out / "worker-2").exists()
+    shard(source, out, workers=2, progress=False)  # the same split again is still a resume
+
+
+def test_shard_reads_a_hugging_face_cache_entry_with_symlinked_blobs(tiny_checkpoint, tmp_path):
+    """models--ORG--NAME/snapshots/HASH/* are symlinks into blobs/, as `hf download` leaves."""
+    import hashlib
+    import os
+
+    source = tiny_checkpoint("mixtral")
+    entry = tmp_path / "hub" / "models--org--tiny-mixtral"
+    snapshot = entry / "snapshots" / ("ab" * 20)
+    (entry / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in source.iterdir():
+        blob = entry / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / path.name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("ab" * 20)
+    direct = shard(source, tmp_path / "direct", progress=False)
+    for given in (entry, snapshot):
+        cached = shard(given, tmp_path / f"from-{given.name}", progress=False)
+        assert cached.fingerprint == direct.fingerprint
+        dense = tmp_path / f"from-{given.name}" / "dense"
+        assert not any(p.is_symlink() for p in dense.iterdir())  # copies, not links
+
+
 def test_expert_entries_carry_a_crc32_and_manifests_read_both_ways(tiny_checkpoint, tmp_path):
     """Each expert's CRC-32 is computed at shard time; a manifest written before it existed
     (no crc32) and one with a field a later version added both still read."""

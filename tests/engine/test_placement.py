@@ -4,6 +4,7 @@ import pytest
 from engine.errors import InvalidInput, Unavailable
 from engine.placement import (
     WorkerCapacity,
+    describe_experts,
     describe_ids,
     imbalance,
     plan_placement,
@@ -149,3 +150,24 @@ def test_load_imbalance_of_measured_loads():
     assert load_imbalance(skewed) == pytest.approx(1.5)
     holders = {(0, 0): ("a",), (0, 1): ("b",)}
     assert imbalance(holders, {(0, 0): 30.0, (0, 1): 10.0}) == pytest.approx(1.5)
+
+
+def test_missing_experts_of_a_large_model_are_summarised_in_a_line():
+    """DeepSeek-V3 (58 MoE layers of 256) split over two workers, one of them up: the
+    message once listed all 7424 missing experts (35 KB)."""
+    sizes = {(layer, e): 44 << 20 for layer in range(3, 61) for e in range(256)}
+    half, _ = split_by_bytes(sizes, 2)
+    with pytest.raises(Unavailable) as info:
+        replica_routes({layer: 256 for layer in range(3, 61)}, [frozenset(half)])
+    message = str(info.value)
+    assert len(message) < 300, len(message)
+    assert message.startswith("no live worker holds these experts: 7424 experts in 58 layers "
+                              "(3-60): layer 3: 128 experts (")
+    assert message.endswith("; and 55 more layers")
+
+
+def test_short_lists_stay_whole():
+    assert describe_experts({0: [1, 3, 5, 7], 2: [0, 1, 2, 3, 4, 5, 6, 7]}) == (
+        "layer 0: experts 1, 3, 5, 7; layer 2: experts 0-7")
+    assert describe_experts({4: list(range(0, 40, 2))}) == (
+        "layer 4: 20 experts (0, 2, 4, 6, ...)")

@@ -2,19 +2,25 @@
 answers liveness checks without the credential and nothing else."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.discovery import Browser
+from engine.advert import Advert
 from engine.auth import load_secret, make_credential
 from engine.checkpoint import shard
 from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import (
+    Advertiser,
     choose_node_id,
     host_label,
+    instance_name,
     load_node_id,
     machine_fingerprint,
     node_id_path,
@@ -91,3 +97,41 @@ def test_worker_refuses_an_unknown_interface_and_a_bad_cluster_name(tmp_path, se
         )
         assert run.returncode == 2 and message in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_instance_names_differ_per_port_and_stay_across_restarts():
+    machine = machine_fingerprint()
+    assert instance_name("a", machine, 50551) == instance_name("a", machine, 50551)
+    assert instance_name("a", machine, 50551) != instance_name("a", machine, 50552)
+    assert instance_name("a", machine, 50551) != instance_name("a", "other-mac", 50551)
+    assert len(instance_name("x" * 63, machine, 1)) <= 63  # one DNS label
+
+
+def test_two_workers_with_one_node_id_are_both_announced_and_both_warn():
+    """Without relying on mDNS renaming (which needs probe answers that not every Mac
+    delivers): each has its own instance name, a browser sees both, and each one says so."""
+    cluster = f"dup-{os.getpid()}"
+    logs: list[list[str]] = [[], []]
+    advert = Advert(node_id="a", cluster=cluster, protocol=1, model="f" * 64,
+                    inventory="0" * 16, experts=1, memory_budget=1, free_disk=1)
+    advertisers = [Advertiser(advert, ["127.0.0.1"], 40001 + i, log=logs[i].append)
+                   for i in range(2)]
+    seen: dict[str, str] = {}
+    browser = Browser(cluster, lambda c: seen.__setitem__(c.key, c.advert.node_id),
+                      lambda key: None, interfaces=["127.0.0.1"])
+    try:
+        for advertiser in advertisers:
+            advertiser.start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (
+            len(seen) == 2 and all(a.duplicates for a in advertisers)
+        ):
+            time.sleep(0.1)
+    finally:
+        browser.close()
+        for advertiser in advertisers:
+            advertiser.close()
+    assert sorted(seen.values()) == ["a", "a"], seen
+    assert {a.name for a in advertisers} == set(seen)
+    for log in logs:
+        assert any("already uses node id 'a'" in line and "duplicate id" in line for line in log)
