@@ -108,8 +108,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from coordinator.worker_stats import format_report, read_stats, run_report
     from engine.checkpoint import read_manifest
 
+    policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
-    policy = draft_policy(args)  # checks the draft options before anything is loaded
     secret = load_secret(secret_path(args.secret_file))
     addresses = worker_addresses(args.workers) if args.workers else []
     out = StreamedText()
