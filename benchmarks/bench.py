@@ -25,7 +25,8 @@ from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
 from coordinator.demo import build_once, cache_root
-from coordinator.generate import open_remote_model
+from coordinator.dispatch import LayerStats
+from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import create_secret, load_secret
 from engine.checkpoint import read_manifest, shard
@@ -116,33 +117,28 @@ def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
     prompt = bench_prompt(vocab, 16)
     stats = remote.dispatcher.stats
 
-    def counters(max_tokens: int) -> dict:
-        stats.layers.clear()
+    def counters(max_tokens: int) -> tuple[LayerStats, int]:
+        stats.reset()
         timed_generation(remote.model, remote.tokenizer, prompt, max_tokens)
-        total = stats.total()
-        return {"calls": total.calls, "seconds": total.seconds, "requests": total.requests,
-                "sent": total.bytes_sent, "received": total.bytes_received,
-                "compute": total.worker_compute_seconds,
-                "slowest": total.slowest_compute_seconds, "shared": total.shared_seconds,
-                "layers": len(stats.layers)}
+        return stats.total(), len(stats.layers)
 
-    prefill_only, whole = counters(1), counters(tokens + 1)
-    d = {k: whole[k] - prefill_only[k] for k in whole if k != "layers"}
-    layers = whole["layers"]
+    (prefill_only, _), (whole, layers) = counters(1), counters(tokens + 1)
+    d = LayerStats(**{k: getattr(whole, k) - getattr(prefill_only, k) for k in vars(whole)})
     return {
         "tokens": tokens,
         "moe_layers": layers,
-        "layer_ms": 1e3 * d["seconds"] / d["calls"],
-        "worker_compute_ms_per_request": 1e3 * d["compute"] / d["requests"],
+        "layer_ms": 1e3 * d.seconds / d.calls,
+        "worker_compute_ms_per_request": 1e3 * d.worker_compute_seconds / d.requests,
         # a call lasts as long as its slowest worker: the overhead is measured against that
-        "slowest_worker_compute_ms": 1e3 * d["slowest"] / d["calls"],
-        "shared_expert_ms": 1e3 * d["shared"] / d["calls"],
-        "rpcs_per_token_per_layer": d["requests"] / (tokens * layers),
-        "workers_per_layer": d["requests"] / d["calls"],
-        "bytes_sent_per_token": d["sent"] / tokens,
-        "bytes_received_per_token": d["received"] / tokens,
-        "request_bytes": d["sent"] / d["requests"],
-        "reply_bytes": d["received"] / d["requests"],
+        "slowest_worker_compute_ms": 1e3 * d.slowest_compute_seconds / d.calls,
+        "shared_expert_ms": 1e3 * d.shared_seconds / d.calls,
+        "rpcs_per_token_per_layer": d.requests / (tokens * layers),
+        "workers_per_layer": d.requests / d.calls,
+        "bytes_sent_per_token": d.bytes_sent / tokens,
+        "bytes_received_per_token": d.bytes_received / tokens,
+        "request_bytes": d.bytes_sent / d.requests,
+        "reply_bytes": d.bytes_received / d.requests,
+        "breakdown": d.breakdown(),
     }
 
 
@@ -230,7 +226,8 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
                "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
                "--long-runs", str(settings["long_runs"])]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
         if run.returncode != 0 or not out.exists():
             tail = (run.stdout + run.stderr).strip()[-800:]
             return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
@@ -367,6 +364,8 @@ def table(report: dict) -> str:
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
+    lines += ["", "per-layer decode breakdown (us per MoE layer call):",
+              breakdown_table(d["breakdown"])]
     for shape, us in report["shoal"]["serialization_us"].items():
         lines.append(f"serialization, {shape}: request {us['request']:.0f} us, reply "
                      f"{us['reply']:.0f} us (build, serialize, parse, view; both ends)")
@@ -378,4 +377,5 @@ def table(report: dict) -> str:
         value = report.get(key)
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.2f}'}")
     return "\n".join(lines)
+
 

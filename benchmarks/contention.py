@@ -35,7 +35,8 @@ def worker(store: Path, seed: int, start_at: float) -> None:
         held.setdefault(layer, []).append(expert)
     layers = sorted(held)
     requests = [
-        Request(layer, rng.standard_normal((1, residency.hidden_size)).astype(np.float32),
+        Request(layer,
+                rng.standard_normal((1, residency.runners[layer].input_width)).astype(np.float32),
                 "float32", np.zeros(4, np.int32),
                 rng.choice(held[layer], 4, replace=False).astype(np.int32))
         for layer in (layers[i % len(layers)] for i in range(REQUESTS))

@@ -336,6 +336,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def print_stats(stats: dict) -> None:
+    from coordinator.generate import breakdown_table
+
     out = sys.stderr
     print("per layer (all calls):", file=out)
     print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'slowest worker ms':>17} "
@@ -352,6 +354,8 @@ def print_stats(stats: dict) -> None:
           + " ".join(f"{t:.1f}" for t in ms[1:20]) + (" ..." if len(ms) > 20 else ""), file=out)
     print(f"bytes per token: sent {stats['bytes_sent_per_token']:.0f}, "
           f"received {stats['bytes_received_per_token']:.0f}", file=out)
+    print("per-layer decode breakdown (us per MoE layer call):", file=out)
+    print(breakdown_table(stats["breakdown"]), file=out)
 
 
 def build_parser() -> argparse.ArgumentParser:

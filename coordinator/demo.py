@@ -6,6 +6,7 @@ package, turned into a Mixtral-layout MoE, then sharded); later runs reuse it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -36,7 +37,8 @@ def build_once(target: Path, build: Callable[[Path], object], what: str) -> Path
     shutil.rmtree(partial, ignore_errors=True)
     print(f"demo: building {what} (first run only) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    build(partial)
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm's chatter: never mix it into output
+        build(partial)
     os.replace(partial, target)
     print(f"demo: built {what} in {time.perf_counter() - started:.0f} s -> {target}",
           file=sys.stderr, flush=True)

@@ -41,6 +41,29 @@ class LayerStats:
     worker_compute_seconds: float = 0.0
     slowest_compute_seconds: float = 0.0  # per call, the longest-computing worker's time
     shared_seconds: float = 0.0  # the shared expert, computed while the workers compute
+    # The per-layer breakdown (--stats, shoal bench), summed over calls. The worker's parts
+    # and the wire are those of the call's critical worker: the one whose reply came last.
+    sync_seconds: float = 0.0  # waiting for this layer's attention and router (mx.eval)
+    send_seconds: float = 0.0  # grouping, building and queueing the requests
+    wire_seconds: float = 0.0  # critical worker's round trip less its own time
+    worker_parse_seconds: float = 0.0
+    worker_matrix_seconds: float = 0.0
+    worker_bookkeeping_seconds: float = 0.0
+    worker_reply_seconds: float = 0.0
+    parse_scatter_seconds: float = 0.0  # replies -> the (..., k, width) MLX array
+
+    def add(self, other: LayerStats) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def breakdown(self) -> dict[str, float]:
+        """Microseconds per call, one number per part (see the fields' comments)."""
+        calls = max(self.calls, 1)
+        parts = ("sync", "send", "wire", "worker_parse", "worker_matrix",
+                 "worker_bookkeeping", "worker_reply", "parse_scatter", "shared")
+        out = {f"{p}_us": 1e6 * getattr(self, f"{p}_seconds") / calls for p in parts}
+        out["round_trip_us"] = 1e6 * self.seconds / calls
+        return out
 
 
 @dataclass
@@ -49,6 +72,7 @@ class DispatchStats:
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
     worker_requests: Counter[str] = field(default_factory=Counter)  # by worker address
+    decode: LayerStats = field(default_factory=LayerStats)  # calls of one new token per sequence
 
     def layer(self, layer: int) -> LayerStats:
         return self.layers.setdefault(layer, LayerStats())
@@ -56,9 +80,13 @@ class DispatchStats:
     def total(self) -> LayerStats:
         total = LayerStats()
         for s in self.layers.values():
-            for name in vars(total):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.add(s)
         return total
+
+    def reset(self) -> None:
+        self.layers.clear()
+        self.worker_requests.clear()
+        self.decode = LayerStats()
 
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
@@ -97,18 +125,20 @@ class Dispatcher:
     def __call__(
         self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
     ) -> mx.array:
+        before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
+        sync = time.perf_counter() - before
         for _ in range(MAX_ATTEMPTS - 1):
             self.cluster.refresh()
             try:
-                return self._call(layer, x, inds, shared)
+                return self._call(layer, x, inds, shared, sync)
             except _WorkerFailed as failed:
                 self.cluster.lost(failed.worker, failed.error)
             except _StaleRoute as stale:
                 self.cluster.reload(stale.worker)
         self.cluster.refresh()
         try:
-            return self._call(layer, x, inds, shared)
+            return self._call(layer, x, inds, shared, sync)
         except _WorkerFailed as failed:
             raise failed.error from None
         except _StaleRoute as stale:
@@ -116,7 +146,7 @@ class Dispatcher:
                               "refusing experts its inventory lists") from None
 
     def _call(
-        self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None
+        self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None, sync: float
     ) -> mx.array:
         started = time.perf_counter()
         *lead, k = inds.shape
@@ -133,7 +163,7 @@ class Dispatcher:
             self.lookahead.score(layer, experts)
             hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
-        stats = self.stats.layer(layer)
+        stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
         pending = []
         for worker in np.unique(owner).tolist():  # ascending: the fixed order of combination
             pairs = np.flatnonzero(owner == worker)
@@ -155,27 +185,33 @@ class Dispatcher:
             )
             self.cluster.links[worker].send(request)
             self.stats.worker_requests[self.cluster.links[worker].address] += 1
-            pending.append((worker, pairs, self._seq))
+            pending.append((worker, pairs, self._seq, time.perf_counter()))
             stats.bytes_sent += request.ByteSize()
         for worker, hint in hints.items():  # a hint alone gets no reply
             self.cluster.links[worker].send(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint))
+        stats.send_seconds += time.perf_counter() - started
         if shared is not None:
             before = time.perf_counter()
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
         out = None
         slowest = 0.0
+        critical = (0.0, None)  # (round trip, reply) of the worker whose reply came last
+        parse_scatter = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
-        for index, (worker, pairs, seq) in enumerate(pending):
+        for index, (worker, pairs, seq, sent) in enumerate(pending):
             link = self.cluster.links[worker]
             try:
                 reply = link.receive()
             except (Unavailable, Moved) as e:
-                for other, _, _ in pending[index + 1:]:
+                for other, *_ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
                 if isinstance(e, Moved):
                     raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
+            received = time.perf_counter()
+            if received - sent > critical[0]:
+                critical = (received - sent, reply)
             known = link.inventory.inventory_version if link.inventory is not None else 0
             if reply.inventory_version and known and reply.inventory_version != known:
                 changed.append(link)
@@ -194,33 +230,53 @@ class Dispatcher:
             stats.bytes_received += reply.ByteSize()
             stats.worker_compute_seconds += reply.compute_seconds
             slowest = max(slowest, reply.compute_seconds)
+            parse_scatter += time.perf_counter() - received
+        before = time.perf_counter()
+        result = from_numpy(out, out_dtype).reshape(*lead, k, width)
+        done = time.perf_counter()
+        stats.parse_scatter_seconds += parse_scatter + done - before
+        round_trip, reply = critical
+        if reply is not None:
+            stats.wire_seconds += round_trip - reply.compute_seconds
+            stats.worker_parse_seconds += reply.timing.parse
+            stats.worker_matrix_seconds += reply.timing.matrix
+            stats.worker_bookkeeping_seconds += reply.timing.bookkeeping
+            stats.worker_reply_seconds += reply.timing.reply
         stats.slowest_compute_seconds += slowest
         stats.calls += 1
         stats.requests += len(pending)
-        stats.seconds += time.perf_counter() - started
+        stats.seconds += done - started
+        self.stats.layer(layer).add(stats)
+        if not lead or lead[-1] == 1:
+            self.stats.decode.add(stats)
         for link in changed:  # route the next call by what the workers hold now
             if link in self.cluster.links:
                 self.cluster.reload(self.cluster.links.index(link))
-        return from_numpy(out, out_dtype).reshape(*lead, k, width)
+        return result
 
 
 class SharedAhead(nn.Module):
     """Takes the place of a MoE block's shared expert so that the dispatcher can compute it
     early, while the workers compute; the block's own call then receives that result.
 
-    The same module runs on the same input either way, so the result is bit-identical. It is
-    used only when the block passes its shared expert the very array it passed the switch
-    (`x is` the one computed ahead); anything else is computed as usual.
+    Whether that is valid is learned, not assumed: only once the block has been seen to pass
+    its shared expert the very array it passed the switch (Kimi K3 passes the switch a latent
+    projection instead, and some blocks call the shared expert first) is it computed ahead,
+    and each later call still checks `x is` the array computed ahead. The same module runs on
+    the same input either way, so the result is bit-identical.
     """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.valid: bool | None = None  # None until the block's first call shows it
+        self._switch_input: mx.array | None = None
         self._ahead: tuple[mx.array, mx.array] | None = None
-        self._last_input: mx.array | None = None
 
     def start(self, x: mx.array) -> None:
-        if self._last_input is x:  # the block called its shared expert before the switch
+        """The switch was called on `x`: compute the shared expert on it now, if valid."""
+        self._switch_input = x
+        if not self.valid:
             return
         if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
             return
@@ -229,8 +285,10 @@ class SharedAhead(nn.Module):
         self._ahead = (x, y)
 
     def __call__(self, x: mx.array) -> mx.array:
+        switch_input, self._switch_input = self._switch_input, None
+        if self.valid is None:
+            self.valid = switch_input is not None and x is switch_input
         ahead, self._ahead = self._ahead, None
-        self._last_input = x
         if ahead is not None and ahead[0] is x:
             return ahead[1]
         return self.inner(x)

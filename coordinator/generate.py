@@ -185,5 +185,25 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
         "bytes_received_per_token": total.bytes_received / generated,
         "dispatch_seconds": total.seconds,
         "requests": total.requests,
+        "breakdown": stats.decode.breakdown(),  # decode calls only, us per MoE layer call
     }
 
+
+BREAKDOWN_PARTS = (
+    ("sync", "coordinator: wait for attention and router"),
+    ("send", "coordinator: group, build and send requests"),
+    ("wire", "wire: critical worker's round trip less its own time"),
+    ("worker_parse", "worker: parse the request"),
+    ("worker_matrix", "worker: matrix work (MLX evaluation alone)"),
+    ("worker_bookkeeping", "worker: validation, cache, heat, graph building"),
+    ("worker_reply", "worker: build the reply"),
+    ("parse_scatter", "coordinator: parse replies, scatter into the result"),
+    ("shared", "coordinator: shared expert (overlaps the workers)"),
+    ("round_trip", "round trip: send to result, all of the above but sync"),
+)
+
+
+def breakdown_table(breakdown: dict[str, float]) -> str:
+    """The per-layer breakdown as aligned lines, one part a line."""
+    return "\n".join(f"  {breakdown[f'{part}_us']:>9.1f}  {label}"
+                     for part, label in BREAKDOWN_PARTS if f"{part}_us" in breakdown)

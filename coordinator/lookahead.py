@@ -91,9 +91,16 @@ class Lookahead:
         if nxt is None:
             return None
         h = x.reshape(-1, x.shape[-1])
-        if nxt.scale is not None:
-            h = h * nxt.scale
-        out = nxt.router(h)
+        try:
+            if nxt.scale is not None:
+                h = h * nxt.scale
+            out = nxt.router(h)
+        except ValueError:
+            # The switch input is not the router's (Kimi K3 feeds its experts a latent
+            # projection): this block gives no lookahead. MLX checks shapes as it builds
+            # the graph, so nothing was computed.
+            del self._next[layer]
+            return None
         if isinstance(out, tuple):  # routers that pick their own experts (e.g. deepseek_v3)
             inds = out[0]
         else:

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 from tqdm import tqdm
 
@@ -34,7 +35,9 @@ MANIFEST_NAME = "manifest.json"
 SHARD_MARKER = ".shoal-shard.json"
 MANIFEST_FORMAT = "shoal-manifest"
 MANIFEST_VERSION = 1
-SEAM = "switch_mlp"
+# The seam: mlx-lm's routed-expert modules, called as `module(x, inds)` by every MoE block,
+# whatever attribute name the block keeps them under (switch_mlp, experts, switch_glu, ...).
+SWITCH_CLASSES = (SwitchGLU, SwitchMLP)
 # Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -198,11 +201,19 @@ def get_module(model: nn.Module, path: str) -> nn.Module:
     return node
 
 
+def _expert_counts(config: dict) -> list[int]:
+    """Expert counts a config states, top level or nested (text_config of llama4, gemma4)."""
+    nested = [v for v in config.values() if isinstance(v, dict)]
+    return [c[k] for c in (config, *nested) for k in _EXPERT_COUNT_KEYS
+            if isinstance(c.get(k), int) and not isinstance(c.get(k), bool)]
+
+
 def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
-    """Every routed-expert switch module in the model, or a clear refusal."""
+    """Every routed-expert switch module in the model (found by its mlx-lm class, wherever
+    the block keeps it), or a clear refusal."""
     found = []
     for path, module in model.named_modules():
-        if path.split(".")[-1] != SEAM:
+        if not isinstance(module, SWITCH_CLASSES):
             continue
         params = tuple(name for name, _ in tree_flatten(module.parameters()))
         counts = {name: arr.shape[0] for name, arr in tree_flatten(module.parameters())}
@@ -215,10 +226,10 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
         found.append(MoeLayer(layer, path, next(iter(counts.values())), params))
     model_type = config.get("model_type", "?")
     if not found:
-        if any(isinstance(config.get(k), int) and config[k] > 1 for k in _EXPERT_COUNT_KEYS):
+        if any(count > 1 for count in _expert_counts(config)):
             raise ShoalError(
-                f"model type {model_type!r} has experts, but its MoE block does not use "
-                f"mlx-lm's `{SEAM}(x, inds)` seam, so Shoal cannot serve its experts remotely"
+                f"model type {model_type!r} has experts, but its MoE block does not keep them "
+                "in mlx-lm's SwitchGLU/SwitchMLP module, so Shoal cannot serve them remotely"
             )
         raise ShoalError(f"model type {model_type!r} is a dense model: it has no routed experts")
     found.sort(key=lambda layer: layer.layer)

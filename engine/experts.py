@@ -13,6 +13,7 @@ import io
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.checkpoint import MoeLayer, get_module
@@ -28,6 +29,16 @@ def build_skeleton(config: dict) -> nn.Module:
         raise ShoalError(f"this mlx-lm cannot build model type {kind}: {e}") from None
     with contextlib.redirect_stdout(io.StringIO()):
         return model_class(args_class.from_dict(config))
+
+
+def switch_widths(module: nn.Module) -> tuple[int, int]:
+    """(input, output) width of an mlx-lm switch module, from its own first and last linear:
+    not always the model's hidden size (Kimi K3 and nemotron_h run experts in a latent space)."""
+    first, last = (
+        (module.gate_proj, module.down_proj) if isinstance(module, SwitchGLU)
+        else (module.fc1, module.fc2)
+    )
+    return int(first.input_dims), int(last.output_dims)
 
 
 def _quantize_like_checkpoint(
@@ -85,6 +96,7 @@ class ExpertRunner:
                     f"expert tensor {layer.path}.{name} has shape {tuple(array.shape[1:])}, "
                     f"the model expects {shape}"
                 )
+        self.input_width, self.output_width = switch_widths(self.module)
         self._index_cache: dict[int, mx.array] = {}
 
     def check(self, tensors: dict[str, mx.array], what: str) -> dict[str, mx.array]:

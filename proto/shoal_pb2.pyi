@@ -42,16 +42,30 @@ class PrefetchHint(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertReply(_message.Message):
-    __slots__ = ("seq", "output", "compute_seconds", "inventory_version")
+    __slots__ = ("seq", "output", "compute_seconds", "inventory_version", "timing")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     output: Tensor
     compute_seconds: float
     inventory_version: int
-    def __init__(self, seq: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., inventory_version: _Optional[int] = ...) -> None: ...
+    timing: WorkerTiming
+    def __init__(self, seq: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., inventory_version: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
+
+class WorkerTiming(_message.Message):
+    __slots__ = ("parse", "matrix", "bookkeeping", "reply")
+    PARSE_FIELD_NUMBER: _ClassVar[int]
+    MATRIX_FIELD_NUMBER: _ClassVar[int]
+    BOOKKEEPING_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    parse: float
+    matrix: float
+    bookkeeping: float
+    reply: float
+    def __init__(self, parse: _Optional[float] = ..., matrix: _Optional[float] = ..., bookkeeping: _Optional[float] = ..., reply: _Optional[float] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,17 @@ class Request:
     """One decoded ExpertRequest: numpy views of the wire bytes."""
 
     layer: int
-    hidden: np.ndarray  # (n, hidden_size), wire byte layout of `dtype`
+    hidden: np.ndarray  # (n, the switch module's input width), wire byte layout of `dtype`
     dtype: str
     rows: np.ndarray  # (m,) int32
     experts: np.ndarray  # (m,) int32
+
+
+@dataclass
+class Timing:
+    """Seconds of one request spent in MLX evaluation of the experts (the matrix work)."""
+
+    matrix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -464,7 +472,6 @@ class Residency:
         self.scan = scan
         manifest = scan.manifest
         config = manifest.config
-        self.hidden_size = int(config.get("hidden_size") or config["text_config"]["hidden_size"])
         self.problems: list[str] = list(scan.problems)
         self._problems_lock = threading.Lock()
         self._echo = report
@@ -595,9 +602,10 @@ class Residency:
         if runner is None:
             raise InvalidInput(f"this worker holds no experts of layer {request.layer}")
         n, width = request.hidden.shape
-        if width != self.hidden_size:
+        if width != runner.input_width:
             raise InvalidInput(
-                f"hidden states have width {width}, the model's is {self.hidden_size}"
+                f"hidden states have width {width}, layer {request.layer}'s experts take "
+                f"{runner.input_width}"
             )
         if not 0 < n <= MAX_ROWS:
             raise InvalidInput(f"request carries {n} hidden states; allowed 1 to {MAX_ROWS}")
@@ -619,8 +627,10 @@ class Residency:
             )
         return runner
 
-    def compute(self, request: Request) -> mx.array:
-        """Validate, then run the experts; returns (m, hidden_size) in the activation dtype."""
+    def compute(self, request: Request, timing: Timing | None = None) -> mx.array:
+        """Validate, then run the experts; returns (m, output width) in the activation dtype.
+        `timing`, if given, receives the seconds of MLX evaluation."""
+        timing = timing if timing is not None else Timing()
         runner = self.validate(request)
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
@@ -633,11 +643,13 @@ class Residency:
                 with self._lock:
                     out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
                                           mx.array(stack.positions[request.experts]))
+                    before = time.perf_counter()
                     mx.eval(out)
+                    timing.matrix += time.perf_counter() - before
                 lease.done(pos for pos, _ in ready)
             else:
                 out = self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
-                                               inverse.reshape(-1), counts)
+                                               inverse.reshape(-1), counts, timing)
         except NotFound:
             gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
             if gone:  # deleted while this request was on its way (shoal rebalance)
@@ -652,6 +664,7 @@ class Residency:
     def _each_as_it_arrives(
         self, runner: ExpertRunner, lease: Lease, ready: list[tuple[int, dict[str, mx.array]]],
         hidden: mx.array, rows: np.ndarray, inverse: np.ndarray, counts: np.ndarray,
+        timing: Timing,
     ) -> mx.array:
         """Run each distinct expert on its rows as its tensors become ready (streaming), then
         put the outputs back in request order."""
@@ -662,7 +675,9 @@ class Residency:
         while True:
             with self._lock:
                 outs = [runner(tensors, hidden[mx.array(rows_of[pos])]) for pos, tensors in ready]
+                before = time.perf_counter()
                 mx.eval(outs)
+                timing.matrix += time.perf_counter() - before
             for (pos, _), out in zip(ready, outs, strict=True):
                 parts[pos] = out
             lease.done(pos for pos, _ in ready)
@@ -672,7 +687,9 @@ class Residency:
             ready = lease.take()
         with self._lock:
             out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
+            before = time.perf_counter()
             mx.eval(out)
+            timing.matrix += time.perf_counter() - before
         return out
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:

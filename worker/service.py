@@ -17,7 +17,7 @@ from engine.errors import (
 )
 from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
-from worker.residency import Request, Residency
+from worker.residency import Request, Residency, Timing
 from worker.store import free_disk
 from worker.transfer import Chunk, ExpertFiles, FileState
 
@@ -64,15 +64,24 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                 self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
             if not message.HasField("hidden"):
                 continue  # a hint alone: no reply
+            timing = Timing()
             try:
-                out = self.residency.compute(decode_request(message))
+                request = decode_request(message)
+                parsed = time.perf_counter()
+                out = self.residency.compute(request, timing)
             except ShoalError as e:
                 context.abort(status_for(e), f"request {message.seq}: {e}")
+            computed = time.perf_counter()
+            output = encode(to_numpy(out), dtype_name(out.dtype))
+            done = time.perf_counter()
             yield shoal_pb2.ExpertReply(
                 seq=message.seq,
-                output=encode(to_numpy(out), dtype_name(out.dtype)),
-                compute_seconds=time.perf_counter() - started,
+                output=output,
+                compute_seconds=done - started,
                 inventory_version=self.residency.holdings.version,
+                timing=shoal_pb2.WorkerTiming(
+                    parse=parsed - started, matrix=timing.matrix,
+                    bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
             )
 
 

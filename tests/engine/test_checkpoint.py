@@ -102,9 +102,24 @@ def test_shard_refuses_a_dense_model(dense_llama, tmp_path):
         shard(dense_llama, tmp_path / "out", progress=False)
 
 
-def test_shard_refuses_experts_without_the_switch_mlp_seam(gpt_oss, tmp_path):
-    with pytest.raises(ShoalError, match="does not use mlx-lm's `switch_mlp"):
-        shard(gpt_oss, tmp_path / "out", progress=False)
+def test_shard_finds_the_switch_module_by_class_not_by_name(gpt_oss, tmp_path):
+    manifest = shard(gpt_oss, tmp_path / "out", progress=False)  # gpt_oss keeps `experts`
+    assert [layer.path for layer in manifest.layers] == [
+        "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert [layer.num_experts for layer in manifest.layers] == [4, 4]
+
+
+def test_shard_refuses_experts_outside_a_switch_module(tmp_path):
+    from mlx_lm.models import llama
+
+    # A nested config that states experts (as llama4's and gemma4's text_config do) while
+    # the model builds no SwitchGLU/SwitchMLP: named for what it is, not called dense.
+    config = dict(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                  num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=64,
+                  text_config={"num_local_experts": 4})
+    source = save_mlx_model(llama, config, tmp_path / "src")
+    with pytest.raises(ShoalError, match="has experts, but .* SwitchGLU/SwitchMLP"):
+        shard(source, tmp_path / "out", progress=False)
 
 
 def test_shard_refuses_truncated_weights(tiny_checkpoint, tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.generate import BREAKDOWN_PARTS
+
 REPO = Path(__file__).resolve().parents[2]
 RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
           "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo")
@@ -37,6 +39,14 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
     assert 1 <= dispatch["rpcs_per_token_per_layer"] <= 2  # one request per involved worker
     assert dispatch["bytes_sent_per_token"] > 0 and report["shoal"]["echo"]["round_trip_ms"] > 0
     assert report["decode_ratio_vs_mlx_lm_single"] > 0
+    breakdown = dispatch["breakdown"]
+    assert set(breakdown) == {f"{part}_us" for part, _ in BREAKDOWN_PARTS}
+    assert all(value >= 0 for value in breakdown.values()), breakdown
+    assert breakdown["worker_matrix_us"] > 0 and breakdown["wire_us"] > 0
+    # the critical worker's round trip (wire and its own parts) lies inside the call's
+    inside = sum(breakdown[f"{p}_us"] for p in ("wire", "worker_parse", "worker_matrix",
+                                                 "worker_bookkeeping", "worker_reply"))
+    assert inside <= breakdown["round_trip_us"], breakdown
     assert report["layer_overhead_ratio_vs_grpc_echo"] > 0
     assert report["settings"]["network"] == network
     if network == "thunderbolt":  # the echo floor was measured over the same cables
