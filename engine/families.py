@@ -302,11 +302,12 @@ TINY: dict[str, TinyFamily] = {
     "mixtral": TinyFamily({
         "num_local_experts": E, "num_experts_per_tok": K, "intermediate_size": W,
     }, quantized=True),
+    # Experts run at moe_hidden_size, between a projection down and one back up.
     "muse_spark": TinyFamily({
         "post_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0},
         "layer_rope_theta": [10000.0, 0], "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 8, "final_logit_softcapping": 30.0, "output_multiplier": 1.0,
-        "num_local_experts": E, "num_experts_per_tok": K, "moe_hidden_size": 64,
+        "num_local_experts": E, "num_experts_per_tok": K, "moe_hidden_size": 32,
         "moe_intermediate_size": W,
     }, nested=True, needs_metal=(
         "mlx-lm's muse_spark attention calls its fused qk_norm_rope kernel "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,10 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from engine.checkpoint import SWITCH_CLASSES
+from engine.experts import switch_widths
 from engine.families import TINY, discover
+from engine.synthetic import model_config, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         report = args.report
     results = read_report(report.read_text())
     write_section(args.doc, render(results, seconds))
-    failed = [f"{family} ({bits or 'f32'})" for (family, bits), outcome in results.items()
+    failed = [f"{family} ({bits or 'f32'})" for (family, bits), (outcome, _) in results.items()
               if outcome.startswith("fails")]
     print(f"wrote {len(results)} results to {args.doc}" +
           (f"; failing: {', '.join(failed)}" if failed else ""))
@@ -61,33 +65,51 @@ def run_sweep() -> tuple[Path, float]:
     return report, time.monotonic() - started
 
 
-def read_report(text: str) -> dict[tuple[str, int | None], str]:
-    """(family, bits) -> outcome; a later line for the same case wins."""
+def read_report(text: str) -> dict[tuple[str, int | None], tuple[str, float]]:
+    """(family, bits) -> (outcome, seconds); a later line for the same case wins."""
     results = {}
     for line in text.splitlines():
         if line.strip():
             case = json.loads(line)
-            results[(case["family"], case["bits"])] = case["outcome"]
+            results[(case["family"], case["bits"])] = (case["outcome"], case["seconds"])
     return results
 
 
-def render(results: dict[tuple[str, int | None], str], seconds: float | None) -> str:
-    rows = ["| Family | float32 | 4-bit | Notes |", "|---|---|---|---|"]
+def render(results: dict[tuple[str, int | None], tuple[str, float]], seconds: float | None) -> str:
+    rows = ["| Family | Experts kept as | float32 | 4-bit | Notes |", "|---|---|---|---|---|"]
     for family in discover():
         tiny = TINY.get(family)
-        quantized = tiny is not None and tiny.quantized
         f32 = _cell(results.get((family, None)))
-        q4 = _cell(results.get((family, 4))) if quantized else ""
-        rows.append(f"| `{family}` | {f32} | {q4} | {_note(family)} |")
-    took = f", in {seconds / 60:.1f} min" if seconds is not None else ""
-    summary = (f"Swept against mlx-lm {version('mlx-lm')} ({len(results)} cases{took}); "
-               "regenerate with `python scripts/families_doc.py`.")
+        q4 = _cell(results.get((family, 4))) if tiny is not None and tiny.quantized else "-"
+        rows.append(f"| `{family}` | {_seam(family)} | {f32} | {q4} | {_note(family)} |")
+    if seconds is None:
+        seconds = sum(case_seconds for _, case_seconds in results.values())
+    summary = (f"Swept against mlx-lm {version('mlx-lm')}: {len(results)} cases in "
+               f"{seconds / 60:.1f} min on a 2-core CPU; regenerate with "
+               "`PYTHONPATH=. python scripts/families_doc.py`.")
     return "\n".join([summary, "", *rows])
 
 
-def _cell(outcome: str | None) -> str:
-    if outcome is None:
+def _seam(family: str) -> str:
+    """Where the family's MoE block keeps its switch module, and its input width if that is
+    not the model's (experts in a latent space)."""
+    if family not in TINY:
+        return ""
+    config = model_config(family)
+    model = random_model(config, seed=0)
+    path, module = next((p, m) for p, m in model.named_modules()
+                        if isinstance(m, SWITCH_CLASSES))
+    where = re.sub(r"^.*?\b(?:layers|h)\.\d+\.", "", path)
+    width = switch_widths(module)[0]
+    hidden = (config.get("text_config") or config).get("hidden_size")
+    latent = f", {width} wide in a {hidden}-wide model" if hidden and width != hidden else ""
+    return f"`{where}` ({type(module).__name__}{latent})"
+
+
+def _cell(result: tuple[str, float] | None) -> str:
+    if result is None:
         return "not run"
+    outcome = result[0]
     if outcome == "exact":
         return "exact"
     if outcome.startswith("served, no reference"):
