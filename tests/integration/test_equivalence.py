@@ -92,7 +92,7 @@ def test_cluster_matches_single_process(
     for workers in (1, 2, 3):
         stores = make_stores(sharded, tmp_path / f"cluster-{workers}",
                              uneven_split(keys, workers))
-        running = [start_worker([store]) for store in stores]
+        running = [start_worker([store], forked=True) for store in stores]
         remote = open_remote_model(sharded, [w.address for w in running], secret)
         try:
             logits = remote.model(mx.array([PROMPT]))
