@@ -95,7 +95,8 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
                                          lengths=settings["lengths"],
                                          decode_tokens=settings["decode_tokens"],
                                          runs=settings["runs"], long_runs=settings["long_runs"])
-            figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"])
+            figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"],
+                                                  max(settings["lengths"]))
             width = int(remote.manifest.config["hidden_size"])
             k = int(remote.manifest.config["num_experts_per_tok"])
             longest = max(settings["lengths"])
@@ -113,16 +114,18 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
     return figures
 
 
-def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
-    prompt = bench_prompt(vocab, 16)
+def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dict:
     stats = remote.dispatcher.stats
 
-    def counters(max_tokens: int) -> tuple[LayerStats, int]:
+    def counters(max_tokens: int, length: int = 16) -> tuple[LayerStats, int]:
         stats.reset()
-        timed_generation(remote.model, remote.tokenizer, prompt, max_tokens)
+        timed_generation(remote.model, remote.tokenizer, bench_prompt(vocab, length),
+                         max_tokens)
         return stats.total(), len(stats.layers)
 
     (prefill_only, _), (whole, layers) = counters(1), counters(tokens + 1)
+    counters(1, prefill_length)
+    long_prefill = stats.prefill  # the prompt's pass, without its last token's
     d = LayerStats(**{k: getattr(whole, k) - getattr(prefill_only, k) for k in vars(whole)})
     return {
         "tokens": tokens,
@@ -139,6 +142,8 @@ def decode_dispatch(remote, vocab: int, tokens: int) -> dict:
         "request_bytes": d.bytes_sent / d.requests,
         "reply_bytes": d.bytes_received / d.requests,
         "breakdown": d.breakdown(),
+        "prefill_length": prefill_length,
+        "prefill_breakdown": long_prefill.breakdown(),
     }
 
 
@@ -365,7 +370,9 @@ def table(report: dict) -> str:
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
     lines += ["", "per-layer decode breakdown (us per MoE layer call):",
-              breakdown_table(d["breakdown"])]
+              breakdown_table(d["breakdown"]),
+              f"per-layer prefill breakdown, {d['prefill_length']}-token prompt (us per call):",
+              breakdown_table(d["prefill_breakdown"])]
     for shape, us in report["shoal"]["serialization_us"].items():
         lines.append(f"serialization, {shape}: request {us['request']:.0f} us, reply "
                      f"{us['reply']:.0f} us (build, serialize, parse, view; both ends)")

@@ -37,7 +37,7 @@ def decode_and_prefill(
     long_runs: int | None = None,
     after_each: Callable[[], None] = lambda: None,
 ) -> dict:
-    """Prefill and decode tokens/s per prompt length, after one warm-up generation: the
+    """Prefill and decode tokens/s per prompt length, each after one warm-up generation: the
     median of `runs` generations at the shortest prompt (whose decode speed is `decode_tps`)
     and of `long_runs` (default `runs`) at each longer one, where a generation is mostly
     prefill and takes long. `after_each` runs after every generation (distributed ranks
@@ -53,6 +53,10 @@ def decode_and_prefill(
     lengths = sorted(lengths)
     timed(lengths[0], 4)
     for n in lengths:
+        # A first prompt of a new length pays one-time costs (the CUDA build compiles
+        # kernels for new shapes), so each length is warmed up once before it is timed.
+        if n != lengths[0]:
+            timed(n, 2)
         count = runs if n == lengths[0] or long_runs is None else long_runs
         samples = [timed(n, decode_tokens) for _ in range(max(1, count))]
         prefill[str(n)] = statistics.median(p for p, _ in samples)

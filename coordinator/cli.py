@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.auth import create_secret, load_secret, secret_path
+from engine.auth import create_secret, load_secret, secret_mode, secret_path
 from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at 
 
 def cmd_cluster_init(args: argparse.Namespace) -> None:
     path = create_secret(secret_path(args.secret_file), force=args.force)
-    print(f"wrote a new cluster secret to {path} (mode 0600)")
+    print(f"wrote a new cluster secret to {path} (mode {secret_mode(path):04o})")
     print("copy it to the same path on every Mac of the cluster, for example:")
     print(f"  scp -p {path} other-mac.local:{path}")
 

@@ -27,7 +27,7 @@ from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.placement import spread
-from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
 from proto import shoal_pb2
 
 
@@ -73,6 +73,7 @@ class DispatchStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     worker_requests: Counter[str] = field(default_factory=Counter)  # by worker address
     decode: LayerStats = field(default_factory=LayerStats)  # calls of one new token per sequence
+    prefill: LayerStats = field(default_factory=LayerStats)  # calls of several (prompt passes)
 
     def layer(self, layer: int) -> LayerStats:
         return self.layers.setdefault(layer, LayerStats())
@@ -87,6 +88,7 @@ class DispatchStats:
         self.layers.clear()
         self.worker_requests.clear()
         self.decode = LayerStats()
+        self.prefill = LayerStats()
 
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
@@ -194,7 +196,7 @@ class Dispatcher:
             before = time.perf_counter()
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
-        out = None
+        parts = []  # each worker's outputs, in the order of `pending`
         slowest = 0.0
         critical = (0.0, None)  # (round trip, reply) of the worker whose reply came last
         parse_scatter = 0.0
@@ -223,16 +225,21 @@ class Dispatcher:
                     f"worker {link.address} returned shape {values.shape} for layer {layer}, "
                     f"expected {(pairs.size, width)}"
                 )
-            if out is None:
-                out = np.empty((experts.size, width), dtype=values.dtype)
-                out_dtype = reply.output.dtype
-            out[pairs] = values
+            parts.append(values)
+            out_dtype = mlx_dtype(reply.output.dtype)
             stats.bytes_received += reply.ByteSize()
             stats.worker_compute_seconds += reply.compute_seconds
             slowest = max(slowest, reply.compute_seconds)
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
-        result = from_numpy(out, out_dtype).reshape(*lead, k, width)
+        if len(parts) == 1:  # one worker computed every pair, in order
+            (result,) = to_mlx((parts, out_dtype))
+        else:  # the replies as they came, then each pair put back in its place by one gather
+            order = np.concatenate([pairs for _, pairs, *_ in pending])
+            values, places = to_mlx((parts, out_dtype),
+                                    ([np.argsort(order).astype(np.int32)], mx.int32))
+            result = values[places]
+        result = result.reshape(*lead, k, width)
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before
         round_trip, reply = critical
@@ -247,8 +254,7 @@ class Dispatcher:
         stats.requests += len(pending)
         stats.seconds += done - started
         self.stats.layer(layer).add(stats)
-        if not lead or lead[-1] == 1:
-            self.stats.decode.add(stats)
+        (self.stats.decode if not lead or lead[-1] == 1 else self.stats.prefill).add(stats)
         for link in changed:  # route the next call by what the workers hold now
             if link in self.cluster.links:
                 self.cluster.reload(self.cluster.links.index(link))
@@ -281,7 +287,9 @@ class SharedAhead(nn.Module):
         if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
             return
         y = self.inner(x)
-        mx.eval(y)
+        # Started, not waited for: the GPU computes it while this thread hands the requests
+        # to gRPC and waits for the replies (a blocking eval here held the requests back).
+        mx.async_eval(y)
         self._ahead = (x, y)
 
     def __call__(self, x: mx.array) -> mx.array:

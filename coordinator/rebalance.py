@@ -6,10 +6,13 @@ memory budget and free disk) and plans both the placement (engine/placement.py) 
 that reach it (engine/migration.py), as pure functions. `execute` runs the steps over gRPC:
 copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
 the expert), verified by the receiver before it serves them, and a copy is drained, then
-deleted, only once another worker serves a verified one. The target is kept in
-OUT_DIR/migration.json until it is reached, so a run stopped at any step (a killed worker,
-a full disk, Ctrl-C) is finished by running the command again: the steps are derived anew
-from what the workers then hold, and a partly sent file resumes where it stopped.
+deleted, only once another worker serves a verified one; right before a deletion, the copy
+kept is hashed again on its worker's disk, so a copy that rotted since its worker started is
+caught (reported, no longer served there) and the one about to be deleted is kept instead.
+The target is kept in OUT_DIR/migration.json until it is reached, so a run stopped at any
+step (a killed worker, a full disk, Ctrl-C, rot) is finished by running the command again:
+the steps are derived anew from what the workers then hold, and a partly sent file resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from coordinator.cluster import WorkerLink, error_for
+from coordinator.cluster import CONNECT_TIMEOUT, WorkerLink, error_for
 from coordinator.heat import name_workers, read_heat, record_heat
 from engine.cache_policy import format_bytes
 from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
@@ -48,6 +51,7 @@ MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 
 CHUNK_BYTES = 1 << 20
 QUIET_SECONDS = 1.0  # a drained copy is deleted once nobody asked for it for this long
 DELETE_TIMEOUT = 60.0
+SLOWEST_CHECK = 20e6  # bytes/s a worker's check of a file on disk is allowed (a slow USB disk)
 _FILE_STATE = shoal_pb2.ExpertFileState
 
 
@@ -202,6 +206,7 @@ class Execution:
     resumed_bytes: int = 0  # bytes of partial files a copy did not need to send again
     seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
+    rot: list[str] = field(default_factory=list)  # copies found rotted on disk, and where
 
 
 class _SourceFailed(Exception):
@@ -232,6 +237,7 @@ class Executor:
         self.quiet = quiet
         self.progress = progress
         self.done = Execution()
+        self._drained: dict[tuple[ExpertKey, str], float] = {}  # when this run drained a copy
 
     def run(self, plan: MigrationPlan, what: str) -> Execution:
         started = time.perf_counter()
@@ -244,10 +250,13 @@ class Executor:
                 try:
                     getattr(self, f"_{step.kind}")(step)
                 except ShoalError as e:
+                    after = ("Run the command again once the rot is understood: it sends a "
+                             "fresh copy from an intact one" if self.done.rot else
+                             "Every expert still has a verified copy; run the command again "
+                             "to finish")
                     raise type(e)(
                         f"stopped at step {index + 1} of {len(plan.steps)} ({step.describe()}): "
-                        f"{e}. Every expert still has a verified copy; run the command again to "
-                        "finish"
+                        f"{e}. {after}"
                     ) from None
                 self.done.steps_done += 1
                 self.done.counts[step.kind] = self.done.counts.get(step.kind, 0) + 1
@@ -264,7 +273,10 @@ class Executor:
     def _drop(self, worker: str, key: ExpertKey, phase: int) -> shoal_pb2.ExpertFileState:
         request = shoal_pb2.DropRequest(layer=key[0], expert=key[1], phase=phase,
                                         quiet_seconds=self.quiet)
-        return self.workers[worker].link.call("DropExpert", request)
+        timeout = CONNECT_TIMEOUT
+        if phase == shoal_pb2.DropRequest.KEEP:  # the worker hashes the file first
+            timeout += self.files[key].bytes / SLOWEST_CHECK
+        return self.workers[worker].link.call("DropExpert", request, timeout=timeout)
 
     def _copy(self, step: Step) -> None:
         status = self._status(step.worker, step.key)
@@ -286,12 +298,27 @@ class Executor:
             except (_SourceFailed, CorruptData) as e:  # CorruptData: the receiver's check
                 self.log(f"warning: {source} could not send expert {step.key[0]}/{step.key[1]}: "
                          f"{e}; trying another copy")
+                if isinstance(e, CorruptData) and source != LOCAL:
+                    self._check_source(source, step.key)
                 offset = self._status(step.worker, step.key).partial_bytes
                 continue
             if reply.state == _FILE_STATE.SERVING:
                 return
             raise ShoalError(f"{step.worker} has {reply.partial_bytes} of {step.bytes} bytes")
         raise Unavailable(f"no copy of expert {step.key[0]}/{step.key[1]} could be sent")
+
+    def _check_source(self, source: str, key: ExpertKey) -> None:
+        """The bytes a worker sent failed the receiver's check: have it hash its own file (a
+        serving copy's KEEP), so that a copy that rotted there is reported and no longer
+        served, not sent again."""
+        try:
+            if self._status(source, key).state == _FILE_STATE.SERVING:
+                self._drop(source, key, shoal_pb2.DropRequest.KEEP)
+        except CorruptData as e:
+            self.done.rot.append(f"{source}: {e}")
+            self.log(f"warning: the copy on {source} rotted on disk: {e}")
+        except ShoalError:
+            pass  # unreachable now: the next run looks again
 
     def _sources(self, step: Step) -> list[str]:
         """The planned source first (the local files when they have it), then any other
@@ -369,25 +396,65 @@ class Executor:
         raise Unavailable(f"no other live worker serves expert {step.key[0]}/{step.key[1]} "
                           f"now, so the copy on {step.worker} is kept")
 
+    def _intact_elsewhere(self, step: Step) -> None:
+        """Make sure, right now, that another worker serves a copy that is intact on its disk:
+        each serving copy is asked to `keep`, which hashes its file against the manifest. A
+        rotted copy is reported (and no longer served there) and the next one is tried; with
+        none intact, the copy on `step.worker` is kept and served again, and CorruptData
+        stops the run."""
+        rotted = []
+        for name in sorted(self.workers):
+            if name == step.worker:
+                continue
+            try:
+                if self._status(name, step.key).state != _FILE_STATE.SERVING:
+                    continue
+                self._drop(name, step.key, shoal_pb2.DropRequest.KEEP)
+                return
+            except CorruptData as e:
+                rotted.append(f"{name}: {e}")
+                self.done.rot.append(f"{name}: {e}")
+                self.log(f"warning: the copy on {name} rotted on disk: {e}")
+            except ShoalError:
+                continue
+        what = f"expert {step.key[0]}/{step.key[1]}"
+        if not rotted:
+            raise Unavailable(f"no other live worker serves {what} now, so the copy on "
+                              f"{step.worker} is kept")
+        try:
+            self._drop(step.worker, step.key, shoal_pb2.DropRequest.KEEP)
+        except CorruptData as e:
+            raise CorruptData(f"every copy of {what} rotted on disk ({'; '.join(rotted)}; "
+                              f"{step.worker}: {e}); restore it with `shoal deploy`") from None
+        raise CorruptData(f"every other copy of {what} rotted on disk ({'; '.join(rotted)}); "
+                          f"the copy on {step.worker} was checked intact and is served again, "
+                          "not deleted")
+
     def _drain(self, step: Step) -> None:
         self._served_elsewhere(step)
         self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+        self._drained[(step.key, step.worker)] = time.monotonic()
 
     def _delete(self, step: Step) -> None:
         deadline = time.monotonic() + DELETE_TIMEOUT
         while True:
-            state = self._status(step.worker, step.key).state
-            if state in (_FILE_STATE.ABSENT, _FILE_STATE.PARTIAL):
+            status = self._status(step.worker, step.key)
+            if status.state in (_FILE_STATE.ABSENT, _FILE_STATE.PARTIAL):
                 return
-            self._served_elsewhere(step)
-            if state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
-                self._drop(step.worker, step.key, shoal_pb2.DropRequest.DRAIN)
+            if status.state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
+                self._drain(step)
+            # Wait out the quiet time first, so that the kept copy is hashed once, just before
+            # the deletion, rather than at every refused attempt.
+            drained = self._drained.get((step.key, step.worker), 0.0)
+            wait = max(self.quiet - status.idle_seconds, drained + self.quiet - time.monotonic())
+            time.sleep(min(max(wait, 0.0), DELETE_TIMEOUT))
+            self._intact_elsewhere(step)
             try:
                 self._drop(step.worker, step.key, shoal_pb2.DropRequest.DELETE)
                 return
             except (InvalidInput, NotFound, Unavailable):
                 raise
-            except ShoalError as e:  # still in use: drained too recently or still asked for
+            except ShoalError as e:  # still in use: asked for again meanwhile
                 if time.monotonic() > deadline:
                     raise ShoalError(f"gave up waiting to delete it: {e}") from None
                 time.sleep(min(0.2, self.quiet / 2))

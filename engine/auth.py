@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -38,23 +39,46 @@ def secret_path(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def create_secret(path: Path, *, force: bool = False) -> Path:
-    """Write a new random secret readable only by its owner (mode 0600)."""
+    """Write a new random secret readable only by its owner (mode 0600), atomically.
+
+    The bytes go to a fresh temporary file created exclusively with mode 0600 (never one
+    left over, whose mode an O_TRUNC would have kept) and renamed over `path`, so no moment
+    and no earlier file lets anyone else read the secret.
+    """
     if path.exists() and not force:
         raise ShoalError(
             f"a cluster secret already exists at {path}; copy that file to the other Macs, "
             "or pass --force to replace it (every worker then needs the new one)"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # A leftover of older versions, which wrote through this name and kept its mode.
+    path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
+def secret_mode(path: Path) -> int:
+    """The permission bits of the secret file (0600 when only its owner may read it)."""
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
 def load_secret(path: Path) -> bytes:
+    """The cluster secret at `path`; refused when others than its owner may read or change
+    it (as ssh refuses such a private key): anyone who reads it can act as a coordinator."""
     try:
+        mode = secret_mode(path)
         text = path.read_text().strip()
     except FileNotFoundError:
         raise ShoalError(
@@ -64,6 +88,11 @@ def load_secret(path: Path) -> bytes:
         ) from None
     except OSError as e:
         raise ShoalError(f"cannot read the cluster secret {path}: {e.strerror}") from None
+    if mode & 0o077 and os.name == "posix":
+        raise ShoalError(
+            f"the cluster secret {path} has mode {mode:04o}: other users of this machine can "
+            f"read or change it; run `chmod 600 {path}` (and check who may have copied it)"
+        )
     if len(text) < 32:
         raise ShoalError(f"the cluster secret in {path} is too short (at least 32 characters)")
     return text.encode()

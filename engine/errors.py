@@ -32,3 +32,14 @@ class Moved(ShoalError):
 
 class CorruptData(ShoalError):
     """A file's bytes do not match its recorded checksum or format (gRPC: DATA_LOSS)."""
+
+
+MAX_ECHO = 200  # characters of a client's own string quoted back in a message
+MAX_MESSAGE = 2000  # characters of any message a worker sends back (gRPC metadata is limited)
+
+
+def clip(text: object, limit: int = MAX_ECHO) -> str:
+    """`text` as a string of at most about `limit` characters, saying how much was cut: how
+    a message quotes what a client sent, and how every message sent back is bounded."""
+    s = str(text)
+    return s if len(s) <= limit else f"{s[:limit]}... ({len(s) - limit} more characters)"

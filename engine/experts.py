@@ -12,12 +12,14 @@ import io
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.checkpoint import MoeLayer, get_module
 from engine.errors import CorruptData, ShoalError
+from engine.tensors import to_mlx
 
 
 def build_skeleton(config: dict) -> nn.Module:
@@ -97,6 +99,7 @@ class ExpertRunner:
                     f"the model expects {shape}"
                 )
         self.input_width, self.output_width = switch_widths(self.module)
+        self._loaded: dict[str, mx.array] | None = None  # the stack the module holds now
         self._index_cache: dict[int, mx.array] = {}
 
     def check(self, tensors: dict[str, mx.array], what: str) -> dict[str, mx.array]:
@@ -119,15 +122,28 @@ class ExpertRunner:
         mx.eval([list(t.values()) for t in experts])
         return stacked
 
-    def gathered(self, stacked: dict[str, mx.array], hidden: mx.array,
-                 positions: mx.array) -> mx.array:
-        """Row i of `hidden` through the expert at `positions[i]` of the stack: (m, hidden)."""
-        self.module.update(tree_unflatten(list(stacked.items())))
-        return self.module(hidden, positions[:, None])[:, 0, :]
+    def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray, dtype: mx.Dtype,
+                 rows: np.ndarray, positions: np.ndarray) -> mx.array:
+        """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`) through the
+        expert at `positions[i]` of the stack; (m, output width). The stack is given to the
+        module once, not per call; the request's arrays go to MLX as one buffer."""
+        if self._loaded is not stacked:
+            self.module.update(tree_unflatten(list(stacked.items())))
+            self._loaded = stacked
+        n, m = hidden.shape[0], positions.size
+        per_row = m // n
+        if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
+            # Each row's pairs together and equally many (always so in decode): the module
+            # takes the rows as they are, as the single-process model does, without a gather.
+            x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
+            return self.module(x, inds).reshape(m, -1)
+        x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
+        return self.module(x[at], inds[:, None])[:, 0, :]
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""
         self.module.update(tree_unflatten([(name, a[None]) for name, a in tensors.items()]))
+        self._loaded = None
         n = hidden.shape[0]
         if n not in self._index_cache:
             self._index_cache[n] = mx.zeros((n, 1), dtype=mx.int32)

@@ -30,7 +30,8 @@ from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
-from worker.service import AuthInterceptor, ExpertServicer
+from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
+from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer
 from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
@@ -91,8 +92,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
     )
     parser.add_argument(
-        "--verify-reads", action="store_true",
-        help="check the checksum of every expert read from a drive, not only at start",
+        "--no-verify-reads", action="store_true",
+        help="do not check the checksum of each expert read from a drive while serving "
+        "(by default every read is checked: a file that rotted is caught, that expert alone "
+        "stops being offered and is computed by another copy)",
+    )
+    parser.add_argument(
+        "--scrub", nargs="?", const=format_rate(DEFAULT_RATE), metavar="RATE",
+        help="re-check every expert file against the manifest's checksum in the background, "
+        "reading at most RATE bytes/s (e.g. 16M, 200M; default "
+        f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
     )
     parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
@@ -119,7 +128,12 @@ def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str
     return budget, how
 
 
+def format_rate(rate: int) -> str:
+    return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
+
+
 def serve(args: argparse.Namespace) -> None:
+    scrub_rate = parse_rate(args.scrub) if args.scrub else None
     secret = load_secret(secret_path(args.secret_file))
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
@@ -142,7 +156,8 @@ def serve(args: argparse.Namespace) -> None:
         flush=True,
     )
     residency = Residency(
-        scan, budget=budget, readers_per_drive=args.readers, verify_reads=args.verify_reads,
+        scan, budget=budget, readers_per_drive=args.readers,
+        verify_reads=not args.no_verify_reads,
         report=lambda m: print(f"shoal-worker: warning: {m}", file=sys.stderr, flush=True),
     )
     if residency.streaming:
@@ -156,9 +171,10 @@ def serve(args: argparse.Namespace) -> None:
         node_id_path(), log=note
     )
     memory_budget = residency.budget
+    pool = futures.ThreadPoolExecutor(max_workers=16)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=16),
-        interceptors=[AuthInterceptor(CredentialChecker(secret))],
+        pool,
+        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret))],
         options=GRPC_OPTIONS,
     )
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
@@ -196,6 +212,11 @@ def serve(args: argparse.Namespace) -> None:
             log=lambda m: print(f"shoal-worker {node_id}: {m}", flush=True),
         )
         advertiser.start()
+    scrubber = None
+    if scrub_rate is not None:
+        scrubber = Scrubber(residency, scrub_rate, log=note)
+        scrubber.start()
+        note(f"scrubbing expert files at up to {format_bytes(scrub_rate)}/s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -203,7 +224,14 @@ def serve(args: argparse.Namespace) -> None:
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         advertiser.close()
+    if scrubber is not None:
+        scrubber.close()
     server.stop(grace=2).wait(5)
+    # The calls still running were cancelled by stop(); give their threads a bounded while.
+    joiner = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+    joiner.start()
+    joiner.join(5)
+    residency.close()
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
@@ -226,6 +254,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    # Stopped cleanly (a signal): end here, without the interpreter's teardown. A thread that
+    # ran MLX's compiled functions frees its compile cache as the thread ends, which takes the
+    # GIL; when that lands while the interpreter finalizes, the process aborts (SIGABRT,
+    # "terminate called without an active exception", 2 stops in 6 with a coordinator
+    # connected). Everything that needed stopping has stopped; only output is left to flush.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -29,21 +29,39 @@ class Holdings:
         self._state: dict[ExpertKey, str] = dict.fromkeys(keys, SERVING)
         self._drained_at: dict[ExpertKey, float] = {}
         self._gone: set[ExpertKey] = set()  # deleted since start: asking for them is stale
-        self._tokens: dict[ExpertKey, int] = {}
-        self._asked: dict[ExpertKey, float] = {}
+        # Per layer, indexed by expert number: tokens computed, and when last asked for
+        # (the worker's start until then). Arrays, so a request is counted without a loop.
+        self._tokens: dict[int, np.ndarray] = {}
+        self._asked: dict[int, np.ndarray] = {}
         self._started = time.monotonic()
         self._lock = threading.Lock()
 
     # -- the compute path ---------------------------------------------------------------
 
-    def asked(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> None:
-        """One request computed `tokens[i]` pairs of expert `experts[i]` of `layer`."""
+    def asked(self, layer: int, experts: np.ndarray) -> None:
+        """One request computed a (token, expert) pair for each entry of `experts` (valid
+        expert numbers of `layer`, repeats allowed)."""
         now = time.monotonic()
+        size = int(experts.max()) + 1
         with self._lock:
-            for expert, count in zip(experts.tolist(), tokens.tolist(), strict=True):
-                key = (layer, expert)
-                self._tokens[key] = self._tokens.get(key, 0) + int(count)
-                self._asked[key] = now
+            tokens, asked = self._rows(layer, size)
+            tokens += np.bincount(experts, minlength=tokens.size)
+            asked[experts] = now
+
+    def _rows(self, layer: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's count and time arrays, grown to hold expert number `size - 1`."""
+        tokens = self._tokens.get(layer)
+        if tokens is None or tokens.size < size:
+            grow = size - (0 if tokens is None else tokens.size)
+            old_tokens = np.zeros(0, np.int64) if tokens is None else tokens
+            old_asked = self._asked.get(layer, np.zeros(0))
+            self._tokens[layer] = np.concatenate([old_tokens, np.zeros(grow, np.int64)])
+            self._asked[layer] = np.concatenate([old_asked, np.full(grow, self._started)])
+        return self._tokens[layer], self._asked[layer]
+
+    def _asked_at(self, key: ExpertKey) -> float:
+        asked = self._asked.get(key[0])
+        return self._started if asked is None or key[1] >= asked.size else float(asked[key[1]])
 
     # -- reading ------------------------------------------------------------------------
 
@@ -64,13 +82,15 @@ class Holdings:
             return key in self._gone
 
     def tokens(self) -> dict[ExpertKey, int]:
+        """Tokens computed per expert since the worker started, for experts asked at all."""
         with self._lock:
-            return dict(self._tokens)
+            return {(layer, int(e)): int(counts[e])
+                    for layer, counts in self._tokens.items() for e in np.flatnonzero(counts)}
 
     def idle_seconds(self, key: ExpertKey) -> float:
         """Since `key` was last asked for, or since the worker started."""
         with self._lock:
-            return time.monotonic() - self._asked.get(key, self._started)
+            return time.monotonic() - self._asked_at(key)
 
     # -- changes (each bumps the version) -------------------------------------------------
 
@@ -102,7 +122,7 @@ class Holdings:
             if self._state.get(key) != DRAINING:
                 return "it is not draining: drain it first"
             drained = now - self._drained_at[key]
-            asked = now - self._asked.get(key, self._started)
+            asked = now - self._asked_at(key)
             if min(drained, asked) < quiet:
                 return (f"it was drained {drained:.1f} s and last asked for {asked:.1f} s ago; "
                         f"a copy is deleted only after {quiet:.1f} s of both")

@@ -6,7 +6,9 @@ prefetch queue. Files are read around the OS page cache where the platform allow
 (`O_DIRECT` on Linux, `F_NOCACHE` on macOS, else `posix_fadvise(DONTNEED)` after the read),
 so the worker's memory budget is what it really uses. An expert with copies on several
 drives is read in chunks, each sent to the drive expected to finish it first; a drive that
-fails is reported and its chunks are read from another copy.
+fails is reported and its chunks are read from another copy. A job may carry a checksum
+(`digest`): it is fed chunk by chunk, in file order, as the chunks arrive, so checking every
+read costs little more than its last chunk's share on top of the read itself.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the block size
 CHUNK_BYTES = 1 << 20  # an expert's read is split in chunks of this size (the last may be shorter)
@@ -106,8 +110,12 @@ def read_file(path: Path, buffer: memoryview, size: int) -> None:
         raise OSError(errno.EIO, f"read {got} bytes, expected {size}")
 
 
-def sha256_uncached(path: Path, size: int, chunk: int = 8 << 20) -> str:
-    """The file's SHA-256, read around the page cache (so checking a store does not fill it)."""
+def sha256_uncached(
+    path: Path, size: int, chunk: int = 8 << 20, pace: Callable[[int], None] | None = None
+) -> str:
+    """The file's SHA-256, read around the page cache (so checking a store does not fill it
+    and what is checked is what the drive holds). `pace`, if given, is called with the bytes
+    of each block read (the scrub sleeps there to keep to its rate)."""
     digest = hashlib.sha256()
     buffer = mmap.mmap(-1, chunk)
     file = open_uncached(path)
@@ -120,11 +128,35 @@ def sha256_uncached(path: Path, size: int, chunk: int = 8 << 20) -> str:
                 break
             digest.update(view[: min(got, size - offset)])
             offset += got
+            if pace is not None:
+                pace(got)
         view.release()
     finally:
         os.close(file.fd)
         buffer.close()
     return digest.hexdigest()
+
+
+def file_problem(
+    path: Path, size: int, sha256: str, *, pace: Callable[[int], None] | None = None
+) -> str | None:
+    """Why the file at `path` is not the manifest's (`size` bytes, `sha256`) on the drive
+    now, or None when it is. A file replaced while it was read (a push renaming a fresh copy
+    over it) is not blamed: None, it is checked the next time."""
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if before.st_size != size:
+        return f"it has {before.st_size} bytes, the manifest says {size}"
+    try:
+        if sha256_uncached(path, size, pace=pace) == sha256:
+            return None
+        after = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    same = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    return "checksum does not match the manifest" if same else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,6 +209,27 @@ class DriveStats:
     failed: str | None = None  # why the drive was taken out of service
 
 
+class Digest(Protocol):
+    """What hashlib's objects offer (and Crc32): fed bytes in order, then read."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class Crc32:
+    """zlib's CRC-32 behind hashlib's interface (8 hex digits)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview, /) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 @dataclass(eq=False)
 class ReadJob:
     """One expert file read into one buffer, possibly in chunks from several drives."""
@@ -192,7 +245,12 @@ class ReadJob:
     cancelled: bool = False
     error: OSError | None = None
     sources: set[Path] = field(default_factory=set)  # the files its bytes came from
+    digest: Digest | None = None  # fed the bytes in order; complete when `digested == size`
+    digested: int = 0
     _slot: int = -1
+    _ready: dict[int, int] = field(default_factory=dict)  # offset -> length, read, not digested
+    _digesting: bool = False
+    _finished: bool = False
 
 
 class _Drive:
@@ -271,10 +329,11 @@ class ReaderPool:
         *,
         demand: bool,
         on_done: Callable[[ReadJob], None],
+        digest: Digest | None = None,
     ) -> ReadJob:
         if size > self.buffer_bytes:
             raise ValueError(f"{size} bytes do not fit a {self.buffer_bytes}-byte read buffer")
-        job = ReadJob(key, size, list(copies), demand, on_done)
+        job = ReadJob(key, size, list(copies), demand, on_done, digest=digest)
         with self._cond:
             self._waiting[demand].append(job)
             self._dispatch()
@@ -433,6 +492,7 @@ class ReaderPool:
                     rate = chunk.length / elapsed
                     drive.bandwidth += _BANDWIDTH_WEIGHT * (rate - drive.bandwidth)
                 job.sources.add(chunk.path)
+                job._ready[chunk.offset] = chunk.length
                 job.remaining -= 1
             else:
                 problem = self._take_out(drive, chunk, error)
@@ -447,10 +507,28 @@ class ReaderPool:
                 else:
                     job.error = error if job.error is None else job.error
                     job.remaining -= 1
-            done = job.remaining == 0
         if problem:
             self._on_problem(problem)
-        if done:
+        self._digest_and_finish(job)
+
+    def _digest_and_finish(self, job: ReadJob) -> None:
+        """Feed the job's digest the chunks that are next in file order (one thread at a
+        time per job, outside the lock: hashing releases the GIL, so other chunks and jobs
+        go on meanwhile); the thread that finds the job complete calls `on_done`, once."""
+        while True:
+            with self._cond:
+                length = None if job._digesting else job._ready.pop(job.digested, None)
+                if length is None:
+                    finish = (not job._digesting and job.remaining == 0 and not job._finished)
+                    job._finished |= finish
+                    break
+                job._digesting = True
+            if job.digest is not None:
+                job.digest.update(job.buffer[job.digested : job.digested + length])
+            with self._cond:
+                job.digested += length
+                job._digesting = False
+        if finish:
             job.on_done(job)
 
     def _take_out(self, drive: _Drive, chunk: Chunk, error: OSError) -> str:

@@ -16,7 +16,7 @@ import hashlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,12 +24,21 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
-from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError, Unavailable
+from engine.checkpoint import ExpertFile
+from engine.errors import InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
 from engine.safetensors_view import placeholders, tensors_from_buffer
-from engine.tensors import from_numpy
+from engine.tensors import from_numpy, mlx_dtype
 from worker.holdings import Holdings
-from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool, ReadJob, read_file
+from worker.reader import (
+    READERS_PER_DRIVE,
+    Crc32,
+    Digest,
+    DriveStats,
+    ReaderPool,
+    ReadJob,
+    read_file,
+)
 from worker.store import StoreScan
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
@@ -126,8 +135,9 @@ class ExpertCache:
         reader: ReaderPool,
         decode: Callable[[Key, memoryview], dict[str, mx.array]],
         *,
-        sha256: dict[Key, str] | None,
+        checks: Mapping[Key, ExpertFile] | None,
         report: Callable[[str], None],
+        on_lost: Callable[[Key, str], None] = lambda key, why: None,
     ) -> None:
         self.keys = keys
         self.index = {key: i for i, key in enumerate(keys)}
@@ -136,8 +146,9 @@ class ExpertCache:
         self._copies = copies
         self._reader = reader
         self._decode = decode
-        self._sha256 = sha256
+        self._checks = checks  # the manifest's entries, whose checksums every read must match
         self._report = report
+        self._on_lost = on_lost
         n = len(keys)
         self._state = np.zeros(n, dtype=np.int8)
         self._users = np.zeros(n, dtype=np.int32)
@@ -180,7 +191,7 @@ class ExpertCache:
                 return None
             return [self._entries[i].tensors for i in idx]
 
-    def add(self, key: Key, size: int, copies: list[tuple[int, Path]], sha256: str) -> None:
+    def add(self, key: Key, size: int, copies: list[tuple[int, Path]]) -> None:
         """Serve one more expert (a file just received); it starts on the drives."""
         with self._cond:
             if key not in self.index:
@@ -193,8 +204,26 @@ class ExpertCache:
                 self._last_used = np.concatenate([self._last_used, np.zeros(1, dtype=np.int64)])
                 self.heat.grow(1)
             self._copies[key] = list(copies)
-            if self._sha256 is not None:
-                self._sha256[key] = sha256
+
+    def copies(self, key: Key) -> list[tuple[int, Path]]:
+        """The (drive, path) of the expert's files still trusted: what reads and sends use."""
+        with self._cond:
+            return list(self._copies.get(key, ()))
+
+    def lose_copy(self, key: Key, path: Path, why: str) -> int:
+        """Stop using one file of an expert (it rotted or cannot be read): report it, and when
+        no intact file of the expert is left, give the expert up (`on_lost`). Returns the
+        number of its files still trusted. Reads, the scrub and transfers all end here."""
+        with self._cond:
+            before = self._copies.get(key, [])
+            left = [c for c in before if c[1] != path]
+            self._copies[key] = left
+            dropped = len(left) < len(before)
+        if dropped:
+            self._report(f"{path}: {why}; not served")
+            if not left:
+                self._on_lost(key, why)
+        return len(left)
 
     def discard(self, key: Key) -> list[tuple[int, Path]]:
         """Stop serving an expert whose files are about to be deleted: forget its copies and,
@@ -209,6 +238,17 @@ class ExpertCache:
             return copies
 
     # -- demand ---------------------------------------------------------------------
+
+    def count_resident(self, layer: int, distinct: int, pairs: int) -> None:
+        """Count a request served from stacked, resident experts: every one a hit."""
+        with self._cond:
+            c = self.counters
+            if layer <= self._last_layer:
+                c.passes += 1
+            self._last_layer = layer
+            c.tokens += pairs
+            c.demands += distinct
+            c.hits += distinct
 
     def demand(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> Lease:
         """Ask for a request's distinct experts; returns a lease to take them as they are ready."""
@@ -350,7 +390,8 @@ class ExpertCache:
         self._state[i] = _LOADING
         key = self.keys[i]
         entry.job = self._reader.submit(
-            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded
+            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded,
+            digest=self._digest(key),
         )
         return entry
 
@@ -390,39 +431,57 @@ class ExpertCache:
             self._report(str(error))
 
     def _check_and_decode(self, job: ReadJob) -> dict[str, mx.array]:
-        layer, expert = job.key
         if job.error is not None:
-            paths = ", ".join(str(p) for _, p in self._copies[job.key])
+            # The reader already tried every other copy of each chunk that failed.
             reason = job.error.strerror or str(job.error)
-            # DATA_LOSS, not NOT_FOUND: the expert is held, its bytes are what is lost.
-            raise CorruptData(f"expert {layer}/{expert} cannot be read from {paths}: {reason}")
+            copies = self.copies(job.key) or job.copies
+            for _, path in copies:
+                self.lose_copy(job.key, path, f"cannot be read ({reason})")
+            raise self._lost(job.key, f"its files cannot be read ({reason})")
         view = job.buffer[: job.size]
-        expected = None if self._sha256 is None else self._sha256[job.key]
-        if expected is not None and hashlib.sha256(view).hexdigest() != expected:
-            self._find_good_copy(job, view, expected)
+        if job.digest is not None and (job.digested != job.size
+                                       or job.digest.hexdigest() != self._expected(job.key)):
+            self._find_good_copy(job, view, self._checks[job.key].sha256)
+        layer, expert = job.key
         origin = str(next(iter(job.sources))) if len(job.sources) == 1 else (
             f"expert {layer}/{expert} (read from {', '.join(map(str, sorted(job.sources)))})"
         )
         return self._decode(job.key, view, origin)
 
+    def _digest(self, key: Key) -> Digest | None:
+        """A fresh checksum for a read of `key`: the manifest's CRC-32 where it has one (the
+        reader feeds it chunk by chunk as they arrive), else its SHA-256; None: not checked."""
+        if self._checks is None:
+            return None
+        return Crc32() if self._checks[key].crc32 else hashlib.sha256()
+
+    def _expected(self, key: Key) -> str:
+        entry = self._checks[key]
+        return entry.crc32 or entry.sha256
+
     def _find_good_copy(self, job: ReadJob, view: memoryview, expected: str) -> None:
-        """A read failed its checksum: check each copy alone, drop the bad ones, keep a good one."""
-        for drive, path in list(self._copies[job.key]):
+        """A read failed its checksum: check each copy alone against the SHA-256, drop the
+        bad ones, keep a good one in `view`. With none left the expert alone is given up, not
+        the worker."""
+        for _, path in self.copies(job.key):
             try:
                 read_file(path, job.buffer, job.size)
-                good = hashlib.sha256(view).hexdigest() == expected
             except OSError as e:
-                self._report(f"{path}: cannot be read ({e.strerror or e}); not served")
-                good = False
-            else:
-                if not good:
-                    self._report(f"{path}: checksum does not match the manifest; not served")
-            if good:
+                self.lose_copy(job.key, path, f"cannot be read ({e.strerror or e})")
+                continue
+            if hashlib.sha256(view).hexdigest() == expected:
                 return
-            with self._cond:
-                self._copies[job.key] = [c for c in self._copies[job.key] if c != (drive, path)]
-        layer, expert = job.key
-        raise CorruptData(f"expert {layer}/{expert}: no intact copy left (see the problems)")
+            self.lose_copy(job.key, path, "checksum does not match the manifest")
+        raise self._lost(job.key, "no intact copy of its file is left (see the problems)")
+
+    @staticmethod
+    def _lost(key: Key, why: str) -> Moved:
+        # ABORTED (Moved), not DATA_LOSS: the coordinator fetches the inventory again, which
+        # no longer lists this expert here, and routes it to another copy or names it alone
+        # as unowned; the worker's other experts stay in service.
+        layer, expert = key
+        return Moved(f"layer {layer}: expert {expert} is no longer served by this worker: "
+                     f"{why}; fetch the inventory again")
 
 
 class Lease:
@@ -465,7 +524,7 @@ class Residency:
         *,
         budget: int | None = None,
         readers_per_drive: int = READERS_PER_DRIVE,
-        verify_reads: bool = False,
+        verify_reads: bool = True,
         warm: bool = True,
         report: Callable[[str], None] | None = None,
     ) -> None:
@@ -507,8 +566,8 @@ class Residency:
         self.cache = ExpertCache(
             keys, sizes, {k: list(v) for k, v in scan.copies.items()}, self.budget,
             self.reader, self._decode,
-            sha256={k: files[k].sha256 for k in keys} if verify_reads else None,
-            report=self._problem,
+            checks=files if verify_reads else None,
+            report=self._problem, on_lost=self.withdraw,
         )
         self._lock = threading.Lock()
         self._stacks: dict[int, LayerStack] = {}
@@ -542,7 +601,7 @@ class Residency:
                 )
                 self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
         if not self._held_mask[layer][expert]:
-            self.cache.add(key, entry.bytes, [(drive, path)], entry.sha256)
+            self.cache.add(key, entry.bytes, [(drive, path)])
             self.expert_bytes += entry.bytes
             self._held_mask[layer][expert] = True
             self._stacks.pop(layer, None)  # restacked once the new expert is in memory
@@ -560,6 +619,16 @@ class Residency:
         self.holdings.deleted(key)
         self.expert_bytes -= self._files[key].bytes
         return [path for _, path in self.cache.discard(key)]
+
+    def withdraw(self, key: Key, why: str) -> None:
+        """Stop offering an expert none of whose files here is intact any more (rot, a file
+        gone): like a deleted one, a request for it is told it moved, and a push (`shoal
+        deploy`, `shoal rebalance`) may bring a fresh copy. The bad files stay where they are
+        for inspection; a push replaces them."""
+        mask = self._held_mask.get(key[0])
+        if mask is not None and mask[key[1]]:
+            self.remove_expert(key)
+            self._problem(f"expert {key[0]}/{key[1]} is no longer served by this worker: {why}")
 
     def _problem(self, message: str) -> None:
         with self._problems_lock:
@@ -632,24 +701,41 @@ class Residency:
         `timing`, if given, receives the seconds of MLX evaluation."""
         timing = timing if timing is not None else Timing()
         runner = self.validate(request)
+        stack = self._stack(request.layer)
+        if stack is not None:
+            out = self._gathered(runner, stack, request, timing)
+        else:
+            out = self._streamed(runner, request, timing)
+        self.holdings.asked(request.layer, request.experts)
+        return out
+
+    def _gathered(
+        self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing
+    ) -> mx.array:
+        """Every expert of the layer is in memory, stacked: one call, no cache lease (nothing
+        is evicted while the budget holds them all; a removed expert takes its stack along)."""
+        distinct = int(np.count_nonzero(np.bincount(request.experts)))
+        self.cache.count_resident(request.layer, distinct, request.experts.size)
+        positions = stack.positions[request.experts]
+        with self._lock:
+            out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
+                                  request.rows, positions)
+            before = time.perf_counter()
+            mx.eval(out)
+            timing.matrix += time.perf_counter() - before
+        return out
+
+    def _streamed(self, runner: ExpertRunner, request: Request, timing: Timing) -> mx.array:
+        """Some experts may be on the drives: lease them from the cache, compute each as it
+        arrives."""
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
         hidden = from_numpy(request.hidden, request.dtype)
-        stack = self._stack(request.layer)
         lease = self.cache.demand(request.layer, unique, counts)
         try:
             ready = lease.take()
-            if stack is not None and len(ready) == unique.size:  # all resident: one call
-                with self._lock:
-                    out = runner.gathered(stack.params, hidden[mx.array(request.rows)],
-                                          mx.array(stack.positions[request.experts]))
-                    before = time.perf_counter()
-                    mx.eval(out)
-                    timing.matrix += time.perf_counter() - before
-                lease.done(pos for pos, _ in ready)
-            else:
-                out = self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
-                                               inverse.reshape(-1), counts, timing)
+            return self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
+                                            inverse.reshape(-1), counts, timing)
         except NotFound:
             gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
             if gone:  # deleted while this request was on its way (shoal rebalance)
@@ -658,8 +744,6 @@ class Residency:
             raise
         finally:
             lease.close()
-        self.holdings.asked(request.layer, unique, counts)
-        return out
 
     def _each_as_it_arrives(
         self, runner: ExpertRunner, lease: Lease, ready: list[tuple[int, dict[str, mx.array]]],

@@ -12,8 +12,10 @@ import grpc
 
 from engine.auth import METADATA_KEY, CredentialChecker
 from engine.errors import (
+    MAX_MESSAGE,
     ShoalError,
     Unauthenticated,
+    clip,
 )
 from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
@@ -158,19 +160,71 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         )
 
 
+def _same_kind(
+    handler: grpc.RpcMethodHandler, behavior: Callable, *, decode: bool = True
+) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` running `behavior`, with its
+    (de)serializers unless `decode` is False (a refusal does not parse the body)."""
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    if not decode:
+        return make(behavior)
+    return make(behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
+    return (handler.unary_unary or handler.unary_stream or handler.stream_unary
+            or handler.stream_stream)
+
+
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that refuses the call."""
 
     def refuse(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return _same_kind(handler, refuse, decode=False)
+
+
+class _BoundedContext:
+    """A handler's context whose error messages are cut to MAX_MESSAGE characters."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        self._context.abort(code, clip(details, MAX_MESSAGE))
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(clip(details, MAX_MESSAGE))
+
+
+class BoundedErrors(grpc.ServerInterceptor):
+    """Every error message a handler sends is at most MAX_MESSAGE characters: a message that
+    quotes what a client sent (a 64 KiB dtype name) must not outgrow the metadata limit of
+    the client reading it, which then saw a transport error instead of the refusal."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        behavior = _behavior(handler)
+        return _same_kind(handler, lambda request, context: behavior(
+            request, _BoundedContext(context)))
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

@@ -8,13 +8,15 @@ only then renamed into place (and the folder flushed), so a file under its real 
 complete and verified; the worker then serves it at once. Dropping is two-phase: `drain`
 stops offering a copy while still computing it, `delete` removes it once it has drained and
 nobody asked for it for a while. The caller (coordinator/rebalance.py) makes sure another
-worker serves a verified copy first; nothing here deletes an expert on its own.
+worker holds an intact copy first, by asking it to `keep` its copy, which hashes the file on
+disk against the manifest at that moment; nothing here deletes an expert on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import threading
@@ -26,10 +28,12 @@ from engine.checkpoint import Manifest
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
 from engine.placement import ExpertKey
 from worker.holdings import DRAINING, SERVING
+from worker.reader import file_problem
 from worker.residency import Residency
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_QUIET = 1.0  # seconds a drained copy must go unasked before it may be deleted
+MAX_QUIET = 24 * 3600.0  # longer than any migration waits: a bigger value is a mistake
 ABSENT, PARTIAL = "absent", "partial"
 
 
@@ -205,7 +209,7 @@ class ExpertFiles:
         entry = self._entry(key)
         if self.residency.holdings.state(key) not in (SERVING, DRAINING):
             raise NotFound(f"this worker holds no copy of expert {key[0]}/{key[1]}")
-        paths = [folder / entry.file for folder in self.folders if (folder / entry.file).exists()]
+        paths = [path for _, path in self.residency.cache.copies(key)]  # only trusted files
         if not paths:
             raise NotFound(f"the file of expert {key[0]}/{key[1]} is gone from this worker")
         if offset > entry.bytes:
@@ -225,12 +229,34 @@ class ExpertFiles:
         return self.status(key)
 
     def keep(self, key: ExpertKey) -> FileState:
-        self._held(key)
+        """Keep serving a copy (undoing a drain), once its file is verified on disk now: a
+        migration asks this of the copy it keeps before it deletes another one."""
+        self.verify(key)
         self.residency.holdings.keep(key)
+        return self.status(key)
+
+    def verify(self, key: ExpertKey) -> FileState:
+        """Hash each file of a held expert on disk now against the manifest. A file that
+        rotted (or vanished) stops being served and is reported; with none intact left, the
+        expert is no longer offered here and CorruptData says why."""
+        entry = self._entry(key)
+        self._held(key)
+        reasons = []
+        for _, path in self.residency.cache.copies(key):
+            why = file_problem(path, entry.bytes, entry.sha256)
+            if why is not None:
+                reasons.append(f"{path}: {why}")
+                self.residency.cache.lose_copy(key, path, why)
+        if self.residency.holdings.state(key) is None:
+            raise CorruptData(
+                f"expert {key[0]}/{key[1]}: no intact copy of its file is left on this worker "
+                f"({'; '.join(reasons) or 'no file'}); it is no longer served here"
+            )
         return self.status(key)
 
     def delete(self, key: ExpertKey, quiet: float = DEFAULT_QUIET) -> FileState:
         """Delete a drained copy nobody asked for during `quiet` seconds."""
+        quiet = check_quiet(quiet)
         self._held(key)
         reason = self.residency.holdings.why_not_delete(key, quiet)
         if reason is not None:
@@ -244,6 +270,13 @@ class ExpertFiles:
         self._entry(key)
         if self.residency.holdings.state(key) is None:
             raise NotFound(f"this worker holds no copy of expert {key[0]}/{key[1]}")
+
+
+def check_quiet(seconds: float) -> float:
+    """DropExpert's quiet_seconds: a NaN or a negative would make every copy look quiet."""
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_QUIET:
+        raise InvalidInput(f"quiet_seconds must be between 0 and {MAX_QUIET:.0f}, got {seconds}")
+    return float(seconds)
 
 
 def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:

@@ -50,3 +50,28 @@ def test_credentials_verify_and_refuse_wrong_secret_method_age_and_replay():
         checker.check(None, METHOD)
     with pytest.raises(Unauthenticated, match="malformed"):
         checker.check("garbage", METHOD)
+
+
+def test_secret_is_0600_whatever_was_there_and_a_readable_one_is_refused(tmp_path):
+    """A leftover `secret.tmp` of mode 0644 (and a 0644 secret being replaced, and a umask
+    of 0) used to make the new secret world-readable; and such a secret loaded silently."""
+    path = tmp_path / "conf" / "secret"
+    path.parent.mkdir()
+    leftover = path.with_name("secret.tmp")
+    leftover.write_text("old secret " * 8)
+    leftover.chmod(0o644)
+    path.write_text("w" * 64)
+    path.chmod(0o644)
+    old_umask = os.umask(0)
+    try:
+        create_secret(path, force=True)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert not leftover.exists()
+    assert [p.name for p in path.parent.iterdir()] == ["secret"]  # no temporary file left
+    assert len(load_secret(path)) == 64
+    for mode in (0o644, 0o640, 0o604, 0o660):
+        path.chmod(mode)
+        with pytest.raises(ShoalError, match=f"mode {mode:04o}.*chmod 600"):
+            load_secret(path)

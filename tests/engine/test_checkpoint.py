@@ -158,3 +158,26 @@ def test_shard_command_reports_errors_without_traceback(tmp_path):
     assert run.returncode == 2
     assert "shoal: error:" in run.stderr and "no config.json" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_expert_entries_carry_a_crc32_and_manifests_read_both_ways(tiny_checkpoint, tmp_path):
+    """Each expert's CRC-32 is computed at shard time; a manifest written before it existed
+    (no crc32) and one with a field a later version added both still read."""
+    import json
+    import zlib
+
+    from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, shard
+
+    out = tmp_path / "out"
+    manifest = shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    for e in manifest.experts:
+        assert e.crc32 == f"{zlib.crc32((out / 'experts' / e.file).read_bytes()):08x}"
+    body = json.loads((out / "experts" / MANIFEST_NAME).read_text())
+    for e in body["experts"]:
+        del e["crc32"]
+    old = Manifest.from_json(json.dumps(body), origin="old")
+    assert all(e.crc32 == "" for e in old.experts)
+    assert old.fingerprint == read_manifest(out / "experts").fingerprint
+    for e in body["experts"]:
+        e["added_later"] = 1
+    assert Manifest.from_json(json.dumps(body), origin="newer").experts == old.experts

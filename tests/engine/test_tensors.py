@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from engine.errors import InvalidInput
-from engine.tensors import decode, dtype_name, encode, from_numpy, to_numpy
+from engine.tensors import decode, dtype_name, encode, from_numpy, to_mlx, to_numpy
 from proto import shoal_pb2
 
 
@@ -30,3 +30,19 @@ def test_decode_refuses_wrong_dtype_rank_and_size():
         decode(tensor, what="hidden")
     with pytest.raises(InvalidInput, match="cannot travel"):
         dtype_name(mx.uint8)
+
+
+def test_to_mlx_keeps_every_byte_of_every_segment_whatever_their_sizes():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 5)).astype(np.float32)  # 60 bytes: the next starts aligned
+    b = rng.standard_normal((1, 5)).astype(np.float32)
+    half = rng.standard_normal((3, 3)).astype(np.float32)
+    bf16 = (mx.array(half).astype(mx.bfloat16)).view(mx.uint16)
+    index = np.array([3, 0, 2, 1], dtype=np.int32)
+    values, places, brain = to_mlx(([a, b], mx.float32), ([index], mx.int32),
+                                   ([np.asarray(bf16)], mx.bfloat16))
+    assert np.array_equal(np.asarray(values), np.concatenate([a, b]))
+    assert np.array_equal(np.asarray(places), index)
+    assert brain.dtype == mx.bfloat16 and brain.shape == (3, 3)
+    assert mx.array_equal(brain, mx.array(half).astype(mx.bfloat16)).item()
+    assert np.array_equal(np.asarray(values[places]), np.concatenate([a, b])[index])

@@ -16,11 +16,12 @@ from mlx_lm.utils import load_model, load_tokenizer
 from coordinator.cluster import WorkerLink
 from coordinator.generate import generate, open_remote_model
 from coordinator.heat import read_heat
-from coordinator.rebalance import MIGRATION_FILE, migrate, observe
+from coordinator.rebalance import MIGRATION_FILE, Executor, migrate, observe
 from engine.auth import load_secret
 from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
-from engine.errors import ShoalError
+from engine.errors import CorruptData, ShoalError
 from engine.heat import difference
+from engine.migration import MigrationPlan, Step
 from engine.placement import load_imbalance
 from worker.store import scan_stores
 
@@ -228,3 +229,84 @@ def test_a_worker_killed_mid_migration_loses_nothing_and_a_rerun_finishes(
     assert not [path for store in stores for path in store.rglob("*.incoming")]
     assert run_prompts(sharded, [w.address for w in workers], secret) == cluster["expected"]
     assert all((s / MANIFEST_NAME).exists() for s in stores)
+
+
+@pytest.mark.slow
+def test_a_copy_that_rotted_is_caught_before_the_other_copy_is_deleted(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """Two workers hold the same expert; the copy to be kept rots on disk after its worker
+    started. Deleting the other copy must not happen: the rot is found right before the
+    deletion, reported, the rotted copy is no longer served, the copy that was about to be
+    deleted is still on its drive and served again, and the run fails saying so."""
+    sharded = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    stores = [tmp_path / "keep", tmp_path / "drop"]
+    for store in stores:
+        shutil.copytree(sharded / "experts", store)
+    shutil.rmtree(sharded / "experts")  # no local copy to fall back on
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in stores]
+    secret = load_secret(secret_file)
+    links = [WorkerLink(w.address, secret) for w in workers]
+    try:
+        manifest = read_manifest(sharded)
+        key = (1, 5)
+        name = manifest.expert(*key).file
+        rotted = stores[0] / name
+        data = bytearray(rotted.read_bytes())
+        data[-100] ^= 0x01
+        rotted.write_bytes(bytes(data))
+        live = observe(links)
+        plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
+        executor = Executor(manifest, live, {}, log=lambda m: None, quiet=0.2, progress=False)
+        with pytest.raises(CorruptData, match="rotted on disk") as failure:
+            executor.run(plan, "rebalance")
+        assert "keep" in str(failure.value) and "not deleted" in str(failure.value)
+        assert executor.done.rot and "checksum" in executor.done.rot[0]
+        assert (stores[1] / name).exists()  # the intact copy is still there
+        served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
+                  for w in observe(links)}
+        assert key in served["drop"] and key not in served["keep"]
+        problems = links[0].fetch_stats().problems
+        assert any(str(rotted) in p and "checksum" in p for p in problems), problems
+    finally:
+        for link in links:
+            link.close()
+
+
+@pytest.mark.slow
+def test_a_source_whose_copy_rotted_is_told_and_stops_serving_it(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """A copy relayed from a worker whose file rotted fails the receiver's check; the sender
+    is then asked to hash its own file, reports the rot and stops serving that copy."""
+    sharded = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    source, target = tmp_path / "source", tmp_path / "target"
+    shutil.copytree(sharded / "experts", source)
+    target.mkdir()
+    shutil.copy(sharded / "experts" / MANIFEST_NAME, target / MANIFEST_NAME)
+    shutil.rmtree(sharded / "experts")
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in (source, target)]
+    links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
+    try:
+        manifest = read_manifest(sharded)
+        key = (0, 3)
+        rotted = source / manifest.expert(*key).file
+        data = bytearray(rotted.read_bytes())
+        data[-50] ^= 0x04
+        rotted.write_bytes(bytes(data))
+        step = Step("copy", key, "target", "source", manifest.expert(*key).bytes)
+        executor = Executor(manifest, observe(links), {}, log=lambda m: None, progress=False)
+        with pytest.raises(ShoalError, match="could be sent"):
+            executor.run(MigrationPlan((step,), {}), "rebalance")
+        assert executor.done.rot and "source" in executor.done.rot[0]
+        served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
+                  for w in observe(links)}
+        assert key not in served["source"] and key not in served["target"]
+        assert not list(target.rglob("*.incoming"))  # the bad bytes were discarded
+    finally:
+        for link in links:
+            link.close()

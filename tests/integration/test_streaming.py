@@ -11,6 +11,7 @@ from coordinator.generate import open_remote_model
 from coordinator.worker_stats import read_stats, run_report
 from engine.auth import load_secret
 from engine.checkpoint import shard
+from engine.errors import Unavailable
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 
 NEW_TOKENS = 8
@@ -75,7 +76,7 @@ def test_a_file_corrupted_or_removed_while_serving_is_reported_with_its_path(
     store = sharded / "experts"
     spare = tmp_path / "spare-drive"
     shutil.copytree(store, spare)
-    worker = start_worker([store, spare], "--memory-budget", "10%", "--verify-reads")
+    worker = start_worker([store, spare], "--memory-budget", "10%")
     files = sorted(store.glob("L*/E*.safetensors"))
     # After start: one copy corrupted (its twin on the spare drive is intact), one expert
     # removed from both drives, so it has no copy left. The corrupt one is of the middle
@@ -103,11 +104,55 @@ def test_a_file_corrupted_or_removed_while_serving_is_reported_with_its_path(
         for lay, e in [*order, (1, int(corrupt.stem[1:]))]:
             out = dispatcher(lay, hidden, mx.array([[[e]]]))
             assert out.shape == (1, 1, 1, 64)
-        with pytest.raises(Exception, match=str(gone)):
+        # The expert with no copy left is named alone; the worker serves every other one.
+        with pytest.raises(Unavailable, match=f"layer {layer}: experts? {expert}$"):
             dispatcher(layer, hidden, mx.array([[[expert]]]))
         stats = link.fetch_stats()
+        inventory = link.fetch_inventory()
     finally:
         remote.close()
     assert any(str(corrupt) in p and "checksum" in p for p in stats.problems), stats.problems
     assert any(str(gone) in p for p in stats.problems), stats.problems
+    held = {(h.layer, h.expert) for h in inventory.experts}
+    assert (layer, expert) not in held and len(held) == len(files) - 1
     assert worker.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_rot_while_streaming_is_caught_and_served_from_another_copy(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """Default settings, a worker streaming under a budget smaller than its experts: every
+    file of its store rots after it started. Its reads fail their checksum, each such expert
+    alone stops being offered there and is computed by the other worker's copy: the tokens
+    stay mlx-lm's, the rot is reported with its paths, and the worker keeps serving the
+    experts it still holds intact in memory."""
+    source = tiny_checkpoint("qwen3_moe", quantize_bits=4)
+    reference, _ = load_model(source)
+    expected = greedy_tokens(reference, PROMPT, NEW_TOKENS)
+    sharded = tmp_path / "sharded"
+    shard(source, sharded, progress=False)
+    rotting, intact = tmp_path / "rotting", tmp_path / "intact"
+    shutil.copytree(sharded / "experts", rotting)
+    shutil.copytree(sharded / "experts", intact)
+    workers = [start_worker([rotting], "--memory-budget", "25%"), start_worker([intact])]
+    files = sorted(rotting.glob("L*/E*.safetensors"))
+    for path in files:  # the tensors' bytes rot, the header stays readable
+        data = bytearray(path.read_bytes())
+        half = len(data) // 2
+        data[half:] = bytes(b ^ 0x5A for b in data[half:])
+        path.write_bytes(bytes(data))
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
+        stats = remote.cluster.links[0].fetch_stats()
+        inventory = remote.cluster.links[0].fetch_inventory()
+        still_routed = remote.cluster.holdings[0]
+    finally:
+        remote.close()
+    assert tokens == expected
+    assert any("checksum" in p and str(rotting) in p for p in stats.problems), stats.problems
+    held = {(h.layer, h.expert) for h in inventory.experts}
+    assert 0 < len(held) < len(files)  # only the experts that rotted were given up
+    assert still_routed == frozenset(held)
+    assert workers[0].proc.poll() is None

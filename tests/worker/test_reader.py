@@ -125,3 +125,37 @@ def test_demand_reads_are_served_before_queued_prefetches(two_drives):
         assert order == ["blocker", "demand", "promoted", "prefetch-1", "prefetch-2"]
     finally:
         pool.close()
+
+
+def test_a_digest_is_fed_every_chunk_in_file_order_as_they_arrive(two_drives):
+    """13 chunks over two drives and four threads, finishing in any order; one copy is on a
+    drive that vanished, so some chunks are read again elsewhere: the digest still sees the
+    file's bytes once each, in order, and on_done runs once, after the last."""
+    import zlib
+
+    from worker.reader import Crc32
+
+    data, folders = two_drives
+    path = Path("L000/E0000.safetensors")
+    copies = [(0, folders[0] / path), (1, folders[1] / path)]
+    for vanish in (False, True):
+        pool = ReaderPool(folders, len(data), 2, readers_per_drive=2, chunk_bytes=ALIGN)
+        try:
+            if vanish:
+                shutil.rmtree(folders[0])
+            for digest, expected in [(hashlib.sha256(), hashlib.sha256(data).hexdigest()),
+                                     (Crc32(), f"{zlib.crc32(data):08x}")]:
+                calls = []
+                done = threading.Event()
+
+                def on_done(job, calls=calls, done=done, pool=pool):
+                    calls.append(job.digest.hexdigest())
+                    pool.release(job)
+                    done.set()
+
+                job = pool.submit((0, 0), len(data), copies, demand=True, on_done=on_done,
+                                  digest=digest)
+                assert done.wait(30)
+                assert job.digested == len(data) and calls == [expected]
+        finally:
+            pool.close()

@@ -141,3 +141,54 @@ def test_a_corrupt_copy_is_reported_with_its_path_and_the_good_copy_served(store
     finally:
         residency.close()
         reference.close()
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256 (a manifest without crc32)"])
+def test_by_default_a_read_that_rotted_gives_up_that_expert_alone(store, tmp_path, checksum):
+    """Default settings, a budget under the experts: a file corrupted after start is caught
+    when read, the expert alone stops being offered (the inventory changes), a request for it
+    is told it moved, and every other expert is still computed exactly."""
+    import json
+    import shutil
+
+    from engine.checkpoint import MANIFEST_NAME
+    from engine.errors import Moved
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    if checksum != "crc32":
+        body = json.loads((copy / MANIFEST_NAME).read_text())
+        for e in body["experts"]:
+            del e["crc32"]
+        (copy / MANIFEST_NAME).write_text(json.dumps(body))
+    scan = scan_stores([copy])
+    size = max(e.bytes for e in scan.manifest.experts)
+    problems = []
+    residency = Residency(scan, budget=2 * size, warm=False, report=problems.append)
+    reference = Residency(scan_stores([store]))
+    victim = copy / scan.manifest.expert(1, 2).file
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, inside a tensor
+    victim.write_bytes(bytes(data))
+    hidden = np.ones((1, 64), np.float32)
+
+    def ask(layer, expert):
+        return Request(layer, hidden, "float32", np.zeros(1, np.int32),
+                       np.array([expert], np.int32))
+
+    version = residency.holdings.version
+    try:
+        with pytest.raises(Moved, match="expert 2 is no longer served"):
+            residency.compute(ask(1, 2))
+        assert (1, 2) not in residency.held()
+        assert residency.holdings.version > version
+        assert any(str(victim) in p and "checksum" in p for p in problems)
+        assert len(residency.held()) == len(reference.held()) - 1
+        for layer, expert in [(1, 3), (0, 2), (2, 2)]:
+            assert np.array_equal(np.array(residency.compute(ask(layer, expert))),
+                                  np.array(reference.compute(ask(layer, expert))))
+        with pytest.raises(Moved):
+            residency.compute(ask(1, 2))
+    finally:
+        residency.close()
+        reference.close()

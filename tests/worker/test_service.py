@@ -83,3 +83,39 @@ def test_worker_refuses_bad_input_and_unauthenticated_calls_then_still_serves(
     assert replies[0].output.shape == [1, 64]
     assert worker.proc.poll() is None
     channel.close()
+
+
+def test_numbers_that_are_not_numbers_and_huge_strings_get_short_clear_refusals(
+    worker, secret_file
+):
+    """DropExpert's quiet_seconds of NaN, -1 or infinity is INVALID_ARGUMENT and deletes
+    nothing; a 64 KiB string a client sent is not echoed back whole (it used to outgrow the
+    client's metadata limit, which then saw a transport error, not the refusal)."""
+    secret = load_secret(secret_file)
+    channel = grpc.insecure_channel(worker.address)
+    stub = shoal_pb2_grpc.ExpertServiceStub(channel)
+    inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
+                                  metadata=credential(secret, "GetInventory"))
+    layer, expert = inventory.experts[0].layer, inventory.experts[0].expert
+    drain = shoal_pb2.DropRequest(layer=layer, expert=expert, phase=shoal_pb2.DropRequest.DRAIN)
+    stub.DropExpert(drain, timeout=30, metadata=credential(secret, "DropExpert"))
+    for quiet in (float("nan"), -1.0, float("inf"), -float("inf")):
+        delete = shoal_pb2.DropRequest(layer=layer, expert=expert, quiet_seconds=quiet,
+                                       phase=shoal_pb2.DropRequest.DELETE)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.DropExpert(delete, timeout=30, metadata=credential(secret, "DropExpert"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, quiet
+        assert "quiet_seconds" in info.value.details()
+    status = stub.ExpertFileStatus(shoal_pb2.ExpertFileRequest(layer=layer, expert=expert),
+                                   timeout=30, metadata=credential(secret, "ExpertFileStatus"))
+    assert status.state == shoal_pb2.ExpertFileState.DRAINING  # not deleted
+
+    message = request(layer=layer, experts=(expert,))
+    message.hidden.dtype = "x" * 65536
+    with pytest.raises(grpc.RpcError) as info:
+        compute(stub, message, credential(secret, "Compute"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(info.value.details()) < 2100
+    assert "more characters" in info.value.details()
+    assert compute(stub, request(layer=layer, experts=(expert,)), credential(secret, "Compute"))
+    channel.close()
