@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models
 
-# The module files whose classes hold routed experts stacked on a leading axis.
+# A model file that builds mlx-lm's routed-expert module names one of its classes.
 _SWITCH_CLASSES = re.compile(r"\b(SwitchGLU|SwitchMLP)\b")
 _IMPORTS = re.compile(r"^from \.(\w+) import|^from \. import ([\w, ]+)$", re.MULTILINE)
 

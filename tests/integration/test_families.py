@@ -110,8 +110,10 @@ def _workers(
 def _outcome_of(error: BaseException) -> str:
     if isinstance(error, pytest.skip.Exception):
         return f"served, no reference: {error}"
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"fails: {first_line}"
+    # The first line says what failed; a worker's log (after it) ends with why.
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    lines = lines or [type(error).__name__]
+    return "fails: " + (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")
 
 
 def _record(family: str, bits, outcome: str, seconds: float) -> None:
