@@ -293,6 +293,8 @@ def build_checkpoint(
     """
     out_dir = Path(out_dir)
     _check_options(out_dir, layout, dtype, quantize_bits, group_size)
+    if layout == "hf" and family not in FAMILIES:
+        raise ShoalError(f"the hf layout is written for {', '.join(FAMILIES)} only, not {family}")
     config = model_config(family, size)
     config["torch_dtype"] = dtype
     model = random_model(config, seed)
