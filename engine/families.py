@@ -309,7 +309,11 @@ TINY: dict[str, TinyFamily] = {
         "sliding_window": 8, "final_logit_softcapping": 30.0, "output_multiplier": 1.0,
         "num_local_experts": E, "num_experts_per_tok": K, "moe_hidden_size": 32,
         "moe_intermediate_size": W,
-    }, nested=True, needs_metal=(
+    }, nested=True, top={
+        # Not read by mlx-lm; transformers' config (loaded with the tokenizer) checks that the
+        # audio encoder's output is as wide as the text model.
+        "audio_config": {"out_hidden_size": 64},
+    }, needs_metal=(
         "mlx-lm's muse_spark attention calls its fused qk_norm_rope kernel "
         "(mx.fast.metal_kernel), which has no CPU version"
     )),
