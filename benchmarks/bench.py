@@ -28,7 +28,7 @@ from coordinator.demo import build_once, cache_root
 from coordinator.dispatch import LayerStats
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
-from engine.auth import create_secret, load_secret
+from engine.auth import ensure_secret, load_secret
 from engine.checkpoint import read_manifest, shard
 from engine.errors import ShoalError
 from engine.synthetic import build_checkpoint
@@ -267,8 +267,7 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
     root = cache_root() / "bench" / ("quick" if quick else "full")
     source, sharded = prepare(settings, root)
     secret_file = root / "secret"
-    if not secret_file.exists():
-        create_secret(secret_file)
+    ensure_secret(secret_file)
     log_dir = root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
 

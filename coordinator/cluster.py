@@ -10,6 +10,7 @@ reading any reply is what makes the workers of one layer compute at the same tim
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.auth import METADATA_KEY, make_credential
+from engine.auth import METADATA_KEY, Secret, make_credential
 from engine.checkpoint import Manifest
 from engine.errors import (
     InvalidInput,
@@ -28,13 +29,29 @@ from engine.errors import (
     Unavailable,
 )
 from engine.placement import ExpertKey, LayerRoutes, replica_routes
-from proto import GRPC_OPTIONS, PROTOCOL_VERSION, error_class_for, shoal_pb2, shoal_pb2_grpc
+from proto import (
+    GRPC_OPTIONS,
+    PROTOCOL_VERSION,
+    error_class_for,
+    secure_channel,
+    shoal_pb2,
+    shoal_pb2_grpc,
+)
 
 if TYPE_CHECKING:
     from coordinator.membership import Membership
 
 CONNECT_TIMEOUT = 10.0
-REPLY_TIMEOUT = 120.0  # a prefill chunk on a slow CPU worker can take a while
+# Until a link has measured its round trips, a reply may take this long (a first prefill
+# chunk on a slow CPU worker, compiling its kernels); afterwards see `reply_deadline`.
+FIRST_REPLY_TIMEOUT = 120.0
+MIN_REPLY_TIMEOUT = 1.5  # above a busy 2-core machine's hiccups; a hung worker costs this
+KEEPALIVE = [  # a worker that stops answering at the transport is noticed within ~15 s
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 SERVICE_NAME = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 # gRPC backs off up to 2 minutes between reconnects by default; a worker that comes back
 # should be taken in again within a second or two.
@@ -43,8 +60,50 @@ _LINK_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *KEEPALIVE,
 ]
 _CLOSE = object()
+
+
+class _Watchdog:
+    """Cancels the Compute stream of a link whose reply is overdue, so that the thread
+    waiting in `receive` gets an error instead of waiting forever (gRPC's blocking stream
+    iterator takes no timeout). One thread for every link; arming costs a dict write."""
+
+    def __init__(self) -> None:
+        self._due: dict[WorkerLink, float] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, link: WorkerLink, deadline: float) -> None:
+        self._due[link] = deadline
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="shoal-deadlines",
+                                                    daemon=True)
+                    self._thread.start()
+        self._wake.set()
+
+    def disarm(self, link: WorkerLink) -> None:
+        self._due.pop(link, None)
+
+    def _run(self) -> None:
+        while True:
+            if not self._due:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            for link, deadline in list(self._due.items()):
+                if now >= deadline and self._due.get(link) == deadline:
+                    self._due.pop(link, None)
+                    link.overdue()
+            time.sleep(0.02)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -97,14 +156,19 @@ def error_for(error: grpc.RpcError, address: str) -> ShoalError:
 class WorkerLink:
     """One worker: its channel, its inventory, and the Compute stream to it."""
 
-    def __init__(self, address: str, secret: bytes) -> None:
+    def __init__(self, address: str, secret: Secret) -> None:
         self.address = address
         self._secret = secret
-        self._channel = grpc.insecure_channel(address, options=_LINK_OPTIONS)
+        self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
         self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._requests: queue.SimpleQueue | None = None
         self._replies: Iterator[shoal_pb2.ExpertReply] | None = None
+        # receive() and the watchdog agree under this lock on whether a reply is awaited
+        self._waiting_lock = threading.Lock()
+        self._waiting = None
+        self._timeout = 0.0
+        self._late: float | None = None
         self.inventory: shoal_pb2.Inventory | None = None
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
@@ -118,6 +182,7 @@ class WorkerLink:
             )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.check_health(1.0)  # says why, if the reason is known (refused, TLS)
                 message = f"worker {self.address} did not answer in {timeout:.0f} s"
                 raise Unavailable(message) from None
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -145,13 +210,19 @@ class WorkerLink:
             raise error_for(e, self.address) from None
 
     def check_health(self, timeout: float) -> float:
-        """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable."""
+        """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable,
+        or Unauthenticated when the TLS handshake fails (another cluster's identity)."""
         started = time.perf_counter()
         try:
             reply = self._health.Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
             )
         except grpc.RpcError as e:
+            if "handshake failed" in (e.details() or "").lower():
+                raise Unauthenticated(
+                    f"worker {self.address} refused this cluster's TLS identity or holds "
+                    "another's: copy the same secret file (shoal cluster-init) to every Mac"
+                ) from None
             raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise Unavailable(f"worker {self.address} is shutting down")
@@ -165,17 +236,42 @@ class WorkerLink:
             )
         self._requests.put(request)
 
-    def receive(self) -> shoal_pb2.ExpertReply:
+    def receive(self, timeout: float) -> shoal_pb2.ExpertReply:
+        """The next reply on the Compute stream; Unavailable if none came within `timeout`
+        seconds (the stream is then abandoned: a worker that hung is treated as lost)."""
+        replies = self._replies
+        with self._waiting_lock:
+            self._waiting, self._timeout, self._late = replies, timeout, None
+        _WATCHDOG.arm(self, time.monotonic() + timeout)
         try:
-            return next(self._replies)
+            reply = next(replies)
+            with self._waiting_lock:
+                self._waiting = None
+            return reply
         except grpc.RpcError as e:
             self.reset()
+            if self._late is not None:
+                raise Unavailable(f"worker {self.address} did not answer within "
+                                  f"{self._late:.1f} s") from None
             if e.code() == grpc.StatusCode.ABORTED:  # an expert moved: see Cluster.reload
                 raise Moved(f"worker {self.address}: {e.details()}") from None
             raise Unavailable(f"worker {self.address} failed: {_describe(e)}") from None
         except StopIteration:
             self.reset()
             raise Unavailable(f"worker {self.address} closed its stream") from None
+        finally:
+            with self._waiting_lock:
+                self._waiting = None
+            _WATCHDOG.disarm(self)
+
+    def overdue(self) -> None:
+        """Called by the watchdog when a reply is late: give up the stream, unless the reply
+        came meanwhile."""
+        with self._waiting_lock:
+            if self._waiting is None:
+                return
+            self._late = self._timeout
+            self._waiting.cancel()
 
     def reset(self) -> None:
         """Abandon the Compute stream (and any reply still owed on it); the next send opens

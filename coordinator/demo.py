@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coordinator.generate import encode_prompt, generate, open_remote_model
 from coordinator.local import start_workers, stop_workers
-from engine.auth import create_secret, load_secret
+from engine.auth import ensure_secret, load_secret
 from engine.checkpoint import shard
 from engine.errors import InvalidInput
 
@@ -82,8 +82,7 @@ def run_demo(
     sharded = prepare(experts, top_k, workers)
     root = cache_root() / "demo"
     secret_file = root / "secret"
-    if not secret_file.exists():
-        create_secret(secret_file)
+    ensure_secret(secret_file)
     print(f"demo: starting {workers} local workers ...", file=sys.stderr, flush=True)
     local = start_workers(
         [[sharded / f"worker-{k}"] for k in range(workers)], secret_file, root / "logs"

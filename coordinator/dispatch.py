@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.cluster import Cluster
+from coordinator.cluster import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT, Cluster
 from coordinator.lookahead import Lookahead
 from engine.checkpoint import Manifest, get_module
 from engine.errors import Moved, ShoalError, Unavailable
@@ -92,6 +92,38 @@ class DispatchStats:
 
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
+LARGE_CALL = 64  # (token, expert) pairs from which a call's time is mostly per pair
+
+
+@dataclass
+class Pace:
+    """How fast one worker answers, measured, for the deadline of its next reply: a worker
+    that hangs (stopped, swapping, wedged) is given up after a few times its usual round
+    trip, and its experts routed to a copy elsewhere, as for a worker that died."""
+
+    round_trip: float = 0.0  # small calls (decode): moving average, seconds
+    per_pair: float = 0.0  # large calls (prompt passes): seconds per pair
+    small_seen: int = 0
+    large_seen: int = 0
+
+    def deadline(self, pairs: int) -> float:
+        if pairs >= LARGE_CALL:
+            if self.large_seen == 0:
+                return FIRST_REPLY_TIMEOUT
+            return MIN_REPLY_TIMEOUT + 20 * self.round_trip + 20 * self.per_pair * pairs
+        if self.small_seen < 3:
+            return FIRST_REPLY_TIMEOUT
+        return MIN_REPLY_TIMEOUT + 20 * self.round_trip
+
+    def observe(self, seconds: float, pairs: int) -> None:
+        if pairs >= LARGE_CALL:
+            rate = seconds / pairs
+            self.per_pair = rate if not self.large_seen else 0.8 * self.per_pair + 0.2 * rate
+            self.large_seen += 1
+        else:
+            self.round_trip = (seconds if not self.small_seen
+                               else 0.8 * self.round_trip + 0.2 * seconds)
+            self.small_seen += 1
 
 
 class _WorkerFailed(Exception):
@@ -118,6 +150,7 @@ class Dispatcher:
         self._seq = 0
         self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
+        self._pace: dict[str, Pace] = {}  # by worker address
 
     def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The worker the next call of `layer` sends each of `experts` to, when each comes
@@ -203,8 +236,9 @@ class Dispatcher:
         changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, pairs, seq, sent) in enumerate(pending):
             link = self.cluster.links[worker]
+            pace = self._pace.setdefault(link.address, Pace())
             try:
-                reply = link.receive()
+                reply = link.receive(pace.deadline(pairs.size))
             except (Unavailable, Moved) as e:
                 for other, *_ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
@@ -212,6 +246,7 @@ class Dispatcher:
                     raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
             received = time.perf_counter()
+            pace.observe(received - sent, pairs.size)
             if received - sent > critical[0]:
                 critical = (received - sent, reply)
             known = link.inventory.inventory_version if link.inventory is not None else 0

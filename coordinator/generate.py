@@ -102,10 +102,20 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, *, chat: bool) -> li
     if chat:
         if tokenizer.chat_template is None:
             raise InvalidInput("this model's tokenizer has no chat template; drop --chat")
-        messages = [{"role": "user", "content": prompt}]
-        prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+    return encode_text(tokenizer, prompt)
+
+
+def encode_messages(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
+    """A conversation through the checkpoint's chat template, ready for the reply."""
+    if tokenizer.chat_template is None:
+        raise InvalidInput("this model's tokenizer has no chat template")
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return encode_text(tokenizer, prompt)
+
+
+def encode_text(tokenizer: TokenizerWrapper, prompt: str) -> list[int]:
+    """Text as mlx-lm encodes a prompt: a BOS token added unless the text starts with it."""
     add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
     ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     if not ids:

@@ -1,4 +1,5 @@
-"""Start and stop shoal-worker processes on this machine (for `shoal demo`, benchmarks, tests)."""
+"""Start and stop shoal-worker processes, and `shoal serve`, on this machine (for `shoal demo`,
+benchmarks, tests)."""
 
 from __future__ import annotations
 
@@ -183,3 +184,47 @@ def stop_workers(workers: Sequence[LocalWorker]) -> None:
             worker.proc.send_signal(signal.SIGTERM)
     for worker in workers:
         worker.stop()
+
+
+_SERVING = re.compile(r"on (http://\S+:\d+)/v1")
+
+
+@dataclass
+class LocalServer:
+    proc: subprocess.Popen
+    url: str  # http://HOST:PORT, without /v1
+    log: Path
+
+    def stop(self, grace: float = 15.0) -> None:
+        LocalWorker(self.proc, "", self.log).stop(grace)
+
+
+def start_server(
+    model: Path, workers: Sequence[str], secret_file: Path, log: Path,
+    extra: Sequence[str] = (), *, timeout: float = START_TIMEOUT,
+) -> LocalServer:
+    """Launch `shoal serve` over `workers` on a free loopback port and wait until it
+    answers (bounded)."""
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(model),
+           "--workers", ",".join(workers), "--port", "0", "--secret-file", str(secret_file),
+           *extra]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=Path(__file__).resolve().parents[1],
+        )
+    server = LocalServer(proc, "", log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = _SERVING.search(log.read_text(errors="replace"))
+        if match:
+            server.url = match.group(1)
+            return server
+        if proc.poll() is not None:
+            raise ShoalError(f"shoal serve exited with status {proc.returncode}:\n"
+                             f"{log.read_text(errors='replace').strip()}")
+        time.sleep(0.1)
+    server.stop()
+    raise ShoalError(f"shoal serve did not start within {timeout:.0f} s; see {log}")

@@ -273,6 +273,16 @@ class Membership:
         while not stop.is_set():
             try:
                 rtt, failure = link.check_health(CHECK_TIMEOUT), None
+            except Unauthenticated as e:  # the TLS handshake failed: another cluster
+                with self._changed:
+                    before = self._members[key]
+                    if before.state != "unauthenticated":
+                        self._set_locked(replace(before, state="unauthenticated",
+                                                 detail=str(e)))
+                if before.state != "unauthenticated":
+                    self._say(f"worker {before.node_id or key} is unauthenticated: {e}")
+                stop.wait(CHECK_INTERVAL)
+                continue
             except Unavailable as e:
                 rtt, failure = None, str(e)
             now = time.monotonic()

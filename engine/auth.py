@@ -1,8 +1,11 @@
-"""The cluster secret: where it lives, and the per-call credential derived from it.
+"""The cluster secret file: where it lives, what it holds (the secret, and the cluster's
+TLS identity, engine/tls.py), and the per-call credential derived from the secret.
 
 The secret never travels. Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an
 HMAC-SHA256 of the time, nonce and method name under the secret; a worker accepts it
-within a freshness window and refuses a nonce it has already seen in that window.
+within a freshness window and refuses a nonce it has already seen while it could be fresh.
+Links themselves are TLS with both ends' certificates checked, so a credential is never
+seen on the network to be replayed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from engine.errors import ShoalError, Unauthenticated
+from engine.tls import Identity, make_identity, read_identity
 
 METADATA_KEY = "shoal-auth"
 SECRET_ENV = "SHOAL_SECRET_FILE"
@@ -59,13 +63,22 @@ def create_secret(path: Path, *, force: bool = False) -> Path:
     try:
         os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
+            f.write(secrets.token_hex(32) + "\n" + make_identity().to_pem())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return path
+
+
+def ensure_secret(path: Path) -> Path:
+    """A secret of Shoal's own (the demo's, the bench's) at `path`, made anew when missing or
+    from before links were encrypted. Never for a user's cluster secret: replacing that one
+    would lock every other Mac out."""
+    if not path.exists() or load_secret(path).identity is None:
+        create_secret(path, force=True)
     return path
 
 
@@ -93,9 +106,33 @@ def load_secret(path: Path) -> bytes:
             f"the cluster secret {path} has mode {mode:04o}: other users of this machine can "
             f"read or change it; run `chmod 600 {path}` (and check who may have copied it)"
         )
-    if len(text) < 32:
+    first = text.split("\n", 1)[0].strip()
+    if len(first) < 32:
         raise ShoalError(f"the cluster secret in {path} is too short (at least 32 characters)")
-    return text.encode()
+    return Secret(first.encode(), read_identity(text), path)
+
+
+class Secret(bytes):
+    """The secret's bytes (what credentials are made from), with the TLS identity read from
+    the same file: None in a file written by a Shoal before links were encrypted."""
+
+    identity: Identity | None
+    path: Path | None
+
+    def __new__(cls, value: bytes, identity: Identity | None = None,
+                path: Path | None = None) -> Secret:
+        made = super().__new__(cls, value)
+        made.identity, made.path = identity, path
+        return made
+
+    def require_identity(self) -> Identity:
+        if self.identity is None:
+            where = self.path or "the cluster secret file"
+            raise ShoalError(
+                f"{where} holds no TLS identity (it was made by an older `shoal cluster-init`):"
+                " run `shoal cluster-init --force` once and copy the new file to every Mac"
+            )
+        return self.identity
 
 
 def _mac(secret: bytes, stamp: str, nonce: str, method: str) -> str:
@@ -139,7 +176,9 @@ class CredentialChecker:
                 f"(allowed skew {self._window:.0f} s)"
             )
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - self._window:
+            # A credential is fresh for `window` either side of its stamp, so a nonce is kept
+            # for twice that: however skewed the clocks, it is never accepted twice.
+            while self._seen and next(iter(self._seen.values())) < now - 2 * self._window:
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 raise Unauthenticated("credential was already used (replayed call refused)")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from engine.errors import InvalidInput
+from engine.errors import MAX_ECHO, InvalidInput, clip
 from proto import shoal_pb2
 
 # Wire dtype name -> (numpy dtype carrying the bytes, mlx dtype). bfloat16 has no
@@ -92,19 +93,22 @@ def decode(
     Raises InvalidInput naming `what` when the dtype, rank or byte count is wrong.
     """
     if tensor.dtype not in _DTYPES:
-        raise InvalidInput(f"{what}: unknown dtype {tensor.dtype!r}")
+        raise InvalidInput(f"{what}: unknown dtype {clip(repr(tensor.dtype), MAX_ECHO)}")
     if dtypes is not None and tensor.dtype not in dtypes:
         raise InvalidInput(f"{what}: dtype {tensor.dtype} is not one of {', '.join(dtypes)}")
     shape = tuple(tensor.shape)
     if ndim is not None and len(shape) != ndim:
-        raise InvalidInput(f"{what}: expected {ndim} dimensions, got shape {shape}")
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{what}: negative dimension in shape {shape}")
+        raise InvalidInput(f"{what}: expected {ndim} dimensions, got shape "
+                           f"{clip(str(shape), 80)}")
+    if any(not 0 <= d < 2**31 for d in shape):
+        raise InvalidInput(f"{what}: a dimension of shape {clip(str(shape), 80)} is negative "
+                           "or too large")
     np_dtype = _DTYPES[tensor.dtype][0]
-    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expected = math.prod(shape) * np_dtype.itemsize  # Python ints: no overflow
     data = tensor.data  # each read of a bytes field makes a new copy: read it once
     if len(data) != expected:
         raise InvalidInput(
-            f"{what}: {shape} of {tensor.dtype} needs {expected} bytes, got {len(data)}"
+            f"{what}: {clip(str(shape), 80)} of {tensor.dtype} needs {expected} bytes, "
+            f"got {len(data)}"
         )
     return np.frombuffer(data, dtype=np_dtype).reshape(shape)

@@ -4,6 +4,7 @@ settings both ends must agree on."""
 import grpc
 
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, Unauthenticated, Unavailable
+from engine.tls import NAME, Identity
 
 PROTOCOL_VERSION = 1
 # Prefill chunks can carry hundreds of MB of activations; gRPC's 4 MB default is far too small.
@@ -11,6 +12,17 @@ MESSAGE_LIMIT = 2**31 - 1
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+]
+# What a worker reads from one message at most: a 2048-token prompt chunk of a 7168-wide
+# model in float32 is 59 MB; anything far larger is refused before it is held in memory.
+REQUEST_LIMIT = 256 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", REQUEST_LIMIT),
+    # coordinators ping idle links (coordinator/cluster.py KEEPALIVE): allow it
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 # Shoal's errors on the wire: a worker answers each with its status code and the same message,
@@ -34,3 +46,21 @@ def status_for(error: Exception) -> grpc.StatusCode:
 def error_class_for(code: grpc.StatusCode) -> type | None:
     """The ShoalError class a status code stands for; None for codes Shoal does not send."""
     return next((kind for kind, known in ERROR_CODES if known == code), None)
+
+
+# Links are TLS, both ends presenting the cluster's certificate (engine/tls.py). Workers are
+# reached by IP address or .local name, so the client checks the name the certificate holds.
+TLS_CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", NAME)]
+
+
+def secure_channel(address: str, identity: Identity, options: list) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=identity.authority, private_key=identity.key,
+        certificate_chain=identity.certificate)
+    return grpc.secure_channel(address, credentials, options=[*options, *TLS_CHANNEL_OPTIONS])
+
+
+def server_credentials(identity: Identity) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(identity.key, identity.certificate)],
+                                       root_certificates=identity.authority,
+                                       require_client_auth=True)

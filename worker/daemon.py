@@ -25,16 +25,28 @@ from engine.cache_policy import (
     resolve_budget,
 )
 from engine.errors import ShoalError
-from engine.interfaces import advertised_addresses, is_wildcard, local_interfaces
-from proto import GRPC_OPTIONS, PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc
+from engine.interfaces import (
+    advertised_addresses,
+    is_wildcard,
+    local_interfaces,
+    select_interface,
+)
+from proto import (
+    PROTOCOL_VERSION,
+    SERVER_OPTIONS,
+    server_credentials,
+    shoal_pb2,
+    shoal_pb2_grpc,
+)
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
-from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer
+from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer, PeerLimit
 from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
+MAX_CALLS = 64  # calls at once, all peers together; gRPC refuses more (RESOURCE_EXHAUSTED)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,8 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a store folder written by `shoal shard` (repeat for one folder per drive)",
     )
     parser.add_argument(
-        "--host", default="0.0.0.0",
-        help="address to listen on (default 0.0.0.0: every interface; 127.0.0.1 for this Mac only)",
+        "--host", default=None,
+        help="address to listen on (default: --interface's address if given, else 127.0.0.1, "
+        "this Mac only; 0.0.0.0 for every interface: see docs/security.md)",
     )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
@@ -132,9 +145,21 @@ def format_rate(rate: int) -> str:
     return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
 
 
+def listen_host(host: str | None, interface: str | None) -> str:
+    """Where to listen: as given; else on the named interface only (bridge0: Thunderbolt
+    Bridge); else on loopback, so that a worker is never reachable from a network by default."""
+    if host:
+        return host
+    if interface:
+        return select_interface(interface, local_interfaces())[0].address
+    return "127.0.0.1"
+
+
 def serve(args: argparse.Namespace) -> None:
+    args.host = listen_host(args.host, args.interface)
     scrub_rate = parse_rate(args.scrub) if args.scrub else None
     secret = load_secret(secret_path(args.secret_file))
+    identity = secret.require_identity()  # before loading any expert: refuse early
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
@@ -171,11 +196,15 @@ def serve(args: argparse.Namespace) -> None:
         node_id_path(), log=note
     )
     memory_budget = residency.budget
-    pool = futures.ThreadPoolExecutor(max_workers=16)
+    # Every call holds a thread (Compute streams for as long as a coordinator is connected):
+    # the pool has room beyond the server's cap, so liveness checks always find a thread, and
+    # PeerLimit keeps one host from taking the whole cap.
+    pool = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8)
     server = grpc.server(
         pool,
-        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret))],
-        options=GRPC_OPTIONS,
+        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret)), PeerLimit()],
+        options=SERVER_OPTIONS,
+        maximum_concurrent_rpcs=MAX_CALLS,
     )
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
         ExpertServicer(residency, node_id, memory_budget), server
@@ -185,7 +214,7 @@ def serve(args: argparse.Namespace) -> None:
     for service in ("", shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name):
         liveness.set(service, health_pb2.HealthCheckResponse.SERVING)
     try:
-        port = server.add_insecure_port(f"{args.host}:{args.port}")
+        port = server.add_secure_port(f"{args.host}:{args.port}", server_credentials(identity))
     except RuntimeError:
         port = 0
     if port == 0:
@@ -199,6 +228,9 @@ def serve(args: argparse.Namespace) -> None:
         f"on {args.host}:{port}",
         flush=True,
     )
+    if args.host.startswith("127."):
+        note("listening on loopback only (this Mac); to serve other Macs give --interface "
+             "bridge0 (Thunderbolt Bridge) or --host ADDRESS")
     advertiser = None
     if addresses:
         advert = Advert(

@@ -42,6 +42,9 @@ from worker.reader import (
 from worker.store import StoreScan
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
+# (token, expert) pairs in one request: a 2048-token prompt chunk with top-16 routing is 32768;
+# far more is refused before any work (4M pairs once took 80 s and 4.4 GB).
+MAX_PAIRS = 1 << 18
 WAIT_SECONDS = 600.0  # a demand read that takes longer than this is reported as a failure
 
 Key = tuple[int, int]
@@ -680,6 +683,9 @@ class Residency:
             raise InvalidInput(f"request carries {n} hidden states; allowed 1 to {MAX_ROWS}")
         if request.rows.shape != request.experts.shape or request.rows.size == 0:
             raise InvalidInput("rows and experts must be non-empty and of the same length")
+        if request.rows.size > MAX_PAIRS:
+            raise InvalidInput(f"request carries {request.rows.size} (token, expert) pairs; "
+                               f"allowed at most {MAX_PAIRS}")
         if request.rows.min() < 0 or request.rows.max() >= n:
             raise InvalidInput(f"a row index is outside the {n} hidden states sent")
         held = self._held_mask[request.layer]

@@ -5,6 +5,8 @@ No expert logic lives here; `Residency` owns it.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -185,12 +187,66 @@ def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that refuses the call."""
+    """A handler that refuses the call at once, from its headers: always of a streaming-
+    request kind, so that the server never waits for a body (a unary handler would first
+    read it, and a caller that never sends one would hold a thread for as long as it likes).
+    The client cannot tell: the wire is the same, and the call ends before any message."""
 
-    def refuse(request, context):
+    def refuse(request_iterator, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return _same_kind(handler, refuse, decode=False)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+MAX_CALLS_PER_PEER = 24  # calls at once from one host: enough for a coordinator and tools
+
+
+class PeerLimit(grpc.ServerInterceptor):
+    """At most MAX_CALLS_PER_PEER calls at once from one host (RESOURCE_EXHAUSTED beyond),
+    so that one client, however many connections it opens, cannot take every thread of the
+    worker from the others; the server's own cap bounds the total (worker/daemon.py)."""
+
+    def __init__(self, limit: int = MAX_CALLS_PER_PEER) -> None:
+        self.limit = limit
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        host = context.peer().rsplit(":", 1)[0]
+        with self._lock:
+            count = self._calls.get(host, 0)
+            if count < self.limit:
+                self._calls[host] = count + 1
+        if count >= self.limit:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{count} calls from {host} at once already; the limit is {self.limit}")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls[host] -= 1
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return handler  # liveness checks are short and must always answer
+        behavior = _behavior(handler)
+        if handler.response_streaming:
+            def limited(request, context):
+                with self._slot(context):
+                    yield from behavior(request, context)
+        else:
+            def limited(request, context):
+                with self._slot(context):
+                    return behavior(request, context)
+        return _same_kind(handler, limited)
 
 
 class _BoundedContext:

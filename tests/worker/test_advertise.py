@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.auth import load_secret, make_credential
 from engine.checkpoint import shard
-from proto import shoal_pb2, shoal_pb2_grpc
+from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import (
     choose_node_id,
     host_label,
@@ -61,7 +61,7 @@ def worker(tiny_checkpoint, tmp_path, start_worker):
 
 
 def test_liveness_needs_no_credential_but_everything_else_does(worker, secret_file):
-    channel = grpc.insecure_channel(worker.address)
+    channel = secure_channel(worker.address, load_secret(secret_file).identity, [])
     reply = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="shoal.v1.ExpertService"), timeout=10
     )

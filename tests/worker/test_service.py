@@ -7,7 +7,7 @@ import pytest
 from engine.auth import load_secret, make_credential
 from engine.checkpoint import shard
 from engine.tensors import encode
-from proto import shoal_pb2, shoal_pb2_grpc
+from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
 
 SERVICE = "/shoal.v1.ExpertService/"
 
@@ -40,7 +40,7 @@ def test_worker_refuses_bad_input_and_unauthenticated_calls_then_still_serves(
     worker, secret_file
 ):
     secret = load_secret(secret_file)
-    channel = grpc.insecure_channel(worker.address)
+    channel = secure_channel(worker.address, load_secret(secret_file).identity, [])
     stub = shoal_pb2_grpc.ExpertServiceStub(channel)
     inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
                                   metadata=credential(secret, "GetInventory"))
@@ -92,7 +92,7 @@ def test_numbers_that_are_not_numbers_and_huge_strings_get_short_clear_refusals(
     nothing; a 64 KiB string a client sent is not echoed back whole (it used to outgrow the
     client's metadata limit, which then saw a transport error, not the refusal)."""
     secret = load_secret(secret_file)
-    channel = grpc.insecure_channel(worker.address)
+    channel = secure_channel(worker.address, load_secret(secret_file).identity, [])
     stub = shoal_pb2_grpc.ExpertServiceStub(channel)
     inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
                                   metadata=credential(secret, "GetInventory"))

@@ -36,7 +36,7 @@ def compute(link: WorkerLink, key, hidden: np.ndarray) -> tuple[np.ndarray, int]
     )
     link.send(request)
     try:
-        reply = link.receive()
+        reply = link.receive(timeout=60)
     finally:
         link.reset()
     return decode(reply.output, what="output", ndim=2), reply.inventory_version

@@ -1,0 +1,80 @@
+"""The cluster's TLS identity: a private certificate authority that signs one certificate
+every node of the cluster presents, made once by `shoal cluster-init` and kept in the secret
+file beside the secret. Links are then encrypted and mutually authenticated: a worker accepts
+only peers holding that certificate's key, and a coordinator talks only to such workers.
+
+The authority's own key is thrown away once it has signed, so no one, not even the holder of
+the file, can mint a second identity: re-running cluster-init makes a new cluster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass
+
+NAME = "shoal"  # every node's certificate names this; clients check it, whatever the address
+_BLOCK = re.compile(r"-----BEGIN ([A-Z ]+)-----\n.*?\n-----END \1-----\n?", re.S)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """PEM bytes: the authority's certificate, the shared node certificate and its key."""
+
+    authority: bytes
+    certificate: bytes
+    key: bytes
+
+    def to_pem(self) -> str:
+        return (self.authority + self.certificate + self.key).decode()
+
+
+def make_identity(years: int = 20) -> Identity:
+    """A new authority and a node certificate it signed for NAME, for servers and clients."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)  # clock skew
+    until = now + datetime.timedelta(days=365 * years)
+    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shoal cluster authority")])
+    authority = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    node = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, NAME)]))
+        .issuer_name(ca_name).public_key(node_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(until)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    key = node_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+    return Identity(authority.public_bytes(pem), node.public_bytes(pem), key)
+
+
+def read_identity(text: str) -> Identity | None:
+    """The identity in a secret file's text (its PEM blocks), or None if it has none."""
+    blocks = [m.group(0).encode() for m in _BLOCK.finditer(text)]
+    certificates = [b for b in blocks if b.startswith(b"-----BEGIN CERTIFICATE")]
+    keys = [b for b in blocks if b"PRIVATE KEY" in b.split(b"\n", 1)[0]]
+    if len(certificates) != 2 or len(keys) != 1:
+        return None
+    return Identity(certificates[0], certificates[1], keys[0])

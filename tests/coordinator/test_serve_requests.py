@@ -1,0 +1,89 @@
+"""`shoal serve`'s pure parts: request validation, the context check, stop strings."""
+
+import pytest
+
+from coordinator.batching import split_at_stop
+from coordinator.serve import DEFAULT_MAX_TOKENS, fit_to_context, parse_request
+from engine.errors import InvalidInput
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_a_chat_request_takes_the_apis_fields():
+    r = parse_request({"model": "x", "messages": HI, "max_tokens": 5, "temperature": 0,
+                       "top_p": 0.5, "seed": 3, "stop": "\n", "logprobs": True,
+                       "top_logprobs": 2, "stream": True,
+                       "stream_options": {"include_usage": True}, "user": "ignored"},
+                      chat=True)
+    assert r.chat and r.messages == ({"role": "user", "content": "hi"},)
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, s.top_logprobs) == (
+        5, 0.0, 0.5, 3, ("\n",), 2)
+    assert r.stream and r.include_usage and r.max_tokens_given
+
+
+def test_defaults_are_the_apis():
+    r = parse_request({"messages": HI}, chat=True)
+    assert r.sampling.temperature == 1.0 and r.sampling.top_logprobs is None
+    assert r.sampling.max_tokens == DEFAULT_MAX_TOKENS and not r.max_tokens_given
+    assert parse_request({"messages": HI, "max_completion_tokens": 7},
+                         chat=True).sampling.max_tokens == 7
+
+
+def test_text_parts_and_prompts_of_token_ids():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    r = parse_request({"messages": [{"role": "user", "content": parts}]}, chat=True)
+    assert r.messages[0]["content"] == "ab"
+    assert parse_request({"prompt": [1, 2, 3]}, chat=False).prompt == (1, 2, 3)
+    assert parse_request({"prompt": ["one"], "logprobs": 0}, chat=False).prompt == "one"
+
+
+@pytest.mark.parametrize("body,chat,message", [
+    ([], True, "JSON object"),
+    ({"messages": []}, True, "non-empty list"),
+    ({"messages": [{"content": "hi"}]}, True, "string 'role'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "text parts"),
+    ({"messages": HI, "max_tokens": 0}, True, "at least 1"),
+    ({"messages": HI, "max_tokens": True}, True, "an integer"),
+    ({"messages": HI, "max_tokens": 2.5}, True, "an integer"),
+    ({"messages": HI, "temperature": 3}, True, "between 0 and 2"),
+    ({"messages": HI, "top_p": 0}, True, "above 0"),
+    ({"messages": HI, "seed": "s"}, True, "an integer"),
+    ({"messages": HI, "stop": ["a", ""]}, True, "non-empty"),
+    ({"messages": HI, "stop": ["a"] * 5}, True, "at most 4"),
+    ({"messages": HI, "top_logprobs": 2}, True, "needs 'logprobs'"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 50}, True, "between 0 and 20"),
+    ({"messages": HI, "presence_penalty": 0.5}, True, "not supported"),
+    ({"messages": HI, "stream_options": {"include_usage": "yes"}}, True, "true or false"),
+    ({"messages": HI, "model": 3}, True, "a string"),
+    ({"prompt": 3}, False, "'prompt'"),
+    ({"prompt": [1, -2]}, False, "'prompt'"),
+    ({"prompt": "x", "logprobs": True}, False, "an integer"),
+])
+def test_bad_requests_say_which_field(body, chat, message):
+    with pytest.raises(InvalidInput, match=message):
+        parse_request(body, chat=chat)
+
+
+def test_the_context_holds_prompt_and_answer():
+    given = parse_request({"prompt": "x", "max_tokens": 10}, chat=False)
+    assert fit_to_context(given, 90, 100).sampling.max_tokens == 10
+    with pytest.raises(InvalidInput, match="does not fit"):
+        fit_to_context(given, 91, 100)
+    with pytest.raises(InvalidInput, match="the prompt has 100 tokens"):
+        fit_to_context(given, 100, 100)
+    free = parse_request({"prompt": "x"}, chat=False)  # no max_tokens: what is left
+    assert fit_to_context(free, 95, 100).sampling.max_tokens == 5
+
+
+@pytest.mark.parametrize("pending,stops,expected", [
+    ("hello world", ("wor",), ("hello ", "", True)),
+    ("hello wo", ("world",), ("hello ", "wo", False)),  # may begin a stop string: held
+    ("hello w", ("xyz",), ("hello w", "", False)),
+    ("ab\n\nc", ("\n\n", "b"), ("a", "", True)),  # the earliest stop string wins
+    ("aaa", ("aab",), ("a", "aa", False)),
+    ("", ("x",), ("", "", False)),
+    ("text", (), ("text", "", False)),
+])
+def test_stop_strings_are_never_emitted(pending, stops, expected):
+    assert split_at_stop(pending, stops) == expected

@@ -1,0 +1,172 @@
+"""Real workers against what a probe found on the hot path: callers that never send a body,
+idle connections, a worker that hangs mid-generation (with and without a copy of its
+experts elsewhere), and requests too large to be honest."""
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.cluster import SERVICE_NAME, WorkerLink
+from coordinator.generate import open_remote_model
+from engine.auth import create_secret, load_secret
+from engine.checkpoint import read_manifest, shard
+from engine.errors import Unauthenticated, Unavailable
+from engine.interfaces import local_interfaces
+from engine.tensors import encode
+from proto import secure_channel, shoal_pb2
+from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
+from worker.daemon import listen_host
+from worker.residency import MAX_PAIRS
+
+METHOD = "/shoal.v1.ExpertService/GetInventory"
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hardening") / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)  # one store: out/experts
+    return out
+
+
+def test_calls_that_never_send_a_body_are_refused_at_once_and_starve_nobody(
+    sharded, start_worker, secret_file
+):
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    release = threading.Event()
+
+    def never():  # headers go out, the body never does (until the test ends)
+        release.wait(30)
+        yield b""
+
+    channel = secure_channel(worker.address, load_secret(secret_file).identity, [])
+    call = channel.stream_unary(METHOD, request_serializer=bytes, response_deserializer=bytes)
+    pending = [call.future(never(), metadata=[("shoal-auth", "forged")]) for _ in range(40)]
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    idle = [link._stub.Compute(iter(release.wait, True), metadata=link._metadata("Compute"))
+            for _ in range(16)]  # sixteen idle authenticated streams, as idle coordinators
+    try:
+        started = time.monotonic()
+        for future in pending:
+            with pytest.raises(grpc.RpcError) as refused:
+                future.result(timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - started < 10
+        started = time.monotonic()
+        assert link.fetch_inventory(timeout=5).experts  # the worker still serves
+        assert link.check_health(timeout=5) < 5
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        for stream in idle:
+            stream.cancel()
+        link.close()
+        channel.close()
+
+
+def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, secret_file):
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    release = threading.Event()
+    streams = [link._stub.Compute(iter(release.wait, True), metadata=link._metadata("Compute"))
+               for _ in range(30)]
+    try:
+        refused = []
+        for stream in streams[24:]:  # the first 24 are held; the rest answered at once
+            with pytest.raises(grpc.RpcError) as error:
+                next(stream)
+            refused.append(error.value.code())
+        assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
+        health = link._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                    timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        release.set()
+        for stream in streams:
+            stream.cancel()
+        link.close()
+
+
+def test_requests_too_large_to_be_honest_are_refused_clearly(sharded, start_worker, secret_file):
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    manifest = read_manifest(sharded)
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    layer = manifest.layers[0].layer
+    expert = next(e.expert for e in manifest.experts if e.layer == layer)
+    width = manifest.config["hidden_size"]
+    pairs = MAX_PAIRS + 1
+    try:
+        for hidden in (
+            encode(np.zeros((1, width), np.float32), "float32"),
+            {"dtype": "float32", "shape": [2**40, 2**40], "data": b"\0" * 16},  # overflows
+        ):
+            link.send(shoal_pb2.ExpertRequest(
+                seq=1, layer=layer, hidden=hidden,
+                rows=encode(np.zeros(pairs, np.int32), "int32"),
+                experts=encode(np.full(pairs, expert, np.int32), "int32")))
+            started = time.monotonic()
+            with pytest.raises(Unavailable, match="INVALID_ARGUMENT"):
+                link.receive(timeout=30)
+            assert time.monotonic() - started < 10
+        assert link.fetch_inventory().experts  # and it still serves
+    finally:
+        link.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_worker_that_hangs_mid_generation_is_given_up_within_seconds(
+    replicated, tiny_checkpoint, sharded, tmp_path, start_worker, secret_file
+):
+    manifest = read_manifest(sharded)
+    keys = sorted((e.layer, e.expert) for e in manifest.experts)
+    shares = [keys, keys] if replicated else [keys[::2], keys[1::2]]
+    stores = make_stores(sharded, tmp_path, shares)
+    workers = [start_worker([store], "--no-advertise") for store in stores]
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        expected = greedy_tokens(remote.model, PROMPT, 8)  # also measures the round trips
+        os.kill(workers[1].proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        if replicated:
+            assert greedy_tokens(remote.model, PROMPT, 8) == expected
+        else:
+            with pytest.raises(Unavailable, match=f"{workers[1].address} did not answer") as e:
+                greedy_tokens(remote.model, PROMPT, 8)
+            assert "layer" in str(e.value) and "expert" in str(e.value)
+        assert time.monotonic() - started < 20, "a hung worker held the generation"
+    finally:
+        os.kill(workers[1].proc.pid, signal.SIGCONT)
+        remote.close()
+
+
+def test_a_worker_listens_on_loopback_unless_told_otherwise():
+    loopback = next(i.name for i in local_interfaces() if i.address == "127.0.0.1")
+    assert listen_host(None, None) == "127.0.0.1"
+    assert listen_host("0.0.0.0", None) == "0.0.0.0"
+    assert listen_host(None, loopback) == "127.0.0.1"  # the interface's own address only
+
+
+def test_links_are_tls_and_only_this_clusters_identity_gets_through(
+    sharded, start_worker, secret_file, tmp_path
+):
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    ours = WorkerLink(worker.address, load_secret(secret_file))
+    theirs = WorkerLink(worker.address, load_secret(create_secret(tmp_path / "other")))
+    plain = grpc.insecure_channel(worker.address)
+    try:
+        assert ours.check_health(5) < 5
+        with pytest.raises(Unauthenticated, match="TLS identity"):
+            theirs.check_health(5)
+        with pytest.raises(grpc.RpcError) as refused:  # plaintext: not even liveness
+            health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for link in (ours, theirs):
+            link.close()
+        plain.close()

@@ -1,0 +1,47 @@
+"""`shoal serve` while a worker is lost whose experts have another copy: the answer in
+flight goes on and is the one it gets with every worker up."""
+
+import shutil
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
+import openai
+import pytest
+
+from coordinator.local import start_server, start_workers, stop_workers
+from engine.checkpoint import shard
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_lost_worker_with_copies_elsewhere_is_routed_around(tiny_checkpoint, secret_file,
+                                                               tmp_path):
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
+    whole = tmp_path / "whole"  # every expert: a copy of worker-1's share as well
+    shutil.copytree(sharded / "worker-0", whole)
+    shutil.copytree(sharded / "worker-1", whole, dirs_exist_ok=True)
+    workers = start_workers([[whole], [sharded / "worker-1"]], secret_file, tmp_path / "logs")
+    server = None
+    try:
+        server = start_server(sharded, [w.address for w in workers], secret_file,
+                              tmp_path / "serve.log")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                               timeout=60)
+
+        def ask(stream: bool):
+            return client.completions.create(model="m", prompt="hello there", max_tokens=600,
+                                             temperature=0, stream=stream)
+
+        expected = ask(False).choices[0].text
+        chunks = iter(ask(True))
+        text = next(chunks).choices[0].text
+        workers[1].stop()  # the copies on the first worker take over
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        assert health["requests_in_flight"] == 1, "the answer ended before the worker did"
+        text += "".join(c.choices[0].text for c in chunks)
+        assert text == expected
+        assert httpx.get(server.url + "/health", timeout=10).json()["workers"] == 1
+    finally:
+        if server is not None:
+            server.stop()
+        stop_workers(workers)
