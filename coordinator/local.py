@@ -3,6 +3,7 @@ benchmarks, tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.context
@@ -53,7 +54,9 @@ class ForkedWorker:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None and self._process.pid is not None:
-            os.kill(self._process.pid, sig)
+            # The fork server, its parent, reaps it: it may be gone before exitcode says so.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, sig)
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
