@@ -1,10 +1,12 @@
 """Build small random mlx-lm MoE checkpoints and their byte-level BPE tokenizer.
 
 For tests and benchmarks: the same arguments give byte-identical files, in mlx-lm's or HF's layout.
+Three families have sizes from tiny to bench (`SHAPES`); every other mlx-lm MoE family has one
+tiny config in engine/families.py.
 """
 
-import importlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import quantize_model, save_config, save_model
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.errors import ShoalError
+from engine.families import TINY
 
+# The families with every size; the others of TINY are built tiny only.
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
 SIZES: tuple[str, ...] = ("tiny", "bench")
 LAYOUTS: tuple[str, ...] = ("mlx", "hf")
@@ -54,6 +59,13 @@ _SCORE_BIAS_STD = 0.05
 # more than 1e-3 at almost every position, so greedy decoding does not flip
 # under float rounding differences between local and distributed runs.
 _LM_HEAD_SCALE = 4.0
+# Where the head is the embedding (hunyuan, lfm2_moe), scaling it up would make every model
+# repeat its last input token (the residual stream is mostly that token's embedding); scaled
+# down, the blocks' outputs decide the next token instead.
+_TIED_EMBEDDING_SCALE = 0.25
+
+# A switch module's decoder layer ("model.layers.3" of "model.layers.3.mlp.switch_mlp").
+_LAYER = re.compile(r"^(.*\b(?:layers|h)\.\d+)\.")
 
 # Mixtral names its expert projections w1/w2/w3 in Hugging Face checkpoints.
 _HF_EXPERT_PROJ = {
@@ -160,9 +172,17 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+def all_families() -> tuple[str, ...]:
+    """Every family build_checkpoint can build (tiny at least)."""
+    return tuple(sorted(set(FAMILIES) | set(TINY), key=str.lower))
+
+
 def model_config(family: str, size: str = "tiny") -> dict[str, Any]:
     """The config.json that mlx-lm reads for a synthetic model (unquantized)."""
-    _check_choice("family", family, FAMILIES)
+    _check_choice("family", family, all_families())
+    if family not in FAMILIES:
+        _check_choice("size", size, ("tiny",))
+        return _tiny_config(family)
     _check_choice("size", size, SIZES)
     shape = SHAPES[size]
     tokenizer = train_tokenizer()
@@ -187,6 +207,24 @@ def model_config(family: str, size: str = "tiny") -> dict[str, Any]:
         "deepseek_v3": _deepseek_v3_fields,
     }[family](shape)
     return {**common, **family_fields}
+
+
+def _tiny_config(family: str) -> dict[str, Any]:
+    """A family's entry of engine/families.py with the tokenizer's vocabulary and ids."""
+    tokenizer = train_tokenizer()
+    ids = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "bos_token_id": tokenizer.token_to_id("<|bos|>"),
+        "eos_token_id": [tokenizer.token_to_id("<|eos|>"), tokenizer.token_to_id("<|im_end|>")],
+    }
+    tiny = TINY[family]
+    config = tiny.config(family)
+    if tiny.nested:
+        # Wrappers read the vocabulary at either level (gemma4 copies its own down).
+        config["text_config"] = {**ids, **config["text_config"]}
+        return {**ids, **config}
+    vocab = {"num_vocab": ids["vocab_size"]} if not tiny.common else {}
+    return {**ids, **vocab, **config}
 
 
 def _qwen3_moe_fields(shape: Shape) -> dict[str, Any]:
@@ -255,11 +293,16 @@ def build_checkpoint(
     """
     out_dir = Path(out_dir)
     _check_options(out_dir, layout, dtype, quantize_bits, group_size)
+    if layout == "hf" and family not in FAMILIES:
+        raise ShoalError(f"the hf layout is written for {', '.join(FAMILIES)} only, not {family}")
     config = model_config(family, size)
     config["torch_dtype"] = dtype
     model = random_model(config, seed)
     _cast(model, DTYPES[dtype])
-    if quantize_bits is not None:
+    packed = TINY[family].packed if family in TINY else None
+    if packed is not None:
+        model, config = _quantize_packed(model, config, packed, quantize_bits)
+    elif quantize_bits is not None:
         model, config = quantize_model(model, config, group_size, quantize_bits)
     out_dir.mkdir(parents=True, exist_ok=True)
     if layout == "mlx":
@@ -270,6 +313,20 @@ def build_checkpoint(
     save_config(config, out_dir / "config.json")
     build_tokenizer(out_dir)
     return out_dir
+
+
+def _quantize_packed(
+    model: nn.Module, config: dict[str, Any], packed: tuple[int, int], bits: int | None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Quantize every quantizable module one way, as a family that exists only so requires
+    (its config already names that quantization and must name nothing else)."""
+    packed_bits, packed_group = packed
+    if bits not in (None, packed_bits):
+        raise ShoalError(f"{config['model_type']} is built {packed_bits}-bit only")
+    plain = {k: v for k, v in config.items() if k != "quantization"}
+    model, plain = quantize_model(model, plain, packed_group, packed_bits,
+                                  quant_predicate=lambda path, module: True)
+    return model, {**plain, "quantization": config["quantization"]}
 
 
 def _check_options(
@@ -295,15 +352,48 @@ def _check_choice(name: str, value: object, valid: tuple[Any, ...]) -> None:
 
 def random_model(config: dict[str, Any], seed: int) -> nn.Module:
     """Instantiate mlx-lm's model for config with its default init and decisive routers."""
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    # mlx-lm's own choice of model class (it remaps some model types and architectures).
+    model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    for path, module in model.named_modules():
-        if path.endswith(".gate"):
-            _randomize_router(module)
-    model.lm_head.weight = model.lm_head.weight * _LM_HEAD_SCALE
+    model = model_class(args_class.from_dict(config))
+    for router in _routers(model):
+        _randomize_router(router)
+    packed = _packed_modules(model)
+    for module in packed:
+        _randomize_packed(module)
+    head = _output_head(model, config["vocab_size"])
+    if not any(module is head for module in packed):  # a packed head keeps its codes
+        tied = isinstance(head, nn.Embedding)
+        head.weight = head.weight * (_TIED_EMBEDDING_SCALE if tied else _LM_HEAD_SCALE)
     mx.eval(model.parameters())
     return model
+
+
+def _routers(model: nn.Module) -> list[nn.Module]:
+    """The modules that score each switch module's experts: a 2-D weight with one row per
+    expert, next to the switch module in its block, or else elsewhere in its decoder layer
+    (Gemma 4 keeps the router beside the block)."""
+    modules = dict(model.named_modules())
+    found: set[str] = set()
+    for path, module in modules.items():
+        if not isinstance(module, (SwitchGLU, SwitchMLP)):
+            continue
+        num_experts = next(iter(tree_flatten(module.parameters())))[1].shape[0]
+        layer = _LAYER.match(path)
+        for scope in (path.rpartition(".")[0], layer.group(1) if layer else ""):
+            scores = {other for other, candidate in modules.items()
+                      if other.startswith(f"{scope}.") and not other.startswith(path)
+                      and _scores_experts(candidate, num_experts)}
+            if scores:
+                found |= scores
+                break
+    # In model order, so that the random draws (and so the files) do not depend on the search.
+    return [module for path, module in modules.items() if path in found]
+
+
+def _scores_experts(module: nn.Module, num_experts: int) -> bool:
+    weight = module.get("weight")
+    return isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts
 
 
 def _randomize_router(gate: nn.Module) -> None:
@@ -313,6 +403,47 @@ def _randomize_router(gate: nn.Module) -> None:
     gate.weight = mx.random.normal((num_experts, hidden)) * std
     if "e_score_correction_bias" in gate:
         gate.e_score_correction_bias = mx.random.normal((num_experts,)) * _SCORE_BIAS_STD
+
+
+def _packed_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules that mlx-lm builds already quantized and frozen, at zero (prism's Hadamard
+    packs): their codes come from the checkpoint, so a random one must supply them."""
+    return [m for _, m in model.named_modules()
+            if isinstance(m.get("weight"), mx.array) and m.weight.dtype == mx.uint32
+            and "scales" in m and not isinstance(m, nn.QuantizedLinear)]
+
+
+def _rows(module: nn.Module) -> int:
+    return module.scales.shape[0] if "scales" in module else module.weight.shape[0]
+
+
+def _randomize_packed(module: nn.Module) -> None:
+    weight = module.weight
+    width = weight.shape[1] * 32 // module.bits
+    codes = mx.random.randint(0, 2**32 - 1, weight.shape, dtype=mx.uint32)
+    # Codes 0..2^bits-1 times scale plus bias: weights spread evenly over +-1/sqrt(width).
+    scale = (2.0 / width**0.5) / (2**module.bits - 1)
+    module.weight = codes
+    module.scales = mx.full(module.scales.shape, scale, dtype=module.scales.dtype)
+    module.biases = mx.full(module.biases.shape, -scale * (2**module.bits - 1) / 2,
+                            dtype=module.biases.dtype)
+    if "signs" in module:
+        module.signs = mx.where(mx.random.uniform(shape=module.signs.shape) < 0.5, -1.0, 1.0)
+
+
+def _output_head(model: nn.Module, rows: int) -> nn.Module:
+    """The projection to the vocabulary: a linear layer with one row per token, or the
+    embedding where the two are tied."""
+    packed = {id(m) for m in _packed_modules(model)}
+    linear = [m for _, m in model.named_modules()
+              if (isinstance(m, nn.Linear) or id(m) in packed) and _rows(m) == rows]
+    if linear:
+        return linear[0]
+    embeddings = [m for _, m in model.named_modules()
+                  if isinstance(m, nn.Embedding) and m.weight.shape[0] == rows]
+    if not embeddings:
+        raise ShoalError("the model has neither an output head nor an embedding to scale")
+    return embeddings[0]
 
 
 def _cast(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -57,12 +57,14 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_worker(
     secret_file: Path, tmp_path: Path
 ) -> Iterator[Callable[..., LocalWorker]]:
-    """A factory: start_worker([store, ...], *extra_args) -> LocalWorker; all are stopped."""
+    """A factory: start_worker([store, ...], *extra_args, forked=False) -> LocalWorker; all
+    are stopped. forked=True forks the worker from one that has imported it already (~0.2 s
+    instead of ~2 s a start), for tests that start many."""
     started: list[LocalWorker] = []
 
-    def start(stores: list[Path], *extra: str) -> LocalWorker:
+    def start(stores: list[Path], *extra: str, forked: bool = False) -> LocalWorker:
         log = tmp_path / f"worker-{len(started)}.log"
-        worker = launch_worker(stores, secret_file, log, extra)
+        worker = launch_worker(stores, secret_file, log, extra, forked=forked)
         started.append(worker)
         return worker
 

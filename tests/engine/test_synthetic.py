@@ -113,6 +113,16 @@ def test_bad_options_raise_shoal_error(tmp_path, options, message):
         build_checkpoint(tmp_path / "out", "qwen3_moe", **options)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"size": "bench"}, "unknown size 'bench'; choose one of: tiny"),
+     ({"layout": "hf"}, "hf layout is written for qwen3_moe, mixtral, deepseek_v3 only")],
+)
+def test_the_other_families_are_built_tiny_in_mlx_layout_only(tmp_path, options, message):
+    with pytest.raises(ShoalError, match=message):
+        build_checkpoint(tmp_path / "out", "gpt_oss", **options)
+
+
 def test_refuses_a_folder_that_is_not_empty(tmp_path):
     (tmp_path / "model-old.safetensors").write_bytes(b"")
     with pytest.raises(ShoalError, match="not empty"):
