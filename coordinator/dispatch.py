@@ -24,7 +24,7 @@ import numpy as np
 
 from coordinator.cluster import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT, Cluster
 from coordinator.lookahead import Lookahead
-from engine.checkpoint import Manifest, get_module
+from engine.checkpoint import SWITCH_LINEARS, Manifest, get_module
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.placement import spread
 from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
@@ -368,4 +368,12 @@ def install(model: nn.Module, manifest: Manifest, dispatcher: Dispatcher) -> Non
                 shared = SharedAhead(inner)
                 setattr(block, shared_name, shared)
                 break
-        setattr(block, name, RemoteSwitch(layer.layer, dispatcher, shared))
+        original = getattr(block, name)
+        remote = RemoteSwitch(layer.layer, dispatcher, shared)
+        for child, module in original.children().items():
+            # what the block hung on the switch besides its linears and activation (a norm
+            # it applies after the combination) stays here, with its dense weights
+            if isinstance(module, nn.Module) and not isinstance(module, SWITCH_LINEARS) \
+                    and child != "activation":
+                setattr(remote, child, module)
+        setattr(block, name, remote)

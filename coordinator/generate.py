@@ -25,7 +25,7 @@ from coordinator.dispatch import Dispatcher, DispatchStats, install
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
-from engine.checkpoint import Manifest, check_safetensors, read_manifest
+from engine.checkpoint import Manifest, check_safetensors, expert_keys, read_manifest
 from engine.errors import CorruptData, InvalidInput, NotFound
 
 TOKENIZER_FILES = (
@@ -58,8 +58,8 @@ def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, Tokenize
     with contextlib.redirect_stdout(io.StringIO()):
         model, _ = load_model(dense_dir, lazy=True, strict=False)
     index = json.loads((dense_dir / "model.safetensors.index.json").read_text())
-    switch_paths = tuple(layer.path + "." for layer in manifest.layers)
-    wanted = {k for k, _ in tree_flatten(model.parameters()) if not k.startswith(switch_paths)}
+    routed = expert_keys(manifest.layers)
+    wanted = {k for k, _ in tree_flatten(model.parameters()) if k not in routed}
     absent = sorted(wanted - set(index["weight_map"]))
     if absent:
         raise CorruptData(

@@ -25,7 +25,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import (
+    QuantizedSwitchLinear,
+    SwitchGLU,
+    SwitchLinear,
+    SwitchMLP,
+)
 from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 from tqdm import tqdm
 
@@ -39,6 +44,7 @@ MANIFEST_VERSION = 1
 # The seam: mlx-lm's routed-expert modules, called as `module(x, inds)` by every MoE block,
 # whatever attribute name the block keeps them under (switch_mlp, experts, switch_glu, ...).
 SWITCH_CLASSES = (SwitchGLU, SwitchMLP)
+SWITCH_LINEARS = (SwitchLinear, QuantizedSwitchLinear)
 # Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -237,8 +243,14 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
     for path, module in model.named_modules():
         if not isinstance(module, SWITCH_CLASSES):
             continue
-        params = tuple(name for name, _ in tree_flatten(module.parameters()))
-        counts = {name: arr.shape[0] for name, arr in tree_flatten(module.parameters())}
+        # The experts are the switch linears' parameters; a block may hang other modules on
+        # the switch (muse_spark: a norm applied after the combination), which stay dense.
+        linears = {name for name, child in module.named_modules()
+                   if isinstance(child, SWITCH_LINEARS)}
+        stacked = [(name, arr) for name, arr in tree_flatten(module.parameters())
+                   if name.rsplit(".", 1)[0] in linears]
+        params = tuple(name for name, _ in stacked)
+        counts = {name: arr.shape[0] for name, arr in stacked}
         if not params or len(set(counts.values())) != 1:
             raise ShoalError(
                 f"{path} does not hold experts stacked on a leading axis; Shoal cannot split it"
@@ -300,6 +312,18 @@ def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
 
 # ---------------------------------------------------------------------------------------
 # Writing a sharded checkpoint
+
+
+def expert_keys(layers: Iterable[MoeLayer]) -> set[str]:
+    """The model's parameter names that are routed experts (split into per-expert files);
+    every other parameter is dense."""
+    return {f"{layer.path}.{name}" for layer in layers for name in layer.params}
+
+
+def layer_bytes(model: nn.Module, layer: MoeLayer) -> int:
+    """Bytes of one layer's routed experts, all of them."""
+    flat = dict(tree_flatten(get_module(model, layer.path).parameters()))
+    return sum(flat[name].nbytes for name in layer.params)
 
 
 def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
@@ -438,8 +462,7 @@ def shard(
 
     expert_bytes = {}
     for layer in layers:
-        module = get_module(model, layer.path)
-        per_expert = sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+        per_expert = layer_bytes(model, layer)
         expert_bytes.update(
             {(layer.layer, e): per_expert // layer.num_experts for e in range(layer.num_experts)}
         )
@@ -448,8 +471,8 @@ def shard(
 
     dense_dir = out_dir / "dense"
     dense_dir.mkdir(parents=True, exist_ok=True)
-    switch_paths = tuple(layer.path + "." for layer in layers)
-    dense = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith(switch_paths)}
+    routed = expert_keys(layers)
+    dense = {k: v for k, v in tree_flatten(model.parameters()) if k not in routed}
     dense_files = _save_dense(dense, dense_dir)
     del dense
     config_out = dict(config)
@@ -661,8 +684,7 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
     experts = {}
     expert_total = expert_params = 0
     for layer in layers:
-        module_bytes = sum(a.nbytes for _, a in tree_flatten(get_module(model, layer.path)
-                                                            .parameters()))
+        module_bytes = layer_bytes(model, layer)
         expert_total += module_bytes
         expert_params += sum(n for name, n in params.items()
                              if name.startswith(layer.path + ".") and name.endswith("weight"))
