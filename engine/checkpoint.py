@@ -243,12 +243,7 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
     for path, module in model.named_modules():
         if not isinstance(module, SWITCH_CLASSES):
             continue
-        # The experts are the switch linears' parameters; a block may hang other modules on
-        # the switch (muse_spark: a norm applied after the combination), which stay dense.
-        linears = {name for name, child in module.named_modules()
-                   if isinstance(child, SWITCH_LINEARS)}
-        stacked = [(name, arr) for name, arr in tree_flatten(module.parameters())
-                   if name.rsplit(".", 1)[0] in linears]
+        stacked = switch_parameters(module)
         params = tuple(name for name, _ in stacked)
         counts = {name: arr.shape[0] for name, arr in stacked}
         if not params or len(set(counts.values())) != 1:
@@ -320,10 +315,18 @@ def expert_keys(layers: Iterable[MoeLayer]) -> set[str]:
     return {f"{layer.path}.{name}" for layer in layers for name in layer.params}
 
 
+def switch_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
+    """A switch module's routed experts: its switch linears' parameters (weights, and scales
+    and biases once quantized). A block may hang other modules on the switch (muse_spark: a
+    norm applied after the combination); those stay dense."""
+    linears = {name for name, child in module.named_modules() if isinstance(child, SWITCH_LINEARS)}
+    return [(name, arr) for name, arr in tree_flatten(module.parameters())
+            if name.rsplit(".", 1)[0] in linears]
+
+
 def layer_bytes(model: nn.Module, layer: MoeLayer) -> int:
-    """Bytes of one layer's routed experts, all of them."""
-    flat = dict(tree_flatten(get_module(model, layer.path).parameters()))
-    return sum(flat[name].nbytes for name in layer.params)
+    """Bytes of one layer's routed experts, all of them, as the module holds them now."""
+    return sum(arr.nbytes for _, arr in switch_parameters(get_module(model, layer.path)))
 
 
 def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
