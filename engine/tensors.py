@@ -1,15 +1,18 @@
-"""Arrays <-> wire tensors (proto `Tensor`), with the dtype and shape checks both sides rely on."""
+"""Arrays <-> wire tensors (proto `Tensor`), with the dtype and shape checks both sides rely on.
+
+No networking here: a tensor is anything with the proto Tensor's three fields, so engine/ does
+not import gRPC."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from engine.errors import MAX_ECHO, InvalidInput, clip
-from proto import shoal_pb2
 
 # Wire dtype name -> (numpy dtype carrying the bytes, mlx dtype). bfloat16 has no
 # numpy dtype, so its bytes travel as uint16 and are reinterpreted on arrival.
@@ -20,6 +23,14 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "int32": (np.dtype("<i4"), mx.int32),
 }
 _NAMES = {mlx_dtype: name for name, (_, mlx_dtype) in _DTYPES.items()}
+
+
+class WireTensor(Protocol):
+    """The fields of proto `Tensor` (shoal.proto) that `decode` reads."""
+
+    dtype: str
+    shape: Sequence[int]
+    data: bytes
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -82,7 +93,7 @@ def encode(array: np.ndarray, dtype_name_: str) -> dict:
 
 
 def decode(
-    tensor: shoal_pb2.Tensor,
+    tensor: WireTensor,
     *,
     what: str,
     dtypes: tuple[str, ...] | None = None,
