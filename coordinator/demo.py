@@ -170,11 +170,19 @@ def demo_workers(sharded: Path, workers: int):
     root = cache_root() / "demo"
     secret_file = root / "secret"
     ensure_secret(secret_file)
-    print(f"demo: starting {workers} local workers ...", file=sys.stderr, flush=True)
+    print(f"demo: starting {workers} local workers (each loads its experts) ...",
+          file=sys.stderr, flush=True)
+
+    def ready(index: int, worker: LocalWorker, seconds: float) -> None:
+        print(f"demo: worker {index + 1} of {workers} serving on {worker.address} "
+              f"({seconds:.1f} s)", file=sys.stderr, flush=True)
+
     local: list[LocalWorker] = start_workers(
-        [[sharded / f"worker-{k}"] for k in range(workers)], secret_file, root / "logs"
+        [[sharded / f"worker-{k}"] for k in range(workers)], secret_file, root / "logs",
+        on_ready=ready,
     )
     try:
+        print("demo: loading the dense part and connecting ...", file=sys.stderr, flush=True)
         remote: RemoteModel = open_remote_model(sharded, [w.address for w in local],
                                                 load_secret(secret_file))
         try:

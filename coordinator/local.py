@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,10 +163,13 @@ def start_workers(
     secret_file: Path,
     log_dir: Path,
     places: Sequence[tuple[Sequence[str], str]] = (),
+    on_ready: Callable[[int, LocalWorker, float], None] | None = None,
 ) -> list[LocalWorker]:
     """Start one worker per group of stores; if any fails, stop those already started.
-    `places` gives each worker a (command prefix, host) other than loopback."""
+    `places` gives each worker a (command prefix, host) other than loopback; `on_ready` hears
+    of each as it serves (index, worker, seconds since the start), for progress."""
     workers: list[LocalWorker] = []
+    started = time.monotonic()
     try:
         for index, stores in enumerate(store_groups):
             prefix, host = places[index] if places else ((), "127.0.0.1")
@@ -174,6 +177,8 @@ def start_workers(
             # workers that share this machine's node id.
             workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log",
                                         ("--no-advertise",), host=host, prefix=prefix))
+            if on_ready is not None:
+                on_ready(index, workers[-1], time.monotonic() - started)
     except BaseException:
         stop_workers(workers)
         raise
