@@ -250,7 +250,9 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
             raise ShoalError(
                 f"{path} does not hold experts stacked on a leading axis; Shoal cannot split it"
             )
-        match = re.search(r"layers\.(\d+)\.", path)
+        # The layer is the first list index on the path (model.layers.3..., transformer.h.3...):
+        # named_modules() does not walk layers in order (phixtral's came out reversed).
+        match = re.search(r"(?:^|\.)(\d+)\.", path)
         layer = int(match.group(1)) if match else len(found)
         found.append(MoeLayer(layer, path, next(iter(counts.values())), params))
     model_type = config.get("model_type", "?")
