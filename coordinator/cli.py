@@ -27,6 +27,17 @@ QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes
 BROWSE_SECONDS = 1.5  # how long `shoal workers` listens for Bonjour answers at least
 
 
+def check_one_worker_source(args: argparse.Namespace) -> None:
+    """Workers come from --workers, or from --cluster / --cluster-config: never both."""
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+
+
+def browse_seconds(args: argparse.Namespace, *, static: bool = False) -> float:
+    """How long to listen for Bonjour answers at least: not at all for listed workers."""
+    return 0.0 if static or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+
+
 def cmd_cluster_init(args: argparse.Namespace) -> None:
     path = create_secret(secret_path(args.secret_file), force=args.force)
     print(f"wrote a new cluster secret to {path} (mode {secret_mode(path):04o})")
@@ -79,8 +90,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
     if args.wait < 0:
         raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    check_one_worker_source(args)
     if not (Path(args.model) / "manifest.json").exists():
         raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
                            "(it has no manifest.json)")
@@ -265,8 +275,7 @@ def open_live_workers(
     from coordinator.cluster import WorkerLink
     from coordinator.membership import stderr_log
 
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    check_one_worker_source(args)
     if args.workers:
         links = [WorkerLink(address, secret) for address in worker_addresses(args.workers)]
 
@@ -276,7 +285,7 @@ def open_live_workers(
 
         return links, close
     membership = open_membership(args, secret, manifest, log=stderr_log)
-    browse = 0.0 if args.cluster_config else min(args.wait, BROWSE_SECONDS)
+    browse = browse_seconds(args)
     membership.settle(args.wait, at_least=browse)
     return membership.live()[1], membership.close
 
@@ -363,7 +372,7 @@ def cmd_workers(args: argparse.Namespace) -> None:
     manifest = read_manifest(args.model) if args.model else None
     membership = open_membership(args, secret, manifest)
     try:
-        browse = 0.0 if args.cluster_config else min(args.wait, BROWSE_SECONDS)
+        browse = browse_seconds(args)
         rows = member_rows(membership.settle(args.wait, at_least=browse))
     finally:
         membership.close()
@@ -436,8 +445,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from engine.cache_policy import parse_budget
     from engine.checkpoint import read_manifest
 
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    check_one_worker_source(args)
     if not 0 <= args.port < 65536:
         raise InvalidInput(f"--port must be between 0 and 65535, got {args.port}")
     if args.context is not None and args.context < 2:
@@ -514,8 +522,7 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     from coordinator.membership import Membership, member_rows
     from engine.checkpoint import read_manifest
 
-    if args.workers and (args.cluster_config or args.cluster):
-        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+    check_one_worker_source(args)
     addresses = parse_addresses(args.workers) if args.workers else []
     manifest = read_manifest(args.model) if args.model else None
     path = secret_path(args.secret_file)
@@ -535,7 +542,7 @@ def cmd_doctor(args: argparse.Namespace) -> None:
         else:
             membership = open_membership(args, secret, manifest)
         try:
-            browse = 0.0 if addresses or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+            browse = browse_seconds(args, static=bool(addresses))
             rows = member_rows(membership.settle(args.wait, at_least=browse))
         finally:
             membership.close()
