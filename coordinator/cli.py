@@ -259,10 +259,10 @@ def open_membership(
 
 def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
     """Fold the workers' token counts into OUT_DIR/heat.msgpack; a failure only warns."""
-    from coordinator.heat import read_heat, record_heat
+    from coordinator.heat import fetch_heat, record_heat
 
     try:
-        record_heat(model_dir, manifest, read_heat(links))
+        record_heat(model_dir, manifest, fetch_heat(links))
     except ShoalError as e:
         print(f"shoal: warning: the heat of this run was not recorded: {e}", file=sys.stderr)
 
@@ -292,11 +292,11 @@ def open_live_workers(
 
 def cmd_heat(args: argparse.Namespace) -> None:
     from coordinator.heat import (
+        fetch_heat,
         format_summary,
         heat_path,
         load_record,
         plot_heat,
-        read_heat,
         record_heat,
         reset_heat,
         summarize,
@@ -315,7 +315,7 @@ def cmd_heat(args: argparse.Namespace) -> None:
         links, close = open_live_workers(args, load_secret(secret_path(args.secret_file)),
                                          manifest)
         try:
-            record = record_heat(args.model, manifest, read_heat(links))
+            record = record_heat(args.model, manifest, fetch_heat(links))
         finally:
             close()
     summary = summarize(record, manifest, layer=args.layer)  # also checks --layer

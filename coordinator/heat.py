@@ -48,7 +48,7 @@ def name_workers(ids: Sequence[tuple[str, str]]) -> list[str]:
             for node_id, address in ids]
 
 
-def read_heat(links: Sequence[WorkerLink]) -> list[Reading]:
+def fetch_heat(links: Sequence[WorkerLink]) -> list[Reading]:
     """Every worker's counts (GetHeat); a worker that does not answer is left out."""
     replies = []
     for link in links:

@@ -28,7 +28,7 @@ import grpc
 from tqdm import tqdm
 
 from coordinator.cluster import CONNECT_TIMEOUT, WorkerLink, error_for
-from coordinator.heat import name_workers, read_heat, record_heat
+from coordinator.heat import fetch_heat, name_workers, record_heat
 from engine.cache_policy import format_bytes
 from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
@@ -501,7 +501,7 @@ def migrate(
     if deploy and not local and not any(w.inventory.experts for w in workers):
         raise NotFound(f"{model_dir} holds no expert files to deploy (OUT_DIR/experts or "
                        "OUT_DIR/worker-K, as written by `shoal shard`)")
-    record = record_heat(model_dir, manifest, read_heat(links))
+    record = record_heat(model_dir, manifest, fetch_heat(links))
     heat = record.total()
     if not deploy and not heat:
         raise InvalidInput("no heat recorded yet: the workers count the tokens routed to each "

@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster import WorkerLink
 from coordinator.generate import generate, open_remote_model
-from coordinator.heat import read_heat
+from coordinator.heat import fetch_heat
 from coordinator.rebalance import MIGRATION_FILE, Executor, migrate, observe
 from engine.auth import load_secret
 from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
@@ -48,7 +48,7 @@ def run_prompts(sharded: Path, addresses: list[str], secret: bytes) -> list[list
 
 
 def counts(links: list[WorkerLink]) -> dict[str, dict]:
-    return {r.name: r.counts for r in read_heat(links)}
+    return {r.name: r.counts for r in fetch_heat(links)}
 
 
 def measured_imbalance(sharded, addresses, secret, links) -> tuple[float, list[list[int]]]:
