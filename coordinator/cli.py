@@ -600,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Run a Mixture-of-Experts model whose routed experts are spread over several "
             "machines. Typical use: `shoal cluster-init`, `shoal shard MODEL OUT --workers N`, "
-            "start `shoal-worker --store OUT/worker-K` on each machine, then `shoal generate`."
+            "start `shoal-worker --store OUT/worker-K --interface bridge0` on each machine, "
+            "then `shoal generate`."
         ),
     )
     parser.add_argument("--version", action="version", version=version_text())
