@@ -25,7 +25,6 @@ from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
 from coordinator.demo import build_once, cache_root
-from coordinator.dispatch import LayerStats
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
@@ -116,18 +115,19 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
 
 
 def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dict:
+    """Per-layer dispatch figures of decode, from the dispatcher's own split of decode calls
+    (one new position per sequence) from prompt passes, as `generate --stats` reports them."""
     stats = remote.dispatcher.stats
 
-    def counters(max_tokens: int, length: int = 16) -> tuple[LayerStats, int]:
+    def generation(length: int, max_tokens: int) -> None:
         stats.reset()
         timed_generation(remote.model, remote.tokenizer, bench_prompt(vocab, length),
                          max_tokens)
-        return stats.total(), len(stats.layers)
 
-    (prefill_only, _), (whole, layers) = counters(1), counters(tokens + 1)
-    counters(1, prefill_length)
-    long_prefill = stats.prefill  # the prompt's pass, without its last token's
-    d = LayerStats(**{k: getattr(whole, k) - getattr(prefill_only, k) for k in vars(whole)})
+    generation(16, tokens)
+    d, layers = stats.decode, len(stats.layers)
+    steps = d.calls / layers  # decode steps that went through every MoE layer
+    generation(prefill_length, 1)
     return {
         "tokens": tokens,
         "moe_layers": layers,
@@ -136,15 +136,15 @@ def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dic
         # a call lasts as long as its slowest worker: the overhead is measured against that
         "slowest_worker_compute_ms": 1e3 * d.slowest_compute_seconds / d.calls,
         "shared_expert_ms": 1e3 * d.shared_seconds / d.calls,
-        "rpcs_per_token_per_layer": d.requests / (tokens * layers),
+        "rpcs_per_token_per_layer": d.requests / d.calls,
         "workers_per_layer": d.requests / d.calls,
-        "bytes_sent_per_token": d.bytes_sent / tokens,
-        "bytes_received_per_token": d.bytes_received / tokens,
+        "bytes_sent_per_token": d.bytes_sent / steps,
+        "bytes_received_per_token": d.bytes_received / steps,
         "request_bytes": d.bytes_sent / d.requests,
         "reply_bytes": d.bytes_received / d.requests,
         "breakdown": d.breakdown(),
         "prefill_length": prefill_length,
-        "prefill_breakdown": long_prefill.breakdown(),
+        "prefill_breakdown": stats.prefill.breakdown(),  # the prompt's pass, not its last token
     }
 
 

@@ -46,7 +46,7 @@ CONNECT_TIMEOUT = 10.0
 # chunk on a slow CPU worker, compiling its kernels); afterwards see `reply_deadline`.
 FIRST_REPLY_TIMEOUT = 120.0
 MIN_REPLY_TIMEOUT = 1.5  # above a busy 2-core machine's hiccups; a hung worker costs this
-KEEPALIVE = [  # a worker that stops answering at the transport is noticed within ~15 s
+KEEPALIVE = [  # pings every 10 s on idle links, 5 s to answer one
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

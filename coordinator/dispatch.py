@@ -42,7 +42,7 @@ class LayerStats:
     slowest_compute_seconds: float = 0.0  # per call, the longest-computing worker's time
     shared_seconds: float = 0.0  # the shared expert, computed while the workers compute
     # The per-layer breakdown (--stats, shoal bench), summed over calls. The worker's parts
-    # and the wire are those of the call's critical worker: the one whose reply came last.
+    # and the wire are those of the call's critical worker: the longest round trip.
     sync_seconds: float = 0.0  # waiting for this layer's attention and router (mx.eval)
     send_seconds: float = 0.0  # grouping, building and queueing the requests
     wire_seconds: float = 0.0  # critical worker's round trip less its own time
@@ -231,7 +231,7 @@ class Dispatcher:
             stats.shared_seconds += time.perf_counter() - before
         parts = []  # each worker's outputs, in the order of `pending`
         slowest = 0.0
-        critical = (0.0, None)  # (round trip, reply) of the worker whose reply came last
+        critical = (0.0, None)  # (round trip, reply) of the worker with the longest round trip
         parse_scatter = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, pairs, seq, sent) in enumerate(pending):
@@ -322,8 +322,8 @@ class SharedAhead(nn.Module):
         if self._ahead is not None and self._ahead[0] is x:  # a retried call: already done
             return
         y = self.inner(x)
-        # Started, not waited for: the GPU computes it while this thread hands the requests
-        # to gRPC and waits for the replies (a blocking eval here held the requests back).
+        # Started, not waited for: the device computes it while this thread goes on to read
+        # the replies (measured on the H200: 413 -> 184 us of this thread per layer).
         mx.async_eval(y)
         self._ahead = (x, y)
 

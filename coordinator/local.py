@@ -140,22 +140,27 @@ def start_worker(
                 cwd=Path(__file__).resolve().parents[1],
             )
     worker = LocalWorker(proc, "", log)
-    deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
-            match = _READY.search(worker.output())
-            if match:
-                worker.address = match.group(1)
-                return worker
-            if proc.poll() is not None:
-                raise ShoalError(f"a local worker exited with status {proc.returncode}:\n"
-                                 f"{worker.output().strip()}")
-            time.sleep(0.05)
+        worker.address = _await_line(proc, log, _READY, timeout, "a local worker")
     except BaseException:
-        worker.stop()  # not left running when the wait itself fails (or is interrupted)
+        worker.stop()  # not left running when the wait fails (or is interrupted)
         raise
-    worker.stop()
-    raise ShoalError(f"a local worker did not start within {timeout:.0f} s; see {log}")
+    return worker
+
+
+def _await_line(proc, log: Path, pattern: re.Pattern, timeout: float, what: str) -> str:
+    """The first group of `pattern`'s first match in `log`, once the process writes it
+    (bounded); ShoalError if the process exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        match = pattern.search(text)
+        if match:
+            return match.group(1)
+        if proc.poll() is not None:
+            raise ShoalError(f"{what} exited with status {proc.returncode}:\n{text.strip()}")
+        time.sleep(0.05)
+    raise ShoalError(f"{what} did not start within {timeout:.0f} s; see {log}")
 
 
 def start_workers(
@@ -224,15 +229,9 @@ def start_server(
             cwd=Path(__file__).resolve().parents[1],
         )
     server = LocalServer(proc, "", log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = _SERVING.search(log.read_text(errors="replace"))
-        if match:
-            server.url = match.group(1)
-            return server
-        if proc.poll() is not None:
-            raise ShoalError(f"shoal serve exited with status {proc.returncode}:\n"
-                             f"{log.read_text(errors='replace').strip()}")
-        time.sleep(0.1)
-    server.stop()
-    raise ShoalError(f"shoal serve did not start within {timeout:.0f} s; see {log}")
+    try:
+        server.url = _await_line(proc, log, _SERVING, timeout, "shoal serve")
+    except BaseException:
+        server.stop()
+        raise
+    return server

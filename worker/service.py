@@ -162,11 +162,9 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         )
 
 
-def _same_kind(
-    handler: grpc.RpcMethodHandler, behavior: Callable, *, decode: bool = True
-) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` running `behavior`, with its
-    (de)serializers unless `decode` is False (a refusal does not parse the body)."""
+def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind and (de)serializers as `handler` running
+    `behavior`."""
     if handler.request_streaming and handler.response_streaming:
         make = grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
@@ -175,8 +173,6 @@ def _same_kind(
         make = grpc.unary_stream_rpc_method_handler
     else:
         make = grpc.unary_unary_rpc_method_handler
-    if not decode:
-        return make(behavior)
     return make(behavior, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
