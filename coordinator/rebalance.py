@@ -1,9 +1,10 @@
 """`shoal deploy` and `shoal rebalance`: decide where experts should be, then move the files
 there step by step while the cluster keeps serving.
 
-Plan, then execute. `propose` observes the live workers (what each serves and drains, its
-memory budget and free disk) and plans both the placement (engine/placement.py) and the steps
-that reach it (engine/migration.py), as pure functions. `execute` runs the steps over gRPC:
+Observe, plan, then execute. `observe` asks the live workers what each serves and drains,
+its memory budget and free disk; engine/rebalance_plan.py's `propose` plans, as pure
+functions over that, both the placement and the steps that reach it. `Executor` runs the
+steps over gRPC:
 copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
 the expert), verified by the receiver before it serves them, and a copy is drained, then
 deleted, only once another worker serves a verified one; right before a deletion, the copy
@@ -32,22 +33,20 @@ from coordinator.heat import fetch_heat, name_workers, record_heat
 from engine.cache_policy import format_bytes
 from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
-from engine.migration import (
-    DRAINING,
-    LOCAL,
-    SERVING,
-    MigrationPlan,
-    Step,
-    holders_of,
-    limit_moves,
-    plan_migration,
+from engine.migration import LOCAL, MigrationPlan, Step
+from engine.placement import ExpertKey
+from engine.rebalance_plan import (
+    MIN_GAIN,
+    LiveWorker,
+    Proposal,
+    copy_sources,
+    propose,
+    state_of,
+    wait_before_delete,
 )
-from engine.placement import ExpertKey, WorkerCapacity, imbalance, plan_placement
 from proto import shoal_pb2
 
 MIGRATION_FILE = "migration.json"
-STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
-MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run
 CHUNK_BYTES = 1 << 20
 QUIET_SECONDS = 1.0  # a drained copy is deleted once nobody asked for it for this long
 DELETE_TIMEOUT = 60.0
@@ -55,19 +54,24 @@ SLOWEST_CHECK = 20e6  # bytes/s a worker's check of a file on disk is allowed (a
 _FILE_STATE = shoal_pb2.ExpertFileState
 
 
-@dataclass(frozen=True)
-class LiveWorker:
-    name: str
-    link: WorkerLink
-    inventory: shoal_pb2.Inventory
-
-
-def observe(links: Sequence[WorkerLink]) -> list[LiveWorker]:
-    """Every worker's inventory, fetched now (raises Unavailable for one that does not answer)."""
+def observe(links: Sequence[WorkerLink]) -> tuple[list[LiveWorker], dict[str, WorkerLink]]:
+    """Every worker's inventory, fetched now (raises Unavailable for one that does not answer):
+    what each reported, for planning, and its link by the same name, for executing."""
     inventories = [link.fetch_inventory() for link in links]
-    pairs = list(zip(links, inventories, strict=True))
-    names = name_workers([(inv.node_id, link.address) for link, inv in pairs])
-    return [LiveWorker(n, link, inv) for n, (link, inv) in zip(names, pairs, strict=True)]
+    names = name_workers([(inv.node_id, link.address)
+                          for link, inv in zip(links, inventories, strict=True)])
+    workers = [_live_worker(name, inv) for name, inv in zip(names, inventories, strict=True)]
+    return workers, dict(zip(names, links, strict=True))
+
+
+def _live_worker(name: str, inventory: shoal_pb2.Inventory) -> LiveWorker:
+    return LiveWorker(
+        name,
+        serving=frozenset((h.layer, h.expert) for h in inventory.experts),
+        draining=frozenset((h.layer, h.expert) for h in inventory.draining),
+        memory_budget=inventory.memory_budget,
+        free_disk=inventory.free_disk,
+    )
 
 
 def local_files(model_dir: Path, manifest: Manifest) -> dict[ExpertKey, Path]:
@@ -82,83 +86,6 @@ def local_files(model_dir: Path, manifest: Manifest) -> dict[ExpertKey, Path]:
             if key not in found and path.is_file() and path.stat().st_size == e.bytes:
                 found[key] = path
     return found
-
-
-def state_of(
-    workers: Sequence[LiveWorker], manifest: Manifest, local: Mapping[ExpertKey, Path]
-) -> dict[ExpertKey, dict[str, str]]:
-    """Which worker serves or drains each expert (and which are in the local files)."""
-    state: dict[ExpertKey, dict[str, str]] = {(e.layer, e.expert): {} for e in manifest.experts}
-    for w in workers:
-        for h in w.inventory.experts:
-            state[(h.layer, h.expert)][w.name] = SERVING
-        for h in w.inventory.draining:
-            state[(h.layer, h.expert)][w.name] = DRAINING
-    for key in local:
-        state[key][LOCAL] = SERVING
-    return state
-
-
-def capacities(
-    workers: Sequence[LiveWorker], sizes: Mapping[ExpertKey, int]
-) -> list[WorkerCapacity]:
-    """Memory budget as reported; disk is what is free plus what the worker holds now."""
-    out = []
-    for w in workers:
-        copies = [*w.inventory.experts, *w.inventory.draining]
-        held = sum(sizes[(h.layer, h.expert)] for h in copies)
-        out.append(WorkerCapacity(w.name, w.inventory.memory_budget or 1 << 62,
-                                  w.inventory.free_disk + held))
-    return out
-
-
-@dataclass(frozen=True)
-class Proposal:
-    target: dict[ExpertKey, tuple[str, ...]]
-    plan: MigrationPlan
-    imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
-    imbalance_after: float
-    resumed: bool  # the target of an interrupted run
-
-
-def propose(
-    state: Mapping[ExpertKey, Mapping[str, str]],
-    workers: Sequence[LiveWorker],
-    sizes: Mapping[ExpertKey, int],
-    heat: Mapping[ExpertKey, float] | None,
-    *,
-    stored: Mapping[ExpertKey, tuple[str, ...]] | None = None,
-    spare: float = 0.1,
-    max_bytes: int | None = None,
-    deploy: bool = False,
-) -> Proposal:
-    """The target placement and the steps to it. An interrupted run's `stored` target is taken
-    up again while every worker it names is live. A deploy leaves a cluster that already
-    serves every expert as it is; a rebalance leaves it when the gain would be under 1%."""
-    live = {w.name for w in workers}
-    current = holders_of(state)
-    placed = all(current.values())
-    weights = dict(heat) if heat and any(heat.values()) else dict.fromkeys(sizes, 1.0)
-    resumed = bool(stored) and set(stored) == set(sizes) and all(
-        set(names) <= live for names in stored.values())
-    if resumed:
-        target = {key: tuple(names) for key, names in stored.items()}
-    else:
-        placement = plan_placement(capacities(workers, sizes), sizes, weights, spare=spare,
-                                   current=current, stickiness=STICKINESS)
-        target = dict(placement.holders)
-        if max_bytes is not None and placed:
-            target = limit_moves(current, target, sizes, weights, max_bytes)
-    now = imbalance(current, weights) if placed else None
-    after = imbalance(target, weights)
-    worth = after <= now * (1 - MIN_GAIN) if now is not None else True
-    if not resumed and now is not None and (deploy or not worth):
-        target = dict(current)
-        after = now
-    order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
-    room = {w.name: w.inventory.free_disk for w in workers}
-    plan = plan_migration(state, target, sizes, room=room, order=order)
-    return Proposal(target, plan, now, after, resumed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,12 +141,13 @@ class _SourceFailed(Exception):
 
 
 class Executor:
-    """Runs a plan's steps against live workers, one at a time, in order."""
+    """Runs a plan's steps against live workers (their links, by the names the plan uses),
+    one at a time, in order."""
 
     def __init__(
         self,
         manifest: Manifest,
-        workers: Sequence[LiveWorker],
+        links: Mapping[str, WorkerLink],
         local: Mapping[ExpertKey, Path],
         *,
         log: Callable[[str], None],
@@ -229,7 +157,7 @@ class Executor:
         progress: bool = True,
     ) -> None:
         self.files = {(e.layer, e.expert): e for e in manifest.experts}
-        self.workers = {w.name: w for w in workers}
+        self.links = dict(links)
         self.local = local
         self.log = log
         self.on_event = on_event or (lambda *_: None)
@@ -238,6 +166,13 @@ class Executor:
         self.progress = progress
         self.done = Execution()
         self._drained: dict[tuple[ExpertKey, str], float] = {}  # when this run drained a copy
+        self._handlers: dict[str, Callable[[Step], None]] = {
+            "copy": self._copy,
+            "verify": self._verify,
+            "keep": self._keep,
+            "drain": self._drain,
+            "delete": self._delete,
+        }
 
     def run(self, plan: MigrationPlan, what: str) -> Execution:
         started = time.perf_counter()
@@ -248,7 +183,7 @@ class Executor:
             for index, step in enumerate(plan.steps):
                 self.on_event("step", step, 0)
                 try:
-                    getattr(self, f"_{step.kind}")(step)
+                    self._run_step(step)
                 except ShoalError as e:
                     after = ("Run the command again once the rot is understood: it sends a "
                              "fresh copy from an intact one" if self.done.rot else
@@ -264,11 +199,17 @@ class Executor:
         self.done.seconds = time.perf_counter() - started
         return self.done
 
+    def _run_step(self, step: Step) -> None:
+        handler = self._handlers.get(step.kind)
+        if handler is None:
+            raise InvalidInput(f"unknown step {step.kind!r}")
+        handler(step)
+
     # -- the steps ------------------------------------------------------------------------
 
     def _status(self, worker: str, key: ExpertKey) -> shoal_pb2.ExpertFileState:
         request = shoal_pb2.ExpertFileRequest(layer=key[0], expert=key[1])
-        return self.workers[worker].link.call("ExpertFileStatus", request)
+        return self.links[worker].call("ExpertFileStatus", request)
 
     def _drop(self, worker: str, key: ExpertKey, phase: int) -> shoal_pb2.ExpertFileState:
         request = shoal_pb2.DropRequest(layer=key[0], expert=key[1], phase=phase,
@@ -276,7 +217,7 @@ class Executor:
         timeout = CONNECT_TIMEOUT
         if phase == shoal_pb2.DropRequest.KEEP:  # the worker hashes the file first
             timeout += self.files[key].bytes / SLOWEST_CHECK
-        return self.workers[worker].link.call("DropExpert", request, timeout=timeout)
+        return self.links[worker].call("DropExpert", request, timeout=timeout)
 
     def _copy(self, step: Step) -> None:
         status = self._status(step.worker, step.key)
@@ -292,7 +233,7 @@ class Executor:
                      f"{offset} of {step.bytes}")
             self.done.resumed_bytes += offset
             self.bar.update(offset)
-        for source in self._sources(step):
+        for source in copy_sources(step, self.links, local=step.key in self.local):
             try:
                 reply = self._push(step, source, offset)
             except (_SourceFailed, CorruptData) as e:  # CorruptData: the receiver's check
@@ -320,14 +261,6 @@ class Executor:
         except ShoalError:
             pass  # unreachable now: the next run looks again
 
-    def _sources(self, step: Step) -> list[str]:
-        """The planned source first (the local files when they have it), then any other
-        worker: one that turns out not to hold the expert just says so."""
-        order = [LOCAL] if step.key in self.local else []
-        order += [step.source] if step.source in self.workers else []
-        order += sorted(self.workers)
-        return [s for s in dict.fromkeys(order) if s != step.worker]
-
     def _push(self, step: Step, source: str, offset: int) -> shoal_pb2.ExpertFileState:
         entry = self.files[step.key]
         failure: list[BaseException] = []
@@ -349,7 +282,7 @@ class Executor:
             except (ShoalError, OSError) as e:
                 failure.append(e)
 
-        reply = self.workers[step.worker].link.call("PushExpert", chunks(), timeout=None)
+        reply = self.links[step.worker].call("PushExpert", chunks(), timeout=None)
         if failure:
             raise _SourceFailed(str(failure[0]))
         return reply
@@ -361,7 +294,7 @@ class Executor:
                 while block := f.read(self.chunk_bytes):
                     yield block
             return
-        link = self.workers[source].link
+        link = self.links[source]
         request = shoal_pb2.ExpertFileRequest(layer=key[0], expert=key[1], offset=offset)
         stream = link.call("ReadExpert", request, timeout=None)
         try:
@@ -385,7 +318,7 @@ class Executor:
 
     def _served_elsewhere(self, step: Step) -> None:
         """Ask the other workers, now, whether one serves a verified copy."""
-        for name in sorted(self.workers):
+        for name in sorted(self.links):
             if name == step.worker:
                 continue
             try:
@@ -403,7 +336,7 @@ class Executor:
         none intact, the copy on `step.worker` is kept and served again, and CorruptData
         stops the run."""
         rotted = []
-        for name in sorted(self.workers):
+        for name in sorted(self.links):
             if name == step.worker:
                 continue
             try:
@@ -443,11 +376,9 @@ class Executor:
                 return
             if status.state == _FILE_STATE.SERVING:  # the worker restarted since it was drained
                 self._drain(step)
-            # Wait out the quiet time first, so that the kept copy is hashed once, just before
-            # the deletion, rather than at every refused attempt.
-            drained = self._drained.get((step.key, step.worker), 0.0)
-            wait = max(self.quiet - status.idle_seconds, drained + self.quiet - time.monotonic())
-            time.sleep(min(max(wait, 0.0), DELETE_TIMEOUT))
+            drained = self._drained.get((step.key, step.worker))
+            time.sleep(wait_before_delete(self.quiet, status.idle_seconds, drained,
+                                          time.monotonic(), DELETE_TIMEOUT))
             self._intact_elsewhere(step)
             try:
                 self._drop(step.worker, step.key, shoal_pb2.DropRequest.DELETE)
@@ -494,11 +425,11 @@ def migrate(
     manifest = read_manifest(Path(model_dir))
     if not links:
         raise Unavailable("no live worker to place experts on")
-    workers = observe(links)
+    workers, by_name = observe(links)
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     # This machine's copies (if OUT_DIR still has its store folders) are the cheapest source.
     local = local_files(model_dir, manifest)
-    if deploy and not local and not any(w.inventory.experts for w in workers):
+    if deploy and not local and not any(w.serving for w in workers):
         raise NotFound(f"{model_dir} holds no expert files to deploy (OUT_DIR/experts or "
                        "OUT_DIR/worker-K, as written by `shoal shard`)")
     record = record_heat(model_dir, manifest, fetch_heat(links))
@@ -506,7 +437,7 @@ def migrate(
     if not deploy and not heat:
         raise InvalidInput("no heat recorded yet: the workers count the tokens routed to each "
                            "expert as they compute; generate some text first")
-    state = state_of(workers, manifest, local)
+    state = state_of(workers, sizes, local)
     stored = None if replan else load_target(model_dir, manifest.fingerprint)
     proposal = propose(state, workers, sizes, heat, stored=stored, spare=spare,
                        max_bytes=max_bytes, deploy=deploy)
@@ -519,7 +450,7 @@ def migrate(
     if dry_run or not proposal.plan.steps:
         return report
     save_target(model_dir, manifest.fingerprint, proposal.target)
-    executor = Executor(manifest, workers, local, log=log, on_event=on_event,
+    executor = Executor(manifest, by_name, local, log=log, on_event=on_event,
                         chunk_bytes=chunk_bytes, quiet=quiet, progress=progress)
     report.execution = executor.run(proposal.plan, report.mode)
     if not proposal.plan.blocked:

@@ -51,6 +51,11 @@ def counts(links: list[WorkerLink]) -> dict[str, dict]:
     return {r.name: r.counts for r in fetch_heat(links)}
 
 
+def served_by(links: list[WorkerLink]) -> dict[str, set]:
+    """What each worker serves now, by its name."""
+    return {w.name: set(w.serving) for w in observe(links)[0]}
+
+
 def measured_imbalance(sharded, addresses, secret, links) -> tuple[float, list[list[int]]]:
     """Generate the prompts once; the imbalance of what each worker computed meanwhile."""
     before = counts(links)
@@ -157,8 +162,7 @@ def test_rebalance_while_another_process_generates(cluster, tmp_path, secret_fil
     assert lines[-1]["reloads"] > 0, "the generating process never noticed a new inventory"
 
     # the cluster now holds the planned placement, and the measured load is more even
-    served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
-              for w in observe(links)}
+    served = served_by(links)
     target = {tuple(map(int, k.split("/"))): set(v) for k, v in report["target"].items()}
     assert all({w for w, held in served.items() if key in held} == names
                for key, names in target.items())
@@ -221,8 +225,7 @@ def test_a_worker_killed_mid_migration_loses_nothing_and_a_rerun_finishes(
     assert report.proposal.resumed and report.execution is not None
     if kill_at == "copy":
         assert any(e[0] == "resume" and e[2] >= 4096 for e in events)
-    served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
-              for w in observe(links)}
+    served = served_by(links)
     for layer, expert, names in target:
         assert {w for w, held in served.items() if (layer, expert) in held} == set(names)
     assert not (sharded / MIGRATION_FILE).exists()
@@ -257,16 +260,15 @@ def test_a_copy_that_rotted_is_caught_before_the_other_copy_is_deleted(
         data = bytearray(rotted.read_bytes())
         data[-100] ^= 0x01
         rotted.write_bytes(bytes(data))
-        live = observe(links)
+        _, by_name = observe(links)
         plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
-        executor = Executor(manifest, live, {}, log=lambda m: None, quiet=0.2, progress=False)
+        executor = Executor(manifest, by_name, {}, log=lambda m: None, quiet=0.2, progress=False)
         with pytest.raises(CorruptData, match="rotted on disk") as failure:
             executor.run(plan, "rebalance")
         assert "keep" in str(failure.value) and "not deleted" in str(failure.value)
         assert executor.done.rot and "checksum" in executor.done.rot[0]
         assert (stores[1] / name).exists()  # the intact copy is still there
-        served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
-                  for w in observe(links)}
+        served = served_by(links)
         assert key in served["drop"] and key not in served["keep"]
         problems = links[0].fetch_stats().problems
         assert any(str(rotted) in p and "checksum" in p for p in problems), problems
@@ -299,12 +301,11 @@ def test_a_source_whose_copy_rotted_is_told_and_stops_serving_it(
         data[-50] ^= 0x04
         rotted.write_bytes(bytes(data))
         step = Step("copy", key, "target", "source", manifest.expert(*key).bytes)
-        executor = Executor(manifest, observe(links), {}, log=lambda m: None, progress=False)
+        executor = Executor(manifest, observe(links)[1], {}, log=lambda m: None, progress=False)
         with pytest.raises(ShoalError, match="could be sent"):
             executor.run(MigrationPlan((step,), {}), "rebalance")
         assert executor.done.rot and "source" in executor.done.rot[0]
-        served = {w.name: {(h.layer, h.expert) for h in w.inventory.experts}
-                  for w in observe(links)}
+        served = served_by(links)
         assert key not in served["source"] and key not in served["target"]
         assert not list(target.rglob("*.incoming"))  # the bad bytes were discarded
     finally:

@@ -1,0 +1,146 @@
+"""Pure planning of `shoal deploy` and `shoal rebalance`: from what the live workers report
+(plain frozen data) to the target placement (engine/placement.py) and the steps that reach it
+(engine/migration.py), plus the small decisions the executor takes between steps.
+
+coordinator/rebalance.py observes the workers, saves the target and runs the steps; every
+choice it makes is a function here, so a test calls them without a network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from engine.migration import (
+    DRAINING,
+    LOCAL,
+    SERVING,
+    MigrationPlan,
+    State,
+    Step,
+    holders_of,
+    limit_moves,
+    plan_migration,
+)
+from engine.placement import ExpertKey, WorkerCapacity, imbalance, plan_placement
+
+STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
+MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run
+NO_BUDGET = 1 << 62  # the memory of a worker that reports no budget: ample
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """What one live worker reported: the copies it serves and drains, its memory budget for
+    experts (0: none set) and its free disk, in bytes."""
+
+    name: str
+    serving: frozenset[ExpertKey]
+    draining: frozenset[ExpertKey] = frozenset()
+    memory_budget: int = 0
+    free_disk: int = 0
+
+
+def state_of(
+    workers: Sequence[LiveWorker], experts: Iterable[ExpertKey], local: Iterable[ExpertKey]
+) -> dict[ExpertKey, dict[str, str]]:
+    """Which worker serves or drains each of the model's `experts`, and which of them are in
+    the coordinator's own files (`local`, as LOCAL)."""
+    state: dict[ExpertKey, dict[str, str]] = {key: {} for key in experts}
+    for w in workers:
+        for key in w.serving:
+            state[key][w.name] = SERVING
+        for key in w.draining:
+            state[key][w.name] = DRAINING
+    for key in local:
+        state[key][LOCAL] = SERVING
+    return state
+
+
+def capacities(
+    workers: Sequence[LiveWorker], sizes: Mapping[ExpertKey, int]
+) -> list[WorkerCapacity]:
+    """Memory budget as reported; disk is what is free plus what the worker holds now (a
+    copy it gives up frees its room)."""
+    out = []
+    for w in workers:
+        held = sum(sizes[key] for key in w.serving | w.draining)
+        out.append(WorkerCapacity(w.name, w.memory_budget or NO_BUDGET, w.free_disk + held))
+    return out
+
+
+@dataclass(frozen=True)
+class Proposal:
+    target: dict[ExpertKey, tuple[str, ...]]
+    plan: MigrationPlan
+    imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
+    imbalance_after: float
+    resumed: bool  # the target of an interrupted run
+
+
+def propose(
+    state: State,
+    workers: Sequence[LiveWorker],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None,
+    *,
+    stored: Mapping[ExpertKey, Sequence[str]] | None = None,
+    spare: float = 0.1,
+    max_bytes: int | None = None,
+    deploy: bool = False,
+) -> Proposal:
+    """The target placement and the steps to it. An interrupted run's `stored` target is taken
+    up again while every worker it names is live. A deploy leaves a cluster that already
+    serves every expert as it is; a rebalance leaves it when the gain would be under MIN_GAIN.
+    Without heat (or with none counted yet) every expert weighs the same."""
+    live = {w.name for w in workers}
+    current = holders_of(state)
+    placed = all(current.values())
+    weights = dict(heat) if heat and any(heat.values()) else dict.fromkeys(sizes, 1.0)
+    resumed = bool(stored) and set(stored) == set(sizes) and all(
+        set(names) <= live for names in stored.values())
+    if resumed:
+        target = {key: tuple(names) for key, names in stored.items()}
+    else:
+        placement = plan_placement(capacities(workers, sizes), sizes, weights, spare=spare,
+                                   current=current, stickiness=STICKINESS)
+        target = dict(placement.holders)
+        if max_bytes is not None and placed:
+            target = limit_moves(current, target, sizes, weights, max_bytes)
+    now = imbalance(current, weights) if placed else None
+    after = imbalance(target, weights)
+    worth = after <= now * (1 - MIN_GAIN) if now is not None else True
+    if not resumed and now is not None and (deploy or not worth):
+        target = dict(current)
+        after = now
+    order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
+    room = {w.name: w.free_disk for w in workers}
+    plan = plan_migration(state, target, sizes, room=room, order=order)
+    return Proposal(target, plan, now, after, resumed)
+
+
+# ---------------------------------------------------------------------------------------
+# Decisions taken while the steps run
+
+
+def copy_sources(step: Step, workers: Iterable[str], *, local: bool) -> list[str]:
+    """Where to try sending a copy from, in order: the local files when they have the expert
+    (`local`), the planned source, then every other worker (one that turns out not to hold the
+    expert just says so); never the receiver itself."""
+    names = set(workers)
+    order = [LOCAL] if local else []
+    order += [step.source] if step.source in names else []
+    order += sorted(names)
+    return [s for s in dict.fromkeys(order) if s != step.worker]
+
+
+def wait_before_delete(
+    quiet: float, idle_seconds: float, drained_at: float | None, now: float, limit: float
+) -> float:
+    """Seconds to wait before deleting a drained copy: until nobody has asked for it for
+    `quiet` seconds (`idle_seconds`: since its worker last computed it) and, if this run
+    drained it (at `drained_at`, on the clock of `now`), `quiet` seconds since then; at most
+    `limit`. Waiting first means the kept copy is hashed once, just before the deletion,
+    rather than at every refused attempt."""
+    since_drained = drained_at + quiet - now if drained_at is not None else 0.0
+    return min(max(quiet - idle_seconds, since_drained, 0.0), limit)
