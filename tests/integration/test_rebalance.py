@@ -16,7 +16,8 @@ from mlx_lm.utils import load_model, load_tokenizer
 from coordinator.cluster import WorkerLink
 from coordinator.generate import generate, open_remote_model
 from coordinator.heat import fetch_heat
-from coordinator.rebalance import MIGRATION_FILE, Executor, migrate, observe
+from coordinator.rebalance import MIGRATION_FILE, migrate, observe
+from coordinator.transfer import Executor
 from engine.auth import load_secret
 from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
 from engine.errors import CorruptData, ShoalError
