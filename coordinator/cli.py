@@ -293,13 +293,13 @@ def open_live_workers(
 def cmd_heat(args: argparse.Namespace) -> None:
     from coordinator.heat import (
         fetch_heat,
-        format_summary,
+        format_heat_summary,
         heat_path,
         load_record,
         plot_heat,
         record_heat,
         reset_heat,
-        summarize,
+        summarize_heat,
     )
     from engine.checkpoint import read_manifest
     from engine.heat import heat_to_json
@@ -318,14 +318,14 @@ def cmd_heat(args: argparse.Namespace) -> None:
             record = record_heat(args.model, manifest, fetch_heat(links))
         finally:
             close()
-    summary = summarize(record, manifest, layer=args.layer)  # also checks --layer
+    summary = summarize_heat(record, manifest, layer=args.layer)  # also checks --layer
     if args.json:
         total = record.total()
         if args.layer is not None:
             total = {key: count for key, count in total.items() if key[0] == args.layer}
         print(json.dumps(heat_to_json(total), indent=1))
     else:
-        print(format_summary(summary))
+        print(format_heat_summary(summary))
     if args.plot:
         plot_heat(record, manifest, args.plot)
         print(f"wrote the heat map to {args.plot}", file=sys.stderr)
@@ -396,24 +396,24 @@ def cmd_workers(args: argparse.Namespace) -> None:
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:
     """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
-    from coordinator.worker_stats import fetch_worker_stats, summarize
+    from coordinator.worker_stats import fetch_worker_stats, summarize_stats
 
     for row in rows:
         if row["state"] != "healthy":
             continue
         try:
-            row["stats"] = summarize(fetch_worker_stats(row["address"], secret))
+            row["stats"] = summarize_stats(fetch_worker_stats(row["address"], secret))
         except ShoalError as e:
             row["stats_error"] = str(e)
 
 
 def print_worker_stats(rows: list[dict]) -> None:
-    from coordinator.worker_stats import format_summary
+    from coordinator.worker_stats import format_stats_summary
 
     print("\nsince each worker started:")
     for row in rows:
         if "stats" in row:
-            print("\n".join(format_summary(row["address"], row["stats"])))
+            print("\n".join(format_stats_summary(row["address"], row["stats"])))
         elif "stats_error" in row:
             print(f"  {row['address']}: no stats ({row['stats_error']})")
 

@@ -146,8 +146,8 @@ def reset_heat(model_dir: Path) -> None:
 # Showing it
 
 
-def summarize(record: HeatRecord, manifest: Manifest, *, layer: int | None = None,
-              top: int = 10) -> dict:
+def summarize_heat(record: HeatRecord, manifest: Manifest, *, layer: int | None = None,
+                   top: int = 10) -> dict:
     """Everything `shoal heat` prints, as plain data: the hottest experts, each layer's skew,
     and each worker's load (with the measured imbalance: busiest worker over the mean)."""
     total = record.total()
@@ -188,7 +188,7 @@ def summarize(record: HeatRecord, manifest: Manifest, *, layer: int | None = Non
     }
 
 
-def format_summary(s: dict) -> str:
+def format_heat_summary(s: dict) -> str:
     if not s["tokens"]:
         return ("no heat recorded yet: the workers count tokens as they compute them; generate "
                 "something, then run `shoal heat` again")

@@ -1,7 +1,7 @@
 """Workers' cache, prefetch and drive figures (the `GetStats` RPC), as numbers and as text.
 
 `shoal generate --stats` reads every worker before and after a run and reports the
-difference; `shoal workers` can show one reading (`fetch_worker_stats` + `summarize`).
+difference; `shoal workers` can show one reading (`fetch_worker_stats` + `summarize_stats`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
 
 
-def summarize(stats: shoal_pb2.WorkerStats, tokens: int | None = None) -> dict:
+def summarize_stats(stats: shoal_pb2.WorkerStats, tokens: int | None = None) -> dict:
     """The figures a person reads: hit rate, prefetch recall, bytes per token, bandwidth.
 
     Prefetch recall: of the experts that were not resident when their hint came, the share
@@ -111,7 +111,7 @@ def run_report(
     """Per worker, what one run cost; and how good the coordinator's prefetch hints were."""
     report = {
         "workers": {
-            address: summarize(difference(before.get(address), stats), tokens)
+            address: summarize_stats(difference(before.get(address), stats), tokens)
             for address, stats in sorted(after.items())
         }
     }
@@ -129,7 +129,7 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def format_summary(address: str, s: dict) -> list[str]:
+def format_stats_summary(address: str, s: dict) -> list[str]:
     """A few lines for one worker's summary."""
     lines = [
         f"  {address} ({s['node_id']}): budget {format_bytes(s['memory_budget'])} for "
@@ -152,7 +152,7 @@ def format_summary(address: str, s: dict) -> list[str]:
 def format_report(report: dict) -> list[str]:
     lines = ["workers (this run):"]
     for address, summary in report["workers"].items():
-        lines += format_summary(address, summary)
+        lines += format_stats_summary(address, summary)
     if hints := report.get("hints"):
         lines.append(
             f"router lookahead: {hints['predictions']} predictions, recall "

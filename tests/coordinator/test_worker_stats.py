@@ -1,5 +1,5 @@
 from coordinator.lookahead import LookaheadStats
-from coordinator.worker_stats import difference, format_report, run_report, summarize
+from coordinator.worker_stats import difference, format_report, run_report, summarize_stats
 from proto import shoal_pb2
 
 
@@ -17,7 +17,7 @@ def reading(scale: int) -> shoal_pb2.WorkerStats:
 def test_a_run_is_the_difference_of_two_readings_and_reads_as_rates():
     run = difference(reading(1), reading(3))
     assert run.demands == 200 and run.memory_budget == 100 and run.drives[0].bytes_read == 2000
-    s = summarize(run, tokens=20)
+    s = summarize_stats(run, tokens=20)
     assert s["hit_rate"] == 0.6 and s["hit_rate_without_prefetch"] == 0.4
     # Would have missed without prefetch: 40 prefetch hits + 80 misses; covered: 40 + 10 late.
     assert s["prefetch_recall"] == 50 / 120 and s["prefetch_precision"] == 0.5
