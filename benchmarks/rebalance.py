@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from coordinator.cluster import WorkerLink  # noqa: E402
 from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
-from coordinator.heat import fetch_heat  # noqa: E402
+from coordinator.heat import fetch_readings  # noqa: E402
 from coordinator.local import start_workers, stop_workers  # noqa: E402
 from coordinator.rebalance import migrate  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
@@ -81,13 +81,13 @@ def run_prompts(remote, tokens: int) -> tuple[list[list[int]], float]:
 
 def measure(sharded: Path, addresses: list[str], secret: bytes, links: list[WorkerLink],
             tokens: int) -> dict:
-    before = {r.name: r.counts for r in fetch_heat(links)}
+    before = {r.name: r.counts for r in fetch_readings(links)}
     remote = open_remote_model(sharded, addresses, secret)
     try:
         ids, decode_tps = run_prompts(remote, tokens)
     finally:
         remote.close()
-    after = {r.name: r.counts for r in fetch_heat(links)}
+    after = {r.name: r.counts for r in fetch_readings(links)}
     loads = {w: difference(after[w], before.get(w, {})) for w in after}
     per_worker = {w: sum(c.values()) for w, c in sorted(loads.items())}
     return {"tokens": ids, "imbalance": load_imbalance(loads), "pairs_per_worker": per_worker,
@@ -136,10 +136,10 @@ def run(args: argparse.Namespace) -> dict:
             for link in links:
                 link.close()
             stop_workers(workers)
-        from coordinator.heat import heat_path, load_record
+        from coordinator.heat import load_record, record_path
 
         manifest = read_manifest(sharded)
-        heat = load_record(heat_path(sharded), manifest.fingerprint).total()
+        heat = load_record(record_path(sharded), manifest.fingerprint).total()
         plan = report.proposal.plan
         execution = report.execution
         return {

@@ -259,10 +259,10 @@ def open_membership(
 
 def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
     """Fold the workers' token counts into OUT_DIR/heat.msgpack; a failure only warns."""
-    from coordinator.heat import fetch_heat, record_heat
+    from coordinator.heat import fetch_readings, record_heat
 
     try:
-        record_heat(model_dir, manifest, fetch_heat(links))
+        record_heat(model_dir, manifest, fetch_readings(links))
     except ShoalError as e:
         print(f"shoal: warning: the heat of this run was not recorded: {e}", file=sys.stderr)
 
@@ -292,12 +292,12 @@ def open_live_workers(
 
 def cmd_heat(args: argparse.Namespace) -> None:
     from coordinator.heat import (
-        fetch_heat,
+        fetch_readings,
         format_heat_summary,
-        heat_path,
         load_record,
         plot_heat,
         record_heat,
+        record_path,
         reset_heat,
         summarize_heat,
     )
@@ -307,15 +307,15 @@ def cmd_heat(args: argparse.Namespace) -> None:
     manifest = read_manifest(args.model)
     if args.reset:
         reset_heat(args.model)
-        print(f"cleared the recorded heat in {heat_path(args.model)}", file=sys.stderr)
+        print(f"cleared the recorded heat in {record_path(args.model)}", file=sys.stderr)
         return
     if args.offline:
-        record = load_record(heat_path(args.model), manifest.fingerprint)
+        record = load_record(record_path(args.model), manifest.fingerprint)
     else:
         links, close = open_live_workers(args, load_secret(secret_path(args.secret_file)),
                                          manifest)
         try:
-            record = record_heat(args.model, manifest, fetch_heat(links))
+            record = record_heat(args.model, manifest, fetch_readings(links))
         finally:
             close()
     summary = summarize_heat(record, manifest, layer=args.layer)  # also checks --layer

@@ -1,6 +1,6 @@
-"""The heat histogram on the coordinator: read every worker's exact token counts (GetHeat),
-fold them into the record kept next to the model (OUT_DIR/heat.msgpack, so it outlives runs
-and worker restarts), and show it: `shoal heat`'s summary, JSON and heat map.
+"""Heat on the coordinator: fetch every worker's reading, its exact token counts (GetHeat),
+fold them into the heat record kept next to the model (OUT_DIR/heat.msgpack, so it outlives
+runs and worker restarts), and show it: `shoal heat`'s summary, JSON and heat map.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import msgpack
 from coordinator.cluster import WorkerLink
 from engine.checkpoint import Manifest, write_atomic
 from engine.errors import CorruptData, InvalidInput, ShoalError
-from engine.heat import HeatRecord, WorkerHeat, fold_reading
+from engine.heat import HeatRecord, WorkerCounts, fold_reading
 from engine.placement import ExpertKey, load_imbalance
 from proto import shoal_pb2
 
-HEAT_FILE = "heat.msgpack"
+RECORD_FILE = "heat.msgpack"
 FORMAT = "shoal-heat"
 VERSION = 1
 
@@ -36,8 +36,8 @@ class Reading:
     counts: dict[ExpertKey, int]
 
 
-def heat_path(model_dir: Path) -> Path:
-    return Path(model_dir) / HEAT_FILE
+def record_path(model_dir: Path) -> Path:
+    return Path(model_dir) / RECORD_FILE
 
 
 def name_workers(ids: Sequence[tuple[str, str]]) -> list[str]:
@@ -48,7 +48,7 @@ def name_workers(ids: Sequence[tuple[str, str]]) -> list[str]:
             for node_id, address in ids]
 
 
-def fetch_heat(links: Sequence[WorkerLink]) -> list[Reading]:
+def fetch_readings(links: Sequence[WorkerLink]) -> list[Reading]:
     """Every worker's counts (GetHeat); a worker that does not answer is left out."""
     replies = []
     for link in links:
@@ -91,7 +91,7 @@ def decode_record(data: bytes, *, origin: str) -> HeatRecord:
         if body.get("format") != FORMAT or body.get("version") != VERSION:
             raise CorruptData(f"{origin} is not a heat record this Shoal reads")
         workers = {
-            name: WorkerHeat(w["boot_id"], _counts(w["seen"]), _counts(w["total"]))
+            name: WorkerCounts(w["boot_id"], _counts(w["seen"]), _counts(w["total"]))
             for name, w in body["workers"].items()
         }
         return HeatRecord(body["fingerprint"], workers)
@@ -125,7 +125,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def record_heat(model_dir: Path, manifest: Manifest, readings: Sequence[Reading]) -> HeatRecord:
     """Fold the readings into OUT_DIR/heat.msgpack and return the updated record."""
-    path = heat_path(model_dir)
+    path = record_path(model_dir)
     try:
         with _locked(path):
             record = load_record(path, manifest.fingerprint)
@@ -139,7 +139,7 @@ def record_heat(model_dir: Path, manifest: Manifest, readings: Sequence[Reading]
 
 def reset_heat(model_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(heat_path(model_dir))
+        os.unlink(record_path(model_dir))
 
 
 # ---------------------------------------------------------------------------------------

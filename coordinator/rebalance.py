@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.cluster import WorkerLink
-from coordinator.heat import fetch_heat, name_workers, record_heat
+from coordinator.heat import fetch_readings, name_workers, record_heat
 from coordinator.transfer import CHUNK_BYTES, QUIET_SECONDS, Event, Execution, Executor
 from engine.cache_policy import format_bytes
 from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, write_atomic
@@ -137,7 +137,7 @@ def migrate(
     if deploy and not local and not any(w.serving for w in workers):
         raise NotFound(f"{model_dir} holds no expert files to deploy (OUT_DIR/experts or "
                        "OUT_DIR/worker-K, as written by `shoal shard`)")
-    record = record_heat(model_dir, manifest, fetch_heat(links))
+    record = record_heat(model_dir, manifest, fetch_readings(links))
     heat = record.total()
     if not deploy and not heat:
         raise InvalidInput("no heat recorded yet: the workers count the tokens routed to each "

@@ -1,6 +1,10 @@
-"""The expert heat histogram: tokens routed to each (layer, expert), its JSON file form
-`{"<layer>": {"<expert>": count, ...}, ...}` that `shoal heat --json` writes and
-`shoal plan --heat` reads, and how workers' readings are folded into totals across runs."""
+"""Heat: the tokens routed to each (layer, expert) across the cluster, what placement
+weighs experts by. Here: its JSON file form `{"<layer>": {"<expert>": count, ...}, ...}` that
+`shoal heat --json` writes and `shoal plan --heat` reads, and the heat record, into which
+each worker's readings (its own counts since it started) are folded across runs.
+
+(A worker's cache keeps a score of its own, engine/cache_policy.py's `Heat`: the same tokens
+halved every few forward passes, to choose what to evict. It is not this histogram.)"""
 
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def check_heat_matches(heat: Mapping[ExpertKey, float], experts: Mapping[ExpertK
 
 
 @dataclass(frozen=True)
-class WorkerHeat:
+class WorkerCounts:
     """What one worker has contributed: its counts at the last reading (since its start,
     identified by `boot_id`) and every token it computed that a reading has seen."""
 
@@ -78,7 +82,7 @@ class WorkerHeat:
 @dataclass(frozen=True)
 class HeatRecord:
     fingerprint: str
-    workers: dict[str, WorkerHeat] = field(default_factory=dict)
+    workers: dict[str, WorkerCounts] = field(default_factory=dict)
 
     def total(self) -> dict[ExpertKey, int]:
         """Cluster-wide tokens per expert."""
@@ -106,7 +110,7 @@ def fold_reading(
         new = count - seen.get(key, 0)
         if new > 0:
             total[key] = total.get(key, 0) + new
-    workers = {**record.workers, worker: WorkerHeat(boot_id, dict(counts), total)}
+    workers = {**record.workers, worker: WorkerCounts(boot_id, dict(counts), total)}
     return HeatRecord(record.fingerprint, workers)
 
 

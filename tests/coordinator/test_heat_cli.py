@@ -6,7 +6,7 @@ import json
 import pytest
 
 from coordinator.cli import main
-from coordinator.heat import encode_record, heat_path, load_record, summarize_heat
+from coordinator.heat import encode_record, load_record, record_path, summarize_heat
 from engine.checkpoint import read_manifest, shard
 from engine.heat import HeatRecord, fold_reading
 
@@ -18,7 +18,7 @@ def recorded(tiny_checkpoint, tmp_path_factory):
     record = HeatRecord(read_manifest(out).fingerprint)
     record = fold_reading(record, "a", "1", {(0, 3): 90, (0, 1): 10, (1, 2): 40})
     record = fold_reading(record, "b", "1", {(0, 3): 30, (1, 5): 40})
-    heat_path(out).write_bytes(encode_record(record))
+    record_path(out).write_bytes(encode_record(record))
     return out
 
 
@@ -39,7 +39,7 @@ def test_summary_names_the_hottest_experts_the_skew_and_the_load_per_worker(reco
     first = out.splitlines()[3].split()
     assert first[:2] == ["0/3", "120"]  # 90 + 30 tokens, the hottest
     manifest = read_manifest(recorded)
-    summary = summarize_heat(load_record(heat_path(recorded), manifest.fingerprint), manifest)
+    summary = summarize_heat(load_record(record_path(recorded), manifest.fingerprint), manifest)
     assert summary["workers"]["a"]["tokens"] == 140 and summary["layers"][0]["hottest"] == 3
     assert summary["measured_imbalance"] > 1.0
 

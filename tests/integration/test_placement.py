@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model
 
 from coordinator.cluster import WorkerLink
 from coordinator.generate import open_remote_model
-from coordinator.heat import fetch_heat
+from coordinator.heat import fetch_readings
 from engine.auth import load_secret
 from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
 from tests.integration.test_equivalence import greedy_tokens
@@ -103,7 +103,7 @@ def test_experts_held_twice_share_their_tokens_and_the_output_does_not_change(
 
     links = [WorkerLink(w.address, secret) for w in workers]
     try:
-        counts = [r.counts for r in fetch_heat(links)]
+        counts = [r.counts for r in fetch_readings(links)]
     finally:
         for link in links:
             link.close()

@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster import WorkerLink
 from coordinator.generate import generate, open_remote_model
-from coordinator.heat import fetch_heat
+from coordinator.heat import fetch_readings
 from coordinator.rebalance import MIGRATION_FILE, migrate, observe
 from coordinator.transfer import Executor
 from engine.auth import load_secret
@@ -49,7 +49,7 @@ def run_prompts(sharded: Path, addresses: list[str], secret: bytes) -> list[list
 
 
 def counts(links: list[WorkerLink]) -> dict[str, dict]:
-    return {r.name: r.counts for r in fetch_heat(links)}
+    return {r.name: r.counts for r in fetch_readings(links)}
 
 
 def served_by(links: list[WorkerLink]) -> dict[str, set]:
