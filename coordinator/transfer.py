@@ -79,6 +79,7 @@ class Executor:
         self.progress = progress
         self.done = Execution()
         self._drained: dict[tuple[ExpertKey, str], float] = {}  # when this run drained a copy
+        # One handler per kind of step (engine/migration.py's KINDS), in the order they run.
         self._handlers: dict[str, Callable[[Step], None]] = {
             "copy": self._copy,
             "verify": self._verify,
