@@ -98,6 +98,40 @@ def test_a_rebalance_moves_load_off_the_busiest_worker_and_every_step_is_safe():
     assert first.key == (1, 1) and first.source == "a" and first.worker == "b"
 
 
+def test_a_rebalance_spreads_load_onto_a_newly_added_empty_worker():
+    """A worker that joins holding nothing is idle (load 0), not absent: one worker serving
+    everything is as uneven as it gets, and the plan moves experts onto the newcomer."""
+    workers = [worker("a", serving=KEYS), worker("new")]
+    state = state_of(workers, KEYS, local=())
+    heat = {key: float(1 + key[1]) for key in KEYS}
+    p = propose(state, workers, SIZES, heat)
+    assert p.imbalance_now == pytest.approx(2.0)  # a carries it all, the mean is half
+    assert p.imbalance_after < p.imbalance_now * (1 - MIN_GAIN)
+    assert any(s.kind == "copy" and s.worker == "new" for s in p.plan.steps)
+    assert all(any("new" in p.target[k] for k in KEYS if k[0] == layer) for layer in (0, 1))
+    final = check_steps(state, p.plan.steps)  # raises at the first unsafe step
+    assert final_holders(final) == {key: tuple(sorted(v)) for key, v in p.target.items()}
+
+    # two workers that share the load evenly, and a third joins: it gets a share too
+    pair = [worker("a", serving=[k for k in KEYS if k[1] % 2 == 0]),
+            worker("b", serving=[k for k in KEYS if k[1] % 2 == 1]), worker("new")]
+    even = dict.fromkeys(KEYS, 10.0)
+    p = propose(state_of(pair, KEYS, local=()), pair, SIZES, even)
+    assert p.imbalance_now == pytest.approx(1.5)
+    assert p.imbalance_after < p.imbalance_now * (1 - MIN_GAIN)
+    assert any("new" in names for names in p.target.values())
+
+
+def test_an_empty_worker_without_free_disk_is_no_target_and_does_not_count():
+    workers = [worker("a", serving=KEYS), worker("full", free=0)]
+    state = state_of(workers, KEYS, local=())
+    heat = {key: float(1 + key[1]) for key in KEYS}
+    p = propose(state, workers, SIZES, heat)
+    assert p.plan.steps == () and not p.plan.blocked
+    assert p.target == {key: ("a",) for key in KEYS}
+    assert p.imbalance_now == p.imbalance_after == pytest.approx(1.0)
+
+
 def test_a_deploy_leaves_even_a_skewed_cluster_as_it_is():
     workers, state, heat = skewed()
     p = propose(state, workers, SIZES, heat, deploy=True)
