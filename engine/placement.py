@@ -203,10 +203,11 @@ def load_imbalance(loads: Mapping[str, Mapping[ExpertKey, float]]) -> float:
 
 
 def _capacities(workers: Sequence[WorkerCapacity], total: int, spare: float) -> tuple[dict, bool]:
-    memory = {w.name: int(w.memory * (1.0 - spare)) for w in workers}
+    disk = {w.name: w.disk if w.disk is not None else 1 << 62 for w in workers}
+    # A resident share is also a file on the worker's disk: a small disk bounds it too.
+    memory = {w.name: min(int(w.memory * (1.0 - spare)), disk[w.name]) for w in workers}
     if sum(memory.values()) >= total:
         return memory, True
-    disk = {w.name: w.disk if w.disk is not None else 1 << 62 for w in workers}
     if sum(disk.values()) >= total:
         return disk, False
     raise InvalidInput(

@@ -94,6 +94,13 @@ def test_plan_streams_from_disk_when_memory_is_short_and_refuses_when_disk_is_to
         plan_placement(small, sizes)
 
 
+def test_a_resident_share_is_bounded_by_the_workers_disk_too():
+    sizes = {(0, e): 100 for e in range(10)}
+    workers = [WorkerCapacity("a", 2000), WorkerCapacity("small", 2000, disk=250)]
+    plan = plan_placement(workers, sizes)
+    assert plan.resident and plan.bytes_per_worker["small"] <= 250
+
+
 def test_imbalance_counts_the_busiest_worker_per_layer():
     heat = {(0, 0): 3.0, (0, 1): 1.0}
     assert imbalance({(0, 0): ("a",), (0, 1): ("b",)}, heat) == pytest.approx(1.5)

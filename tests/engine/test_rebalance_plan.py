@@ -132,6 +132,15 @@ def test_an_empty_worker_without_free_disk_is_no_target_and_does_not_count():
     assert p.imbalance_now == p.imbalance_after == pytest.approx(1.0)
 
 
+def test_a_new_worker_takes_no_more_than_its_free_disk_holds():
+    workers = [worker("a", serving=KEYS), worker("small", free=250)]  # room for 2 experts
+    state = state_of(workers, KEYS, local=())
+    p = propose(state, workers, SIZES, dict.fromkeys(KEYS, 10.0))
+    moved = [key for key, names in p.target.items() if "small" in names]
+    assert len(moved) == 2 and not p.plan.blocked
+    check_steps(state, p.plan.steps)
+
+
 def test_a_deploy_leaves_even_a_skewed_cluster_as_it_is():
     workers, state, heat = skewed()
     p = propose(state, workers, SIZES, heat, deploy=True)
@@ -204,7 +213,14 @@ def test_an_interrupted_runs_target_is_taken_up_again_while_its_workers_live():
 def test_a_worker_short_of_disk_leaves_experts_blocked_not_lost():
     workers, state, heat = skewed()
     full = [workers[0], worker("b", serving=workers[1].serving, free=0)]
+    # a fresh plan keeps b within the disk it has (what it holds): b swaps, nothing blocked
     p = propose(state, full, SIZES, heat)
+    assert not p.plan.blocked and sum("b" in v for v in p.target.values()) <= 4
+    check_steps(state, p.plan.steps)
+    # a target asking more of b (an interrupted run's, saved before b's disk filled up)
+    stored = {key: ("b",) for key in KEYS}
+    p = propose(state, full, SIZES, heat, stored=stored)
+    assert p.resumed
     assert not any(s.kind == "copy" and s.worker == "b" for s in p.plan.steps)
     assert p.plan.blocked and all("not enough free disk on b" in why
                                   for why in p.plan.blocked.values())
