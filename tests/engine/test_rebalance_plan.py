@@ -4,6 +4,7 @@ interrupted run's target taken up again, the byte budget, and the executor's sma
 
 import pytest
 
+from engine.errors import InvalidInput
 from engine.migration import DRAINING, LOCAL, SERVING, Step, check_steps
 from engine.placement import imbalance, plan_placement
 from engine.rebalance_plan import (
@@ -130,6 +131,9 @@ def test_an_empty_worker_without_free_disk_is_no_target_and_does_not_count():
     assert p.plan.steps == () and not p.plan.blocked
     assert p.target == {key: ("a",) for key in KEYS}
     assert p.imbalance_now == p.imbalance_after == pytest.approx(1.0)
+    only = [worker("full", free=0)]  # a deploy with nowhere to put anything
+    with pytest.raises(InvalidInput, match="no live worker has free disk"):
+        propose(state_of(only, KEYS, local=KEYS), only, SIZES, None, deploy=True)
 
 
 def test_a_new_worker_takes_no_more_than_its_free_disk_holds():
