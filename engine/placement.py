@@ -168,15 +168,20 @@ class Placement:
 
 
 def imbalance(
-    holders: Mapping[ExpertKey, Sequence[str]], heat: Mapping[ExpertKey, float]
+    holders: Mapping[ExpertKey, Sequence[str]],
+    heat: Mapping[ExpertKey, float],
+    workers: Collection[str] = (),
 ) -> float:
     """Expected tokens of the busiest worker over the mean, summed over layers.
 
     Each layer waits for its slowest worker, so per layer the cost is the busiest worker's
     load; the ratio of the layers' summed maxima to their summed means is 1.0 when perfectly
-    even. An expert's tokens are assumed to split evenly over its copies.
+    even. An expert's tokens are assumed to split evenly over its copies. The mean is over
+    the holders and `workers`: a worker that could take load but holds nothing (one just
+    added) is idle, load 0, and makes the others' share uneven; left out, one worker holding
+    everything would score a perfect 1.0.
     """
-    loads: dict[str, dict[ExpertKey, float]] = {}
+    loads: dict[str, dict[ExpertKey, float]] = {name: {} for name in workers}
     for key, names in holders.items():
         for name in names:
             loads.setdefault(name, {})[key] = heat.get(key, 0.0) / len(names)
@@ -198,10 +203,11 @@ def load_imbalance(loads: Mapping[str, Mapping[ExpertKey, float]]) -> float:
 
 
 def _capacities(workers: Sequence[WorkerCapacity], total: int, spare: float) -> tuple[dict, bool]:
-    memory = {w.name: int(w.memory * (1.0 - spare)) for w in workers}
+    disk = {w.name: w.disk if w.disk is not None else 1 << 62 for w in workers}
+    # A resident share is also a file on the worker's disk: a small disk bounds it too.
+    memory = {w.name: min(int(w.memory * (1.0 - spare)), disk[w.name]) for w in workers}
     if sum(memory.values()) >= total:
         return memory, True
-    disk = {w.name: w.disk if w.disk is not None else 1 << 62 for w in workers}
     if sum(disk.values()) >= total:
         return disk, False
     raise InvalidInput(
@@ -312,11 +318,12 @@ def plan_placement(
     if copies != single:
         # Greedy packing of the extra copies can land worse than none at all: keep the better.
         alone, alone_used = _pack(sizes, heat, single, names, capacity, current, stickiness)
-        if imbalance(alone, heat) < imbalance(holders, heat):
+        if imbalance(alone, heat, names) < imbalance(holders, heat, names):
             holders, used = alone, alone_used
     if current is None:
         current = _pack(sizes, heat, single, names, capacity)[0]
-    return Placement(holders, used, resident, imbalance(current, heat), imbalance(holders, heat))
+    return Placement(holders, used, resident, imbalance(current, heat, names),
+                     imbalance(holders, heat, names))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.errors import InvalidInput
 from engine.migration import (
     DRAINING,
     LOCAL,
@@ -92,23 +93,32 @@ def propose(
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
     serves every expert as it is; a rebalance leaves it when the gain would be under MIN_GAIN.
-    Without heat (or with none counted yet) every expert weighs the same."""
+    Without heat (or with none counted yet) every expert weighs the same.
+
+    Every worker with room for an expert counts, the ones holding nothing too (just added:
+    idle, so the others carry more than their share); one with no room (a full disk) is
+    neither a target nor counted."""
     live = {w.name for w in workers}
     current = holders_of(state)
     placed = all(current.values())
     weights = dict(heat) if heat and any(heat.values()) else dict.fromkeys(sizes, 1.0)
+    smallest = min(sizes.values(), default=0)
+    able = [c for c in capacities(workers, sizes) if (c.disk or 0) >= smallest]
+    counted = [c.name for c in able]
     resumed = bool(stored) and set(stored) == set(sizes) and all(
         set(names) <= live for names in stored.values())
     if resumed:
         target = {key: tuple(names) for key, names in stored.items()}
     else:
-        placement = plan_placement(capacities(workers, sizes), sizes, weights, spare=spare,
-                                   current=current, stickiness=STICKINESS)
+        if not able:
+            raise InvalidInput("no live worker has free disk for even one expert")
+        placement = plan_placement(able, sizes, weights, spare=spare, current=current,
+                                   stickiness=STICKINESS)
         target = dict(placement.holders)
         if max_bytes is not None and placed:
             target = limit_moves(current, target, sizes, weights, max_bytes)
-    now = imbalance(current, weights) if placed else None
-    after = imbalance(target, weights)
+    now = imbalance(current, weights, counted) if placed else None
+    after = imbalance(target, weights, counted)
     worth = after <= now * (1 - MIN_GAIN) if now is not None else True
     if not resumed and now is not None and (deploy or not worth):
         target = dict(current)

@@ -94,10 +94,36 @@ def test_plan_streams_from_disk_when_memory_is_short_and_refuses_when_disk_is_to
         plan_placement(small, sizes)
 
 
+def test_a_resident_share_is_bounded_by_the_workers_disk_too():
+    sizes = {(0, e): 100 for e in range(10)}
+    workers = [WorkerCapacity("a", 2000), WorkerCapacity("small", 2000, disk=250)]
+    plan = plan_placement(workers, sizes)
+    assert plan.resident and plan.bytes_per_worker["small"] <= 250
+
+
 def test_imbalance_counts_the_busiest_worker_per_layer():
     heat = {(0, 0): 3.0, (0, 1): 1.0}
     assert imbalance({(0, 0): ("a",), (0, 1): ("b",)}, heat) == pytest.approx(1.5)
     assert imbalance({(0, 0): ("a", "b"), (0, 1): ("b",)}, heat) == pytest.approx(1.25)
+
+
+def test_imbalance_counts_a_worker_that_holds_nothing_as_idle():
+    heat = {(0, 0): 3.0, (0, 1): 1.0}
+    alone = {(0, 0): ("a",), (0, 1): ("a",)}
+    assert imbalance(alone, heat) == pytest.approx(1.0)  # only holders: looks even
+    assert imbalance(alone, heat, ["a", "new"]) == pytest.approx(2.0)
+    assert imbalance({(0, 0): ("a",), (0, 1): ("new",)}, heat, ["a", "new"]) == (
+        pytest.approx(1.5))
+
+
+def test_a_plan_from_one_busy_worker_spreads_onto_an_idle_one():
+    sizes = {(layer, e): 10 for layer in range(2) for e in range(8)}
+    workers = [WorkerCapacity("a", 1000), WorkerCapacity("new", 1000)]
+    current = dict.fromkeys(sizes, ("a",))
+    plan = plan_placement(workers, sizes, current=current, stickiness=0.1)
+    assert plan.imbalance_before == pytest.approx(2.0)
+    assert plan.imbalance_after == pytest.approx(1.0)
+    assert sum("new" in names for names in plan.holders.values()) == 8
 
 
 def test_replica_routes_list_every_copy_with_the_least_loaded_owner_first():

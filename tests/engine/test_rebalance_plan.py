@@ -4,6 +4,7 @@ interrupted run's target taken up again, the byte budget, and the executor's sma
 
 import pytest
 
+from engine.errors import InvalidInput
 from engine.migration import DRAINING, LOCAL, SERVING, Step, check_steps
 from engine.placement import imbalance, plan_placement
 from engine.rebalance_plan import (
@@ -98,6 +99,52 @@ def test_a_rebalance_moves_load_off_the_busiest_worker_and_every_step_is_safe():
     assert first.key == (1, 1) and first.source == "a" and first.worker == "b"
 
 
+def test_a_rebalance_spreads_load_onto_a_newly_added_empty_worker():
+    """A worker that joins holding nothing is idle (load 0), not absent: one worker serving
+    everything is as uneven as it gets, and the plan moves experts onto the newcomer."""
+    workers = [worker("a", serving=KEYS), worker("new")]
+    state = state_of(workers, KEYS, local=())
+    heat = {key: float(1 + key[1]) for key in KEYS}
+    p = propose(state, workers, SIZES, heat)
+    assert p.imbalance_now == pytest.approx(2.0)  # a carries it all, the mean is half
+    assert p.imbalance_after < p.imbalance_now * (1 - MIN_GAIN)
+    assert any(s.kind == "copy" and s.worker == "new" for s in p.plan.steps)
+    assert all(any("new" in p.target[k] for k in KEYS if k[0] == layer) for layer in (0, 1))
+    final = check_steps(state, p.plan.steps)  # raises at the first unsafe step
+    assert final_holders(final) == {key: tuple(sorted(v)) for key, v in p.target.items()}
+
+    # two workers that share the load evenly, and a third joins: it gets a share too
+    pair = [worker("a", serving=[k for k in KEYS if k[1] % 2 == 0]),
+            worker("b", serving=[k for k in KEYS if k[1] % 2 == 1]), worker("new")]
+    even = dict.fromkeys(KEYS, 10.0)
+    p = propose(state_of(pair, KEYS, local=()), pair, SIZES, even)
+    assert p.imbalance_now == pytest.approx(1.5)
+    assert p.imbalance_after < p.imbalance_now * (1 - MIN_GAIN)
+    assert any("new" in names for names in p.target.values())
+
+
+def test_an_empty_worker_without_free_disk_is_no_target_and_does_not_count():
+    workers = [worker("a", serving=KEYS), worker("full", free=0)]
+    state = state_of(workers, KEYS, local=())
+    heat = {key: float(1 + key[1]) for key in KEYS}
+    p = propose(state, workers, SIZES, heat)
+    assert p.plan.steps == () and not p.plan.blocked
+    assert p.target == {key: ("a",) for key in KEYS}
+    assert p.imbalance_now == p.imbalance_after == pytest.approx(1.0)
+    only = [worker("full", free=0)]  # a deploy with nowhere to put anything
+    with pytest.raises(InvalidInput, match="no live worker has free disk"):
+        propose(state_of(only, KEYS, local=KEYS), only, SIZES, None, deploy=True)
+
+
+def test_a_new_worker_takes_no_more_than_its_free_disk_holds():
+    workers = [worker("a", serving=KEYS), worker("small", free=250)]  # room for 2 experts
+    state = state_of(workers, KEYS, local=())
+    p = propose(state, workers, SIZES, dict.fromkeys(KEYS, 10.0))
+    moved = [key for key, names in p.target.items() if "small" in names]
+    assert len(moved) == 2 and not p.plan.blocked
+    check_steps(state, p.plan.steps)
+
+
 def test_a_deploy_leaves_even_a_skewed_cluster_as_it_is():
     workers, state, heat = skewed()
     p = propose(state, workers, SIZES, heat, deploy=True)
@@ -170,7 +217,14 @@ def test_an_interrupted_runs_target_is_taken_up_again_while_its_workers_live():
 def test_a_worker_short_of_disk_leaves_experts_blocked_not_lost():
     workers, state, heat = skewed()
     full = [workers[0], worker("b", serving=workers[1].serving, free=0)]
+    # a fresh plan keeps b within the disk it has (what it holds): b swaps, nothing blocked
     p = propose(state, full, SIZES, heat)
+    assert not p.plan.blocked and sum("b" in v for v in p.target.values()) <= 4
+    check_steps(state, p.plan.steps)
+    # a target asking more of b (an interrupted run's, saved before b's disk filled up)
+    stored = {key: ("b",) for key in KEYS}
+    p = propose(state, full, SIZES, heat, stored=stored)
+    assert p.resumed
     assert not any(s.kind == "copy" and s.worker == "b" for s in p.plan.steps)
     assert p.plan.blocked and all("not enough free disk on b" in why
                                   for why in p.plan.blocked.values())

@@ -312,3 +312,55 @@ def test_a_source_whose_copy_rotted_is_told_and_stops_serving_it(
     finally:
         for link in links:
             link.close()
+
+
+@pytest.mark.slow
+def test_rebalance_moves_experts_onto_a_worker_that_joined_empty(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """Two workers hold the model; a third joins holding nothing but the manifest (a Mac just
+    added). After some traffic, `shoal rebalance` gives it a share, the measured load is more
+    even over the three, and generation through all three still equals mlx-lm's."""
+    source = tiny_checkpoint("qwen3_moe")
+    sharded = tmp_path / "out"
+    shard(source, sharded, workers=2, progress=False)
+    stores = []
+    for k in range(2):
+        stores.append(tmp_path / "stores" / f"w{k}")
+        shutil.move(sharded / f"worker-{k}", stores[-1])
+    stores.append(tmp_path / "stores" / "new")
+    stores[-1].mkdir()
+    shutil.copy(sharded / MANIFEST_NAME, stores[-1] / MANIFEST_NAME)
+    names = ["w0", "w1", "new"]
+    workers = [start_worker([store], "--no-advertise", "--node-id", name)
+               for store, name in zip(stores, names, strict=True)]
+    secret = load_secret(secret_file)
+    links = [WorkerLink(w.address, secret) for w in workers]
+    addresses = [w.address for w in workers]
+    try:
+        expected = reference(source)
+        # heat from the two that hold the model; the newcomer is idle meanwhile
+        before, tokens = measured_imbalance(sharded, addresses[:2], secret, links)
+        assert tokens == expected
+        assert served_by(links)["new"] == set()
+
+        run = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "rebalance", "--model", str(sharded),
+             "--workers", ",".join(addresses), "--secret-file", str(secret_file), "--json"],
+            capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert run.returncode == 0, run.stderr
+        report = json.loads(run.stdout)
+        assert report["imbalance_now"] >= 1.4  # two of three workers carry everything
+        assert report["imbalance_after"] < report["imbalance_now"]
+        assert any(s["kind"] == "copy" and s["worker"] == "new" for s in report["steps"])
+
+        served = served_by(links)
+        target = {tuple(map(int, k.split("/"))): set(v) for k, v in report["target"].items()}
+        assert served["new"] == {key for key, names in target.items() if "new" in names}
+        assert served["new"]
+        after, tokens = measured_imbalance(sharded, addresses, secret, links)
+        assert tokens == expected
+        assert after < before, (before, after)
+    finally:
+        for link in links:
+            link.close()
