@@ -20,6 +20,7 @@ from coordinator.commands.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
+    from coordinator.generate import GenerationResult, RemoteModel
     from coordinator.speculative import DraftPolicy
 
 
@@ -70,83 +71,15 @@ def draft_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.generate import encode_prompt, generate, open_remote_model, stats_report
-    from coordinator.membership import stderr_log
-    from coordinator.worker_stats import format_report, read_stats, run_report
-    from engine.checkpoint import read_manifest
-
     policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
     secret = cluster_secret(args)
     addresses = worker_addresses(args.workers) if args.workers else []
-    out = StreamedText()
-
-    def say(message: str) -> None:
-        out.end_line()
-        stderr_log(message)
-
-    membership = None if args.workers else open_membership(
-        args, secret, read_manifest(args.model), log=say
-    )
-    remote = None
-    try:
-        remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=say)
-        prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
-        draft = None
-        if policy is not None:
-            from coordinator.speculative import load_draft
-
-            draft = load_draft(args.draft_model, remote.tokenizer, policy)
-
-        before = read_stats(remote.cluster.links) if args.stats else {}
-        result = generate(
-            remote.model, remote.tokenizer, prompt_ids,
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-            on_text=None if args.json else out.write, draft=draft,
-        )
-        after = read_stats(remote.cluster.links) if args.stats else {}
-    finally:
-        out.end_line()  # an error or warning after partial output starts on its own line
-        if remote is not None:
-            record_run_heat(args.model, remote.manifest, remote.cluster.links)
-            remote.close()
-        if membership is not None:
-            membership.close()
-    report = {
-        "prompt_token_ids": result.prompt_token_ids,
-        "token_ids": result.token_ids,
-        "text": result.text,
-        "prefill_tps": result.prefill_tps,
-        "decode_tps": result.decode_tps,
-        "finish_reason": result.finish_reason,
-    }
-    if draft is not None:
-        from coordinator.generate import speculative_report
-
-        report["speculative"] = speculative_report(result)
-    if args.stats:
-        report["stats"] = stats_report(remote.dispatcher.stats, result)
-        lookahead = remote.dispatcher.lookahead
-        report["stats"]["streaming"] = run_report(
-            before, after, len(result.token_ids), lookahead.stats if lookahead else None
-        )
+    report = generate_with_workers(args, secret, addresses, policy, StreamedText())
     if args.json:
         print(json.dumps(report))
-        return
-    print(
-        f"prefill {len(prompt_ids)} tokens at {result.prefill_tps:.1f} tok/s, "
-        f"decode {len(result.token_ids)} tokens at {result.decode_tps:.1f} tok/s",
-        file=sys.stderr,
-    )
-    if draft is not None:
-        from coordinator.speculative import format_report as format_draft
-
-        print("\n".join(format_draft(report["speculative"], result.decode_tps,
-                                      changes=args.stats)), file=sys.stderr)
-    if args.stats:
-        print_stats(report["stats"])
-        print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
+    else:
+        print_summary(report)
 
 
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
@@ -193,6 +126,122 @@ class StreamedText:
         if self.mid_line:
             print(flush=True)
             self.mid_line = False
+
+
+def generate_with_workers(
+    args: argparse.Namespace,
+    secret: bytes,
+    addresses: list[str],
+    policy: DraftPolicy | None,
+    out: StreamedText,
+) -> dict:
+    """Load the model and reach its workers (the listed `addresses`, else the cluster's),
+    generate, and let go of everything however the run ends, its heat recorded first."""
+    from coordinator.generate import open_remote_model
+    from coordinator.membership import stderr_log
+    from engine.checkpoint import read_manifest
+
+    def say(message: str) -> None:
+        out.end_line()
+        stderr_log(message)
+
+    membership = None if args.workers else open_membership(
+        args, secret, read_manifest(args.model), log=say
+    )
+    remote = None
+    try:
+        remote = open_remote_model(args.model, addresses, secret, membership=membership,
+                                   wait=args.wait, on_wait=say)
+        return decode(args, remote, policy, out)
+    finally:
+        out.end_line()  # an error or warning after partial output starts on its own line
+        if remote is not None:
+            record_run_heat(args.model, remote.manifest, remote.cluster.links)
+            remote.close()
+        if membership is not None:
+            membership.close()
+
+
+def decode(
+    args: argparse.Namespace, remote: RemoteModel, policy: DraftPolicy | None, out: StreamedText
+) -> dict:
+    """The prompt through the remote model (with a draft model proposing tokens when asked),
+    and the report of the run; with --stats, the workers' counters are read around it."""
+    from coordinator.generate import encode_prompt, generate
+    from coordinator.worker_stats import read_stats
+
+    prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
+    draft = None
+    if policy is not None:
+        from coordinator.speculative import load_draft
+
+        draft = load_draft(args.draft_model, remote.tokenizer, policy)
+    before = read_stats(remote.cluster.links) if args.stats else {}
+    result = generate(
+        remote.model, remote.tokenizer, prompt_ids,
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        on_text=None if args.json else out.write, draft=draft,
+    )
+    if not args.stats:
+        return run_report(result)
+    after = read_stats(remote.cluster.links)
+    return run_report(result, stats=dispatch_and_streaming(remote, result, before, after))
+
+
+def run_report(result: GenerationResult, stats: dict | None = None) -> dict:
+    """What --json prints: the tokens and speeds, the draft's acceptance when there was one,
+    and the --stats figures when asked for."""
+    from coordinator.generate import speculative_report
+
+    report = {
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "prefill_tps": result.prefill_tps,
+        "decode_tps": result.decode_tps,
+        "finish_reason": result.finish_reason,
+    }
+    if result.speculative is not None:
+        report["speculative"] = speculative_report(result)
+    if stats is not None:
+        report["stats"] = stats
+    return report
+
+
+def dispatch_and_streaming(
+    remote: RemoteModel, result: GenerationResult, before: dict, after: dict
+) -> dict:
+    """--stats: the dispatcher's per-layer and per-token figures, and under "streaming" what
+    the workers' caches and drives did between the `before` and `after` counters."""
+    from coordinator.generate import stats_report
+    from coordinator.worker_stats import run_report as streaming_report
+
+    stats = stats_report(remote.dispatcher.stats, result)
+    lookahead = remote.dispatcher.lookahead
+    stats["streaming"] = streaming_report(
+        before, after, len(result.token_ids), lookahead.stats if lookahead else None
+    )
+    return stats
+
+
+def print_summary(report: dict) -> None:
+    """The run's speeds on stderr (stdout holds only the text), then the draft's acceptance
+    and the --stats tables when the report has them."""
+    from coordinator.worker_stats import format_report
+
+    print(
+        f"prefill {len(report['prompt_token_ids'])} tokens at {report['prefill_tps']:.1f} "
+        f"tok/s, decode {len(report['token_ids'])} tokens at {report['decode_tps']:.1f} tok/s",
+        file=sys.stderr,
+    )
+    if "speculative" in report:
+        from coordinator.speculative import format_report as format_draft
+
+        print("\n".join(format_draft(report["speculative"], report["decode_tps"],
+                                      changes="stats" in report)), file=sys.stderr)
+    if "stats" in report:
+        print_stats(report["stats"])
+        print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
 
 
 def print_stats(stats: dict) -> None:
