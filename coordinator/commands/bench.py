@@ -6,9 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from coordinator.commands.options import AddParser
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "bench", help="measure Shoal against mlx-lm and a bare gRPC echo on one checkpoint",
         description="Build (once) a DeepSeek-V3-shaped 4-bit benchmark checkpoint, start two "
         "local workers, and measure decode and prefill tokens/s, per-layer round trips and "

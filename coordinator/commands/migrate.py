@@ -8,7 +8,7 @@ import json
 from typing import TYPE_CHECKING
 
 from coordinator.commands.connect import open_live_workers
-from coordinator.commands.options import cluster_secret, live_options
+from coordinator.commands.options import AddParser, cluster_secret, live_options
 from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
@@ -28,9 +28,9 @@ COMMANDS = (
 )
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
+def setup_arg_parser(add_parser: AddParser) -> None:
     for name, help_text, description in COMMANDS:
-        p = commands.add_parser(name, help=help_text, description=description)
+        p = add_parser(name, help=help_text, description=description)
         live_options(p)
         p.add_argument("--dry-run", action="store_true",
                        help="print the plan (moves, bytes, predicted imbalance) and change nothing")

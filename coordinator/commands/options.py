@@ -5,12 +5,16 @@ secret (--secret-file)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.auth import load_secret, secret_path
 from engine.errors import InvalidInput
 
 BROWSE_SECONDS = 1.5  # how long to listen for Bonjour answers at least
+
+# What a command's setup_arg_parser is given: the `add_parser` of shoal's subcommands.
+AddParser = Callable[..., argparse.ArgumentParser]
 
 
 def discovery_options(p: argparse.ArgumentParser, *, wait: float, wait_help: str) -> None:

@@ -7,13 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+from coordinator.commands.options import AddParser
 from engine.errors import InvalidInput
 
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "plan", help="what-if: would a model fit these Macs, where would experts go, how fast",
         description="Plan a placement offline: whether the model fits the workers' memory "
         "(or only their disks), which experts go where with hot experts replicated, the "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from coordinator.commands.connect import open_membership, record_run_heat
 from coordinator.commands.options import (
+    AddParser,
     check_one_worker_source,
     cluster_secret,
     discovery_options,
@@ -17,8 +18,8 @@ from coordinator.commands.options import (
 from engine.errors import InvalidInput
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
         "answer the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed or "

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from coordinator.commands.options import AddParser
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "shard", help="split a MoE checkpoint into dense weights and one file per expert",
         description="Read a local mlx-lm MoE checkpoint (Hugging Face per-expert layout or "
         "mlx-lm's stacked/quantized layout) and write OUT_DIR/dense, one file per (layer, "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from coordinator.commands.connect import open_membership
 from coordinator.commands.options import (
+    AddParser,
     browse_seconds,
     cluster_secret,
     discovery_options,
@@ -18,8 +19,8 @@ from coordinator.commands.options import (
 from engine.errors import ShoalError
 
 
-def setup_arg_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "workers", help="list the workers found on the local network, and their health",
         description="Browse for shoal-worker daemons of a cluster (Bonjour, or a cluster "
         "config), check each one's health and credentials, and show: node id, address and "
