@@ -1,0 +1,269 @@
+"""`shoal generate`: one prompt through the sharded model, text streamed to stdout as it comes;
+with --stats or --json, a report of the run. The model and its loop are coordinator/generate.py;
+this module picks the workers, records the run's heat however it ends, and words the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.commands.connect import open_membership, record_run_heat, worker_addresses
+from coordinator.commands.options import (
+    AddParser,
+    check_one_worker_source,
+    cluster_secret,
+    discovery_options,
+    secret_option,
+)
+from engine.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from coordinator.generate import GenerationResult, RemoteModel
+    from coordinator.speculative import DraftPolicy
+
+
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "generate", help="generate text with the experts served by running workers",
+        description="Load the dense part of a sharded model, connect to the workers, and "
+        "generate with mlx-lm's sampling and KV cache. Greedy by default; the prompt is used "
+        "as given unless --chat applies the chat template.",
+    )
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
+                   help="the folder written by `shoal shard`")
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="addresses of the running shoal-worker daemons (default: find the "
+                   "workers of --cluster on the local network with Bonjour)")
+    discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
+                      "expert (default 30)")
+    p.add_argument("--max-tokens", type=int, default=100, metavar="N",
+                   help="stop after N generated tokens, or earlier at the end of the answer "
+                   "(default 100)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--stats", action="store_true",
+                   help="also report per-token and per-layer timing, bytes sent, and the workers' "
+                   "cache hit rate, prefetch recall and drive reads")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    draft_options(p)
+    secret_option(p)
+    p.set_defaults(main=main)
+
+
+def draft_options(p: argparse.ArgumentParser) -> None:
+    """--draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS
+
+    p.add_argument("--draft-model", type=Path, metavar="PATH",
+                   help="speculative decoding: a small mlx-lm model with the same tokenizer, run "
+                   "here, proposes tokens that the sharded model checks several at a time "
+                   "(same greedy output, fewer round trips; docs/speculative.md)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help=f"most tokens the draft proposes per step (default "
+                   f"{DEFAULT_DRAFT_TOKENS}); fewer, or none, while it is seldom accepted")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="always propose N tokens, however few are accepted")
+
+
+def main(args: argparse.Namespace) -> None:
+    policy = draft_policy(args)  # the draft options, then the rest, before anything loads
+    check_generate_args(args)
+    secret = cluster_secret(args)
+    addresses = worker_addresses(args.workers) if args.workers else []
+    report = generate_with_workers(args, secret, addresses, policy, StreamedText())
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_summary(report)
+
+
+def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
+    """The drafting policy that --draft-model and friends ask for, or None without a draft."""
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
+
+    if args.draft_model is None:
+        if args.num_draft_tokens is not None or args.fixed_draft:
+            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft-model")
+        return None
+    if not args.draft_model.is_dir():
+        raise InvalidInput(f"--draft-model {args.draft_model} is not a model folder")
+    n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
+    return DraftPolicy(max_draft=n, adaptive=not args.fixed_draft)
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot work before the model is loaded (which takes minutes when large)."""
+    if args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if args.wait < 0:
+        raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
+    check_one_worker_source(args)
+    if not (Path(args.model) / "manifest.json").exists():
+        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
+                           "(it has no manifest.json)")
+
+
+class StreamedText:
+    """Generated text goes to stdout as it comes, without a newline at the end of a piece;
+    anything said on stderr meanwhile first ends the line, so it never runs into the text."""
+
+    def __init__(self) -> None:
+        self.mid_line = False
+
+    def write(self, text: str) -> None:
+        if text:
+            print(text, end="", flush=True)
+            self.mid_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.mid_line:
+            print(flush=True)
+            self.mid_line = False
+
+
+def generate_with_workers(
+    args: argparse.Namespace,
+    secret: bytes,
+    addresses: list[str],
+    policy: DraftPolicy | None,
+    out: StreamedText,
+) -> dict:
+    """Load the model and reach its workers (the listed `addresses`, else the cluster's),
+    generate, and let go of everything however the run ends, its heat recorded first."""
+    from coordinator.generate import open_remote_model
+    from coordinator.membership import stderr_log
+    from engine.checkpoint import read_manifest
+
+    def say(message: str) -> None:
+        out.end_line()
+        stderr_log(message)
+
+    membership = None if args.workers else open_membership(
+        args, secret, read_manifest(args.model), log=say
+    )
+    remote = None
+    try:
+        remote = open_remote_model(args.model, addresses, secret, membership=membership,
+                                   wait=args.wait, on_wait=say)
+        return decode(args, remote, policy, out)
+    finally:
+        out.end_line()  # an error or warning after partial output starts on its own line
+        if remote is not None:
+            record_run_heat(args.model, remote.manifest, remote.cluster.links)
+            remote.close()
+        if membership is not None:
+            membership.close()
+
+
+def decode(
+    args: argparse.Namespace, remote: RemoteModel, policy: DraftPolicy | None, out: StreamedText
+) -> dict:
+    """The prompt through the remote model (with a draft model proposing tokens when asked),
+    and the report of the run; with --stats, the workers' counters are read around it."""
+    from coordinator.generate import encode_prompt, generate
+    from coordinator.worker_stats import read_stats
+
+    prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
+    draft = None
+    if policy is not None:
+        from coordinator.speculative import load_draft
+
+        draft = load_draft(args.draft_model, remote.tokenizer, policy)
+    before = read_stats(remote.cluster.links) if args.stats else {}
+    result = generate(
+        remote.model, remote.tokenizer, prompt_ids,
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        on_text=None if args.json else out.write, draft=draft,
+    )
+    if not args.stats:
+        return run_report(result)
+    after = read_stats(remote.cluster.links)
+    return run_report(result, stats=dispatch_and_streaming(remote, result, before, after))
+
+
+def run_report(result: GenerationResult, stats: dict | None = None) -> dict:
+    """What --json prints: the tokens and speeds, the draft's acceptance when there was one,
+    and the --stats figures when asked for."""
+    from coordinator.generate import speculative_report
+
+    report = {
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "prefill_tps": result.prefill_tps,
+        "decode_tps": result.decode_tps,
+        "finish_reason": result.finish_reason,
+    }
+    if result.speculative is not None:
+        report["speculative"] = speculative_report(result)
+    if stats is not None:
+        report["stats"] = stats
+    return report
+
+
+def dispatch_and_streaming(
+    remote: RemoteModel, result: GenerationResult, before: dict, after: dict
+) -> dict:
+    """--stats: the dispatcher's per-layer and per-token figures, and under "streaming" what
+    the workers' caches and drives did between the `before` and `after` counters."""
+    from coordinator.generate import stats_report
+    from coordinator.worker_stats import run_report as streaming_report
+
+    stats = stats_report(remote.dispatcher.stats, result)
+    lookahead = remote.dispatcher.lookahead
+    stats["streaming"] = streaming_report(
+        before, after, len(result.token_ids), lookahead.stats if lookahead else None
+    )
+    return stats
+
+
+def print_summary(report: dict) -> None:
+    """The run's speeds on stderr (stdout holds only the text), then the draft's acceptance
+    and the --stats tables when the report has them."""
+    from coordinator.worker_stats import format_report
+
+    print(
+        f"prefill {len(report['prompt_token_ids'])} tokens at {report['prefill_tps']:.1f} "
+        f"tok/s, decode {len(report['token_ids'])} tokens at {report['decode_tps']:.1f} tok/s",
+        file=sys.stderr,
+    )
+    if "speculative" in report:
+        from coordinator.speculative import format_report as format_draft
+
+        print("\n".join(format_draft(report["speculative"], report["decode_tps"],
+                                      changes="stats" in report)), file=sys.stderr)
+    if "stats" in report:
+        print_stats(report["stats"])
+        print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
+
+
+def print_stats(stats: dict) -> None:
+    """The dispatcher's figures: per MoE layer, per token, bytes, the decode breakdown."""
+    from coordinator.generate import breakdown_table
+
+    out = sys.stderr
+    print("per layer (all calls):", file=out)
+    print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'slowest worker ms':>17} "
+          f"{'shared ms':>9} {'sent':>10} {'recv':>10}", file=out)
+    for layer, s in stats["layers"].items():
+        print(
+            f"  {layer:>5} {s['calls']:>6} {s['ms_per_call']:>8.2f} "
+            f"{s['slowest_worker_ms_per_call']:>17.2f} {s['shared_expert_ms_per_call']:>9.2f} "
+            f"{s['bytes_sent']:>10} {s['bytes_received']:>10}",
+            file=out,
+        )
+    ms = stats["token_ms"]
+    print(f"per token ms: first {ms[0]:.1f} (includes prefill), then "
+          + " ".join(f"{t:.1f}" for t in ms[1:20]) + (" ..." if len(ms) > 20 else ""), file=out)
+    print(f"bytes per token: sent {stats['bytes_sent_per_token']:.0f}, "
+          f"received {stats['bytes_received_per_token']:.0f}", file=out)
+    print("per-layer decode breakdown (us per MoE layer call):", file=out)
+    print(breakdown_table(stats["breakdown"]), file=out)

@@ -1,0 +1,66 @@
+"""The options several commands share, and what they mean: where the workers come from
+(--workers, or --cluster / --cluster-config with --interface and --wait) and the cluster
+secret (--secret-file)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.auth import load_secret, secret_path
+from engine.errors import InvalidInput
+
+BROWSE_SECONDS = 1.5  # how long to listen for Bonjour answers at least
+
+# What a command's setup_arg_parser is given: the `add_parser` of shoal's subcommands.
+AddParser = Callable[..., argparse.ArgumentParser]
+
+
+def discovery_options(p: argparse.ArgumentParser, *, wait: float, wait_help: str) -> None:
+    p.add_argument("--cluster", metavar="NAME",
+                   help="the cluster name the workers announce (default 'default')")
+    p.add_argument("--cluster-config", type=Path, metavar="FILE",
+                   help="a cluster described by hand (cluster-configs/*.toml) instead of "
+                   "Bonjour; for networks where multicast does not get through")
+    p.add_argument("--interface", metavar="NAME",
+                   help="reach workers through this interface of ours (e.g. bridge0, en0) "
+                   "when they have an address on it; default: Thunderbolt Bridge, then "
+                   "wired, then wireless")
+    p.add_argument("--wait", type=float, default=wait, metavar="SECONDS", help=wait_help)
+
+
+def secret_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-file", metavar="PATH",
+        help="cluster secret (default: $SHOAL_SECRET_FILE, else ~/.config/shoal/secret)",
+    )
+
+
+def live_options(p: argparse.ArgumentParser) -> None:
+    """--model and the live workers to ask, for the commands that read or change what the
+    running workers hold (`shoal heat`, `deploy`, `rebalance`)."""
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
+                   help="the folder written by `shoal shard`")
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="addresses of the workers (default: those of --cluster found on "
+                   "the local network)")
+    discovery_options(p, wait=4.0, wait_help="how long to look for workers (default 4)")
+    secret_option(p)
+
+
+def cluster_secret(args: argparse.Namespace) -> bytes:
+    """The secret --secret-file names (or the default one); refused when missing or when
+    others may read it."""
+    return load_secret(secret_path(args.secret_file))
+
+
+def check_one_worker_source(args: argparse.Namespace) -> None:
+    """Workers come from --workers, or from --cluster / --cluster-config: never both."""
+    if args.workers and (args.cluster_config or args.cluster):
+        raise InvalidInput("give --workers, or --cluster / --cluster-config, not both")
+
+
+def browse_seconds(args: argparse.Namespace, *, static: bool = False) -> float:
+    """How long to listen for Bonjour answers at least: not at all for listed workers."""
+    return 0.0 if static or args.cluster_config else min(args.wait, BROWSE_SECONDS)

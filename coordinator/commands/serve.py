@@ -1,0 +1,111 @@
+"""`shoal serve`: the OpenAI API over a sharded model (the HTTP side is coordinator/serve.py,
+the batched decoding coordinator/batching.py)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from coordinator.commands.connect import open_membership, record_run_heat
+from coordinator.commands.options import (
+    AddParser,
+    check_one_worker_source,
+    cluster_secret,
+    discovery_options,
+    secret_option,
+)
+from engine.errors import InvalidInput
+
+
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "serve", help="serve the model over the OpenAI API (chat and text completions)",
+        description="Load the dense part of a sharded model, connect to the workers, and "
+        "answer the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed or "
+        "not), GET /v1/models and /health. Requests in flight are decoded together, so each "
+        "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
+        "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
+        "see docs/serving.md.",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
+                   help="the folder written by `shoal shard`")
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="addresses of the running shoal-worker daemons, watched and taken "
+                   "back in when they restart (default: find the workers of --cluster on the "
+                   "local network with Bonjour)")
+    discovery_options(p, wait=60.0, wait_help="how long to wait at start for workers to hold "
+                      "every expert (default 60)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 "
+                   "for every interface, then set --api-key-file)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0: any free)")
+    p.add_argument("--api-key-file", type=Path, metavar="PATH",
+                   help="a file holding one API key: every request must then send "
+                   "'Authorization: Bearer KEY' (401 otherwise)")
+    p.add_argument("--model-id", metavar="NAME",
+                   help="the model's name in /v1/models and answers (default: OUT_DIR's name)")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="requests decoded together at most; more wait for a free row "
+                   "(default 16)")
+    p.add_argument("--prompt-cache-bytes", default="1G", metavar="SIZE",
+                   help="memory for the KV caches of finished requests that later requests "
+                   "(the next turn of a chat) continue from (default 1G)")
+    p.add_argument("--context", type=int, metavar="TOKENS",
+                   help="prompt and answer together at most (default: the model's "
+                   "max_position_embeddings)")
+    secret_option(p)
+    p.set_defaults(main=main)
+
+
+def check_serve_args(args: argparse.Namespace) -> int:
+    """Refuse what cannot work before anything is read, bound or loaded; return the prompt
+    cache's size in bytes (--prompt-cache-bytes, parsed once here)."""
+    from engine.cache_policy import parse_budget
+
+    check_one_worker_source(args)
+    if not 0 <= args.port < 65536:
+        raise InvalidInput(f"--port must be between 0 and 65535, got {args.port}")
+    if args.context is not None and args.context < 2:
+        raise InvalidInput(f"--context must be at least 2 tokens, got {args.context}")
+    if args.max_batch < 1:
+        raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
+    cache_bytes = parse_budget(args.prompt_cache_bytes).bytes
+    if cache_bytes is None:
+        raise InvalidInput("--prompt-cache-bytes takes a size such as 512M or 2G")
+    return cache_bytes
+
+
+def main(args: argparse.Namespace) -> None:
+    """Validate everything, bind, load, then answer until interrupted."""
+    from coordinator.batching import BatchEngine
+    from coordinator.generate import open_remote_model
+    from coordinator.membership import stderr_log
+    from coordinator.serve import RenewLinks, Service, listen, read_api_key, serve
+    from engine.checkpoint import read_manifest
+
+    cache_bytes = check_serve_args(args)
+    key = read_api_key(args.api_key_file) if args.api_key_file else None
+    secret = cluster_secret(args)
+    manifest = read_manifest(args.model)
+    context = args.context or int(manifest.config.get("max_position_embeddings") or 4096)
+    sock = listen(args.host, args.port)
+    membership = open_membership(args, secret, manifest, log=stderr_log)
+    remote = engine = None
+    try:
+        remote = open_remote_model(args.model, [], secret, membership=membership,
+                                   wait=args.wait, on_wait=stderr_log)
+        engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
+                             max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
+                             before_step=RenewLinks(membership))
+        name = args.model_id or Path(args.model).resolve().name
+        serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
+                      started=int(time.time())), sock)
+    finally:
+        sock.close()
+        if engine is not None:
+            engine.close()
+        if remote is not None:
+            record_run_heat(args.model, remote.manifest, membership.live()[1])
+            remote.close()
+        membership.close()
