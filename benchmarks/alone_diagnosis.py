@@ -1,0 +1,83 @@
+"""Where does Shoal's single-sequence output differ from mlx-lm's in one process on a backend?
+
+Two checks, each a largest absolute difference (0 means bit-identical):
+- the switch module with each row's 8 experts split in two calls of 4 (as two workers get
+  them) and with every pair as its own row, against one call with all 8;
+- one forward of L tokens, no cache, of the bench checkpoint: Shoal with two local workers
+  against mlx-lm in one process.
+
+    python -m benchmarks.alone_diagnosis [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import load_model
+
+from benchmarks.bench import FULL, QUICK, WORKERS, prepare
+from coordinator.demo import cache_root
+from coordinator.generate import open_remote_model
+from coordinator.local import start_workers, stop_workers
+from engine.auth import ensure_secret, load_secret
+
+ROWS = (1, 2, 4, 7, 8, 16, 64)
+LENGTHS = (1, 2, 4, 7, 8, 9, 16, 32)
+
+
+def largest_difference(a: mx.array, b: mx.array) -> float:
+    return float(mx.max(mx.abs(a - b)).item())
+
+
+def switch_splits(width: int = 1024, hidden: int = 512, experts: int = 64, k: int = 8) -> dict:
+    mx.random.seed(0)
+    switch = SwitchGLU(width, hidden, experts)
+    nn.quantize(switch, group_size=64, bits=4)
+    out = {}
+    for n in ROWS:
+        x = mx.random.normal((n, width))
+        inds = mx.stack([mx.random.permutation(experts)[:k] for _ in range(n)]).astype(mx.int32)
+        whole = switch(x, inds)
+        halves = mx.concatenate([switch(x, inds[:, : k // 2]), switch(x, inds[:, k // 2:])], 1)
+        pairs = switch(x[mx.repeat(mx.arange(n), k)], inds.reshape(-1, 1))[:, 0, :]
+        out[n] = {"halves": largest_difference(halves, whole),
+                  "pairs": largest_difference(pairs.reshape(n, k, -1), whole)}
+    return out
+
+
+def forwards(quick: bool) -> dict:
+    root = cache_root() / "bench" / ("quick" if quick else "full")
+    source, sharded = prepare(QUICK if quick else FULL, root)
+    single, _ = load_model(source)
+    secret = ensure_secret(root / "secret")
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret, logs)
+    out = {}
+    try:
+        remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))
+        for length in LENGTHS:
+            prompt = mx.array([[(7 * j + 11) % 500 + 5 for j in range(length)]])
+            out[length] = largest_difference(single(prompt), remote.model(prompt))
+        remote.close()
+    finally:
+        stop_workers(workers)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.alone_diagnosis",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
+    args = parser.parse_args(argv)
+    report = {"device": str(mx.default_device()), "switch_rows": switch_splits(),
+              "forward_tokens": forwards(args.quick)}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
