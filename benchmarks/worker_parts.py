@@ -1,0 +1,89 @@
+"""One worker's decode request in process, part by part (no network, no other process): the
+validation, the heat count, building the gathered call's graph (the request's arrays into MLX
+and mlx-lm's switch module), its evaluation, and recording the request. What the worker's
+"bookkeeping" in `shoal bench`'s breakdown is made of, on this machine's backend.
+
+    python -m benchmarks.worker_parts [--quick] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.bench import FULL, QUICK, prepare
+from coordinator.demo import cache_root
+from engine.tensors import mlx_dtype
+from worker.residency import Request, Residency
+from worker.store import scan_stores
+
+PARTS = ("validate", "count", "build", "evaluate", "record")
+
+
+def requests(residency: Residency, count: int, experts_per_row: int = 4) -> list[Request]:
+    held: dict[int, list[int]] = {}
+    for layer, expert in residency.held():
+        held.setdefault(layer, []).append(expert)
+    rng = np.random.default_rng(0)
+    layers = sorted(held)
+    out = []
+    for i in range(count):
+        layer = layers[i % len(layers)]
+        hidden = rng.standard_normal((1, residency.runners[layer].input_width))
+        experts = rng.choice(held[layer], experts_per_row, replace=False).astype(np.int32)
+        out.append(Request(layer, hidden.astype(np.float32), "float32",
+                           np.zeros(experts_per_row, np.int32), experts))
+    return out
+
+
+def run(quick: bool, count: int) -> dict:
+    root = cache_root() / "bench" / ("quick" if quick else "full")
+    _, sharded = prepare(QUICK if quick else FULL, root)
+    residency = Residency(scan_stores([sharded / "worker-0"], verify=False))
+    warm, timed = requests(residency, 100), requests(residency, count)
+    for request in warm:
+        residency.compute(request)
+    seconds = dict.fromkeys(PARTS, 0.0)
+    for r in timed:
+        t0 = time.perf_counter()
+        runner = residency.validate(r)
+        stack = residency._stack(r.layer)
+        t1 = time.perf_counter()
+        distinct = int(np.count_nonzero(np.bincount(r.experts)))
+        residency.cache.count_resident(r.layer, distinct, r.experts.size)
+        positions = stack.positions[r.experts]
+        t2 = time.perf_counter()
+        out = runner.gathered(stack.params, r.hidden, mlx_dtype(r.dtype), r.rows, positions)
+        t3 = time.perf_counter()
+        mx.eval(out)
+        t4 = time.perf_counter()
+        residency.holdings.asked(r.layer, r.experts)
+        t5 = time.perf_counter()
+        for part, took in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+            seconds[part] += took
+    started = time.perf_counter()
+    for r in timed:
+        residency.compute(r)
+    whole = (time.perf_counter() - started) / count
+    residency.close()
+    return {"device": str(mx.default_device()), "requests": count,
+            "parts_us": {p: 1e6 * s / count for p, s in seconds.items()},
+            "compute_us": 1e6 * whole}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker_parts",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
+    parser.add_argument("--requests", type=int, default=2000, metavar="N",
+                        help="timed decode requests (default 2000)")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.quick, args.requests), indent=1))
+
+
+if __name__ == "__main__":
+    main()
