@@ -28,8 +28,9 @@ from coordinator.demo import build_once, cache_root
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
-from engine.checkpoint import read_manifest, shard
 from engine.errors import ShoalError
+from engine.manifest import read_manifest
+from engine.sharding import shard
 from engine.synthetic import build_checkpoint
 from engine.tensors import decode, encode
 from proto import shoal_pb2

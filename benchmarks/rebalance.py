@@ -36,9 +36,10 @@ from coordinator.local import start_workers, stop_workers  # noqa: E402
 from coordinator.rebalance import migrate  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes, parse_budget  # noqa: E402
-from engine.checkpoint import read_manifest, shard  # noqa: E402
 from engine.heat import difference  # noqa: E402
+from engine.manifest import read_manifest  # noqa: E402
 from engine.placement import WorkerCapacity, load_imbalance, plan_placement  # noqa: E402
+from engine.sharding import shard  # noqa: E402
 
 PROMPTS = [
     "Explain how rainbows form.",

@@ -25,8 +25,8 @@ from benchmarks.measure import bench_prompt
 from coordinator.demo import cache_root
 from coordinator.local import start_server, start_workers, stop_workers
 from engine.auth import create_secret
-from engine.checkpoint import read_manifest
 from engine.errors import ShoalError
+from engine.manifest import read_manifest
 
 STREAMS = (1, 2, 4, 8)
 PROMPT_TOKENS = 16

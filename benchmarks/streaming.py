@@ -28,7 +28,7 @@ from coordinator.local import start_worker  # noqa: E402
 from coordinator.worker_stats import read_stats, run_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
-from engine.checkpoint import read_manifest  # noqa: E402
+from engine.manifest import read_manifest  # noqa: E402
 from worker.reader import open_uncached, read_into  # noqa: E402
 
 PROMPT = "Explain how rainbows form."
@@ -161,7 +161,7 @@ def compare_predictors(source: Path, sharded: Path, ids: list[int], tokens: int)
     from mlx_lm.sample_utils import make_sampler
 
     from coordinator.lookahead import Lookahead
-    from engine.checkpoint import get_module
+    from engine.moe_layers import get_module
 
     model, tokenizer = load(str(source))
     manifest = read_manifest(sharded)

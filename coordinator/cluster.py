@@ -20,7 +20,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.auth import METADATA_KEY, Secret, make_credential
-from engine.checkpoint import Manifest
 from engine.errors import (
     InvalidInput,
     Moved,
@@ -28,6 +27,7 @@ from engine.errors import (
     Unauthenticated,
     Unavailable,
 )
+from engine.manifest import Manifest
 from engine.placement import ExpertKey, LayerRoutes, replica_routes
 from proto import (
     GRPC_OPTIONS,

@@ -26,8 +26,8 @@ from coordinator.generate import (
 )
 from coordinator.local import LocalWorker, start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
-from engine.checkpoint import shard
 from engine.errors import InvalidInput
+from engine.sharding import shard
 
 
 def cache_root() -> Path:

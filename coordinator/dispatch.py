@@ -24,8 +24,9 @@ import numpy as np
 
 from coordinator.cluster import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT, Cluster
 from coordinator.lookahead import Lookahead
-from engine.checkpoint import SWITCH_LINEARS, Manifest, get_module
 from engine.errors import Moved, ShoalError, Unavailable
+from engine.manifest import Manifest
+from engine.moe_layers import SWITCH_LINEARS, get_module
 from engine.placement import spread
 from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
 from proto import shoal_pb2

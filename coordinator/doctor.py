@@ -169,7 +169,7 @@ def check_memory() -> Check:
 def check_stores(stores: Sequence[Path]) -> list[Check]:
     """Each store folder: written by `shoal shard` (its manifest), experts, free disk."""
     from engine.cache_policy import format_bytes
-    from engine.checkpoint import MANIFEST_NAME, read_manifest
+    from engine.manifest import MANIFEST_NAME, read_manifest
 
     checks = []
     for store in stores:

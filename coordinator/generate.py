@@ -25,8 +25,9 @@ from coordinator.dispatch import Dispatcher, DispatchStats, install
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
-from engine.checkpoint import Manifest, check_safetensors, expert_keys, read_manifest
 from engine.errors import CorruptData, InvalidInput, NotFound
+from engine.manifest import Manifest, read_manifest
+from engine.moe_layers import check_safetensors, expert_keys
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model"

@@ -16,9 +16,9 @@ from pathlib import Path
 import msgpack
 
 from coordinator.cluster import WorkerLink
-from engine.checkpoint import Manifest, write_atomic
 from engine.errors import CorruptData, InvalidInput, ShoalError
 from engine.heat import HeatRecord, WorkerCounts, fold_reading
+from engine.manifest import Manifest, write_atomic
 from engine.placement import ExpertKey, load_imbalance
 from proto import shoal_pb2
 

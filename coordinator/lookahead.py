@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.checkpoint import Manifest, get_module
+from engine.manifest import Manifest
+from engine.moe_layers import get_module
 from proto import shoal_pb2
 
 

@@ -25,9 +25,9 @@ from coordinator.cluster import Cluster, WorkerLink, held, incompatibility, laye
 from coordinator.discovery import Browser, Candidate
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.cache_policy import format_bytes
-from engine.checkpoint import Manifest
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
+from engine.manifest import Manifest
 from engine.placement import ExpertKey, replica_routes
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker

@@ -6,9 +6,9 @@ Its exit status is the verdict, so scripts can ask "does this model fit these Ma
 from __future__ import annotations
 
 from engine.cache_policy import parse_budget
-from engine.checkpoint import ModelSizes
 from engine.errors import InvalidInput, ShoalError
 from engine.placement import SpeedAssumptions, WorkerCapacity, decode_bound, plan_placement
+from engine.sizes import ModelSizes
 
 # Exit status of `shoal plan` for each verdict (2 stays "bad input", as for every command).
 VERDICT_EXIT = {"fits": 0, "streams": 3, "does not fit": 4}

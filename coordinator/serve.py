@@ -30,8 +30,8 @@ from coordinator.batching import BatchEngine, Event, Sampling, TokenLogprob
 from coordinator.cluster import layer_sizes
 from coordinator.generate import encode_messages, encode_text
 from coordinator.membership import Membership
-from engine.checkpoint import Manifest
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
+from engine.manifest import Manifest
 from engine.placement import replica_routes
 
 DEFAULT_MAX_TOKENS = 512  # when a request gives none, at most this many (and the context)

@@ -17,8 +17,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-from engine.checkpoint import MoeLayer, get_module
 from engine.errors import CorruptData, ShoalError
+from engine.manifest import MoeLayer
+from engine.moe_layers import get_module
 from engine.tensors import to_mlx
 
 

@@ -20,9 +20,9 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from engine.checkpoint import SWITCH_CLASSES
 from engine.experts import switch_widths
 from engine.families import TINY, discover
+from engine.moe_layers import SWITCH_CLASSES
 from engine.synthetic import model_config, random_model
 
 ROOT = Path(__file__).resolve().parents[1]

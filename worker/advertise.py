@@ -27,8 +27,8 @@ from pathlib import Path
 
 from engine.advert import SERVICE_TYPE, Advert, decode_txt, encode_txt
 from engine.auth import default_secret_path
-from engine.checkpoint import write_atomic
 from engine.errors import InvalidInput
+from engine.manifest import write_atomic
 
 NODE_ID_FILE = "node-id"
 REGISTER_TIMEOUT = 10.0

@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
-from engine.checkpoint import ExpertFile
 from engine.errors import InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
+from engine.manifest import ExpertFile
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy, mlx_dtype
 from worker.holdings import Holdings

@@ -12,8 +12,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint import Manifest, read_manifest
 from engine.errors import InvalidInput, ShoalError
+from engine.manifest import Manifest, read_manifest
 from worker.reader import sha256_uncached
 
 ExpertKey = tuple[int, int]

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint import Manifest
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
+from engine.manifest import Manifest
 from engine.placement import ExpertKey
 from worker.holdings import DRAINING, SERVING
 from worker.reader import file_problem

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from coordinator.membership import Membership
-    from engine.checkpoint import Manifest
+    from engine.manifest import Manifest
 
 
 def worker_addresses(text: str) -> list[str]:

@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> None:
         inspect_workers,
     )
     from coordinator.membership import Membership, member_rows
-    from engine.checkpoint import read_manifest
+    from engine.manifest import read_manifest
 
     check_one_worker_source(args)
     addresses = parse_addresses(args.workers) if args.workers else []

@@ -140,7 +140,7 @@ def generate_with_workers(
     generate, and let go of everything however the run ends, its heat recorded first."""
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
-    from engine.checkpoint import read_manifest
+    from engine.manifest import read_manifest
 
     def say(message: str) -> None:
         out.end_line()

@@ -44,8 +44,8 @@ def main(args: argparse.Namespace) -> None:
         reset_heat,
         summarize_heat,
     )
-    from engine.checkpoint import read_manifest
     from engine.heat import heat_to_json
+    from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)
     if args.reset:

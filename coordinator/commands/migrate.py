@@ -60,7 +60,7 @@ def max_bytes(args: argparse.Namespace) -> int | None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.rebalance import migrate
-    from engine.checkpoint import read_manifest
+    from engine.manifest import read_manifest
 
     limit = max_bytes(args)
     manifest = read_manifest(args.model)

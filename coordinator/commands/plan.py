@@ -50,9 +50,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, plan_report, print_plan
-    from engine.checkpoint import read_sizes
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
+    from engine.sizes import read_sizes
 
     if args.bits is not None and args.bits not in QUANTIZE_BITS:
         raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")

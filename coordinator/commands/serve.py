@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
     from coordinator.serve import RenewLinks, Service, listen, read_api_key, serve
-    from engine.checkpoint import read_manifest
+    from engine.manifest import read_manifest
 
     cache_bytes = check_serve_args(args)
     key = read_api_key(args.api_key_file) if args.api_key_file else None

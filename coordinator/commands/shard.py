@@ -36,7 +36,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from engine.checkpoint import shard
+    from engine.sharding import shard
 
     manifest = shard(
         args.model_dir,

@@ -41,7 +41,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.membership import format_table, member_rows
-    from engine.checkpoint import read_manifest
+    from engine.manifest import read_manifest
 
     try:
         secret = cluster_secret(args)

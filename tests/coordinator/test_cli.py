@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
 
 from engine.auth import create_secret
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,9 +8,11 @@ import mlx.nn as nn
 import numpy as np
 
 from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
-from engine.checkpoint import get_module, read_manifest, shard
 from engine.experts import build_skeleton
+from engine.manifest import read_manifest
+from engine.moe_layers import get_module
 from engine.placement import LayerRoutes
+from engine.sharding import shard
 from engine.tensors import encode
 from proto import shoal_pb2
 

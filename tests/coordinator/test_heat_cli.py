@@ -7,8 +7,9 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.heat import encode_record, load_record, record_path, summarize_heat
-from engine.checkpoint import read_manifest, shard
 from engine.heat import HeatRecord, fold_reading
+from engine.manifest import read_manifest
+from engine.sharding import shard
 
 
 @pytest.fixture(scope="module")

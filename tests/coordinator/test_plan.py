@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from coordinator import cli
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 
 def run(argv: list[str], capsys) -> tuple[int, str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.speculative import Acceptance, DraftPolicy, draft_count, next_draft, observe
-from engine.checkpoint import shard
 from engine.errors import InvalidInput
+from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 

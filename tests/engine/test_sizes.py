@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from engine.checkpoint import estimate_sizes
 from engine.errors import InvalidInput
+from engine.sizes import estimate_sizes
 from tests.engine.published_configs import DEEPSEEK_V3, KIMI_K2, PUBLISHED, QWEN3_30B_A3B
 
 

@@ -19,9 +19,9 @@ from coordinator.generate import generate, open_remote_model
 from coordinator.local import start_worker as launch_worker
 from coordinator.membership import CHECK_INTERVAL, DEAD_AFTER, Membership
 from engine.auth import create_secret, load_secret
-from engine.checkpoint import shard
 from engine.errors import Unavailable
 from engine.placement import describe_ids
+from engine.sharding import shard
 from worker.store import scan_stores
 
 REPO = Path(__file__).resolve().parents[2]

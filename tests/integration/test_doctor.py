@@ -11,7 +11,7 @@ import pytest
 from coordinator.doctor import Check, check_secret, check_workers, failed, format_checks
 from coordinator.local import start_worker as launch_worker
 from engine.auth import create_secret
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 

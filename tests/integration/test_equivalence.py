@@ -14,7 +14,8 @@ from mlx_lm.utils import load_model, quantize_model
 
 from coordinator.generate import open_remote_model
 from engine.auth import load_secret
-from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
+from engine.manifest import MANIFEST_NAME, read_manifest
+from engine.sharding import shard
 
 PROMPT = [5, 17, 42, 99, 7, 250, 33, 64, 128, 12]
 NEW_TOKENS = 12

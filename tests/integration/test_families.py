@@ -25,8 +25,8 @@ from mlx_lm.utils import load_model
 from coordinator.generate import open_remote_model
 from coordinator.local import LocalWorker, start_worker, stop_workers
 from engine.auth import load_secret
-from engine.checkpoint import shard
 from engine.families import TINY, discover
+from engine.sharding import shard
 from engine.synthetic import all_families, build_checkpoint
 from tests.integration.test_equivalence import GROUP_SIZE, NEW_TOKENS, PROMPT, greedy_tokens
 

@@ -15,9 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.cluster import SERVICE_NAME, WorkerLink
 from coordinator.generate import open_remote_model
 from engine.auth import create_secret, load_secret
-from engine.checkpoint import read_manifest, shard
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces
+from engine.manifest import read_manifest
+from engine.sharding import shard
 from engine.tensors import encode
 from proto import secure_channel, shoal_pb2
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores

@@ -4,8 +4,8 @@ daemon's own message, and stop by PID."""
 import pytest
 
 from coordinator.local import start_worker
-from engine.checkpoint import shard
 from engine.errors import ShoalError
+from engine.sharding import shard
 
 
 def test_a_forked_worker_serves_and_stops(tiny_checkpoint, tmp_path, secret_file):

@@ -25,7 +25,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.generate import generate
 from coordinator.local import LocalWorker
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.251.0"

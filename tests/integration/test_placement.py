@@ -16,7 +16,8 @@ from coordinator.cluster import WorkerLink
 from coordinator.generate import open_remote_model
 from coordinator.heat import fetch_readings
 from engine.auth import load_secret
-from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
+from engine.manifest import MANIFEST_NAME, read_manifest
+from engine.sharding import shard
 from tests.integration.test_equivalence import greedy_tokens
 from worker.store import scan_stores
 

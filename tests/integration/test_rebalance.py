@@ -19,11 +19,12 @@ from coordinator.heat import fetch_readings
 from coordinator.rebalance import MIGRATION_FILE, migrate, observe
 from coordinator.transfer import Executor
 from engine.auth import load_secret
-from engine.checkpoint import MANIFEST_NAME, read_manifest, shard
 from engine.errors import CorruptData, ShoalError
 from engine.heat import difference
+from engine.manifest import MANIFEST_NAME, read_manifest
 from engine.migration import MigrationPlan, Step
 from engine.placement import load_imbalance
+from engine.sharding import shard
 from worker.store import scan_stores
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from coordinator.local import (
     start_workers,
     stop_workers,
 )
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
 

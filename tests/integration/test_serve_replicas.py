@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from coordinator.local import start_server, start_workers, stop_workers
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from mlx_lm.utils import load_model
 from coordinator.generate import open_remote_model
 from coordinator.worker_stats import read_stats, run_report
 from engine.auth import load_secret
-from engine.checkpoint import shard
 from engine.errors import Unavailable
+from engine.sharding import shard
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 
 NEW_TOKENS = 8

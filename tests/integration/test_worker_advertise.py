@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.discovery import Browser
 from engine.advert import Advert
 from engine.auth import load_secret, make_credential
-from engine.checkpoint import shard
+from engine.sharding import shard
 from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
 from worker.advertise import (
     Advertiser,

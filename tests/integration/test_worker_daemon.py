@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.generate import open_remote_model
 from engine.auth import load_secret
-from engine.checkpoint import shard
+from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine.auth import load_secret, make_credential
-from engine.checkpoint import shard
+from engine.sharding import shard
 from engine.tensors import encode
 from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
 

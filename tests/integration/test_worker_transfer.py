@@ -11,8 +11,9 @@ import pytest
 
 from coordinator.cluster import WorkerLink
 from engine.auth import load_secret
-from engine.checkpoint import read_manifest, shard
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
+from engine.manifest import read_manifest
+from engine.sharding import shard
 from engine.tensors import decode, encode
 from proto import shoal_pb2
 from worker.transfer import partial_path

@@ -5,8 +5,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.checkpoint import shard
 from engine.errors import ShoalError
+from engine.sharding import shard
 from worker.residency import Request, Residency
 from worker.store import scan_stores
 
@@ -151,8 +151,8 @@ def test_by_default_a_read_that_rotted_gives_up_that_expert_alone(store, tmp_pat
     import json
     import shutil
 
-    from engine.checkpoint import MANIFEST_NAME
     from engine.errors import Moved
+    from engine.manifest import MANIFEST_NAME
 
     copy = tmp_path / "store"
     shutil.copytree(store, copy)

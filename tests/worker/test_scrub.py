@@ -10,8 +10,8 @@ import pytest
 
 from coordinator.cluster import WorkerLink
 from engine.auth import load_secret
-from engine.checkpoint import shard
 from engine.errors import InvalidInput
+from engine.sharding import shard
 from worker.residency import Request, Residency
 from worker.scrub import Scrubber, parse_rate
 from worker.store import scan_stores

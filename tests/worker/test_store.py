@@ -2,8 +2,8 @@ import shutil
 
 import pytest
 
-from engine.checkpoint import shard
 from engine.errors import ShoalError
+from engine.sharding import shard
 from worker.store import scan_stores
 
 

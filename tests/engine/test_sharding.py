@@ -7,14 +7,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import save_config, save_model
 
-from engine.checkpoint import (
-    MANIFEST_NAME,
-    check_safetensors,
-    read_manifest,
-    sha256_file,
-    shard,
-)
 from engine.errors import CorruptData, ShoalError
+from engine.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from engine.moe_layers import check_safetensors
+from engine.sharding import shard
 
 
 def save_mlx_model(module, config: dict, out_dir):
@@ -204,7 +200,8 @@ def test_expert_entries_carry_a_crc32_and_manifests_read_both_ways(tiny_checkpoi
     import json
     import zlib
 
-    from engine.checkpoint import MANIFEST_NAME, Manifest, read_manifest, shard
+    from engine.manifest import MANIFEST_NAME, Manifest, read_manifest
+    from engine.sharding import shard
 
     out = tmp_path / "out"
     manifest = shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
