@@ -1,7 +1,7 @@
 """`shoal bench`: Shoal against mlx-lm (one process, and its own two-process distributed
 generation) and against a bare gRPC echo, on one checkpoint, in one run.
 
-The checkpoint is a DeepSeek-V3-shaped MoE (engine/synthetic.py, size "bench": hidden 1024,
+The checkpoint is a DeepSeek-V3-shaped MoE (builders/synthetic.py, size "bench": hidden 1024,
 64 routed experts + 1 shared, top-8, 12 layers, 4-bit), built once into the cache.
 """
 
@@ -24,6 +24,7 @@ import numpy as np
 from benchmarks.echo import round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
+from builders.synthetic import build_checkpoint
 from coordinator.demo import build_once, cache_root
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
@@ -31,7 +32,6 @@ from engine.auth import ensure_secret, load_secret
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.synthetic import build_checkpoint
 from engine.tensors import decode, encode
 from proto import shoal_pb2
 

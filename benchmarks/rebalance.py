@@ -58,7 +58,7 @@ def log(message: str) -> None:
 def model_folder(args: argparse.Namespace, scratch: Path) -> Path:
     """A sharded model (OUT_DIR with worker-K stores) in `scratch`, which this run may change."""
     if args.quick:
-        from engine.synthetic import build_checkpoint
+        from builders.synthetic import build_checkpoint
 
         source = build_checkpoint(scratch / "source", "qwen3_moe")
         shard(source, scratch / "out", workers=args.workers, progress=False)

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
 from benchmarks.bench import machine
+from builders.synthetic import build_random_draft
 from coordinator.demo import (
     build_once,
     cache_root,
@@ -34,7 +35,6 @@ from coordinator.demo import (
 from coordinator.generate import GenerationResult, encode_prompt, generate, speculative_report
 from coordinator.speculative import DEFAULT_DRAFT_TOKENS, Draft, DraftPolicy
 from engine.errors import ShoalError
-from engine.synthetic import build_random_draft
 
 # The model's own answer to this runs past 64 tokens without stopping.
 PROMPT = "Explain how rainbows form."

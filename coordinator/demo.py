@@ -56,7 +56,7 @@ def build_once(target: Path, build: Callable[[Path], object], what: str) -> Path
 
 def prepare_dense(*, progress: bool = True) -> Path:
     """SmolLM2-135M-Instruct as a float32 mlx-lm checkpoint in the cache, built on first use."""
-    from engine.gguf_llama import find_smollm2_gguf, gguf_to_llama
+    from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama
 
     gguf = find_smollm2_gguf()
     return build_once(
@@ -84,7 +84,7 @@ def prepare_draft(*, progress: bool = True) -> Path:
 
 def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) -> Path:
     """The sharded demo model in the cache, built on first use; returns the shard folder."""
-    from engine.moefy import moefy
+    from builders.moefy import moefy
 
     root = cache_root() / "demo"
     dense = prepare_dense(progress=progress)

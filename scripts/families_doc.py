@@ -20,10 +20,10 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from builders.families import TINY, discover
+from builders.synthetic import model_config, random_model
 from engine.experts import switch_widths
-from engine.families import TINY, discover
 from engine.moe_layers import SWITCH_CLASSES
-from engine.synthetic import model_config, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def _cell(result: tuple[str, float] | None) -> str:
 def _note(family: str) -> str:
     tiny = TINY.get(family)
     if tiny is None:
-        return "no tiny config yet (engine/families.py)"
+        return "no tiny config yet (builders/families.py)"
     notes = []
     if tiny.needs_metal:
         notes.append(f"needs Metal: {tiny.needs_metal}")

@@ -8,8 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.gguf_llama import find_smollm2_gguf, gguf_to_llama
-from engine.moefy import MoefyReport, moefy
+from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama
+from builders.moefy import MoefyReport, moefy
 
 
 def folder_mib(folder: Path) -> float:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from builders.synthetic import build_checkpoint
 from coordinator.local import LocalWorker
 from coordinator.local import start_worker as launch_worker
 from engine.auth import create_secret
-from engine.synthetic import build_checkpoint
 
 TinyCheckpoint = Callable[..., Path]
 

@@ -1,6 +1,6 @@
 """Every mlx-lm MoE family, served by two real workers, gives mlx-lm's own greedy ids.
 
-The families come from mlx-lm's models folder at run time (engine/families.py `discover`), so a
+The families come from mlx-lm's models folder at run time (builders/families.py `discover`), so a
 family that a new mlx-lm adds fails here with "no tiny config for X" until it has one. Each case
 builds the family's tiny random checkpoint, shards it over two stores, starts a worker on each
 and decodes greedily through them. A family whose mlx-lm code cannot run on this machine is
@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_model
 
+from builders.families import TINY, discover
+from builders.synthetic import all_families, build_checkpoint
 from coordinator.generate import open_remote_model
 from coordinator.local import LocalWorker, start_worker, stop_workers
 from engine.auth import load_secret
-from engine.families import TINY, discover
 from engine.sharding import shard
-from engine.synthetic import all_families, build_checkpoint
 from tests.integration.test_equivalence import GROUP_SIZE, NEW_TOKENS, PROMPT, greedy_tokens
 
 WORKERS = 2
@@ -58,7 +58,7 @@ def test_family_matches_mlx_lm(family, bits, tmp_path, secret_file):
 
 def _check_family(family, bits, tmp_path: Path, secret_file: Path) -> str:
     if family not in all_families():
-        pytest.fail(f"no tiny config for {family}: add one to engine/families.py TINY")
+        pytest.fail(f"no tiny config for {family}: add one to builders/families.py TINY")
     tiny = TINY[family]
     with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm prints its quantization
         source = build_checkpoint(tmp_path / "source", family, quantize_bits=bits,

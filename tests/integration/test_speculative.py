@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load
 
+from builders.synthetic import build_random_draft
 from coordinator.generate import RemoteModel, generate, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from coordinator.speculative import Draft, DraftPolicy
 from engine.auth import load_secret
 from engine.sharding import shard
-from engine.synthetic import build_random_draft
 
 PROMPT = [5, 17, 42, 99, 7, 250, 33, 64, 128, 12]
 NEW_TOKENS = 24

@@ -161,7 +161,7 @@ def read_checkpoint(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     if not config_path.is_file() or not files:
         raise NotFound(
             f"{model_dir} is not a Hugging Face checkpoint (config.json and model*.safetensors); "
-            "build one with engine.gguf_llama.gguf_to_llama"
+            "build one with builders.gguf_llama.gguf_to_llama"
         )
     config = json.loads(config_path.read_text())
     weights = {}

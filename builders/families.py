@@ -3,7 +3,7 @@
 `discover()` reads mlx-lm's models folder, so a family that a new mlx-lm release adds shows up
 here without a tiny config, and the family sweep (tests/integration/test_families.py) fails on it
 by name. `TINY` is the one table of those configs: each entry gives only the fields its family
-needs on top of `COMMON`; engine/synthetic.py turns one into a random checkpoint.
+needs on top of `COMMON`; builders/synthetic.py turns one into a random checkpoint.
 """
 
 from __future__ import annotations

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from mlx_lm import generate, load
 
-from engine.errors import InvalidInput, ShoalError
-from engine.gguf_llama import find_smollm2_gguf, gguf_to_llama, unpermute_rope
-from engine.moefy import (
+from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama, unpermute_rope
+from builders.moefy import (
     DEMO_PROMPT,
     balanced_assign,
     chat_ids,
     check_split,
     moefy,
 )
+from engine.errors import InvalidInput, ShoalError
 
 # Measured with this test's settings: 0.31 over 48 held-out positions for top-8 of 16 (0.40 over
 # 256 with docs/demo.md's); chance is about 1 in 49152. The floor is there to catch a conversion

@@ -1,4 +1,4 @@
-"""Tests for engine.synthetic: random checkpoints that mlx-lm loads, in both layouts."""
+"""Tests for builders.synthetic: random checkpoints that mlx-lm loads, in both layouts."""
 
 import importlib
 import json
@@ -11,8 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
+from builders.synthetic import FAMILIES, build_checkpoint, model_config
 from engine.errors import ShoalError
-from engine.synthetic import FAMILIES, build_checkpoint, model_config
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",

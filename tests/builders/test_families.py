@@ -5,8 +5,8 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from engine.families import TINY, discover
-from engine.synthetic import all_families, model_config, random_model
+from builders.families import TINY, discover
+from builders.synthetic import all_families, model_config, random_model
 
 
 def test_discover_finds_switch_users_and_their_wrappers(tmp_path: Path):

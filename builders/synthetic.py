@@ -2,7 +2,7 @@
 
 For tests and benchmarks: the same arguments give byte-identical files, in mlx-lm's or HF's layout.
 Three families have sizes from tiny to bench (`SHAPES`); every other mlx-lm MoE family has one
-tiny config in engine/families.py.
+tiny config in builders/families.py.
 """
 
 import json
@@ -18,8 +18,8 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from builders.families import TINY
 from engine.errors import ShoalError
-from engine.families import TINY
 
 # The families with every size; the others of TINY are built tiny only.
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -210,7 +210,7 @@ def model_config(family: str, size: str = "tiny") -> dict[str, Any]:
 
 
 def _tiny_config(family: str) -> dict[str, Any]:
-    """A family's entry of engine/families.py with the tokenizer's vocabulary and ids."""
+    """A family's entry of builders/families.py with the tokenizer's vocabulary and ids."""
     tokenizer = train_tokenizer()
     ids = {
         "vocab_size": tokenizer.get_vocab_size(),
