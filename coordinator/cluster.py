@@ -27,8 +27,8 @@ from engine.errors import (
     Unauthenticated,
     Unavailable,
 )
-from engine.manifest import Manifest
-from engine.placement import ExpertKey, LayerRoutes, replica_routes
+from engine.manifest import ExpertKey, Manifest
+from engine.placement import LayerRoutes, replica_routes
 from proto import (
     GRPC_OPTIONS,
     PROTOCOL_VERSION,

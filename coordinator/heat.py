@@ -18,8 +18,8 @@ import msgpack
 from coordinator.cluster import WorkerLink
 from engine.errors import CorruptData, InvalidInput, ShoalError
 from engine.heat import HeatRecord, WorkerCounts, fold_reading
-from engine.manifest import Manifest, write_atomic
-from engine.placement import ExpertKey, load_imbalance
+from engine.manifest import ExpertKey, Manifest, write_atomic
+from engine.placement import load_imbalance
 from proto import shoal_pb2
 
 RECORD_FILE = "heat.msgpack"

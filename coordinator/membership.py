@@ -27,8 +27,8 @@ from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.cache_policy import format_bytes
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
-from engine.manifest import Manifest
-from engine.placement import ExpertKey, replica_routes
+from engine.manifest import ExpertKey, Manifest
+from engine.placement import replica_routes
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0

@@ -23,9 +23,8 @@ from tqdm import tqdm
 
 from coordinator.cluster import CONNECT_TIMEOUT, WorkerLink, error_for
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
-from engine.manifest import Manifest
+from engine.manifest import ExpertKey, Manifest
 from engine.migration import LOCAL, MigrationPlan, Step
-from engine.placement import ExpertKey
 from engine.rebalance_plan import copy_sources, wait_before_delete
 from proto import shoal_pb2
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from engine.errors import InvalidInput
+from engine.manifest import ExpertKey
 
 SERVICE_TYPE = "_shoal._tcp.local."
 TXT_VERSION = "1"
@@ -47,7 +48,7 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
-def inventory_digest(held: Iterable[tuple[int, int]]) -> str:
+def inventory_digest(held: Iterable[ExpertKey]) -> str:
     """A short digest of which (layer, expert) pairs a worker holds, independent of order."""
     text = ";".join(f"{layer}/{expert}" for layer, expert in sorted(held))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

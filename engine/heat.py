@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CorruptData, InvalidInput, NotFound
-
-ExpertKey = tuple[int, int]
+from engine.manifest import ExpertKey
 
 
 def heat_to_json(heat: Mapping[ExpertKey, float]) -> dict[str, dict[str, float]]:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidInput
-from engine.placement import ExpertKey
+from engine.manifest import ExpertKey
 
 SERVING, DRAINING, UNVERIFIED = "serving", "draining", "unverified"
 LOCAL = "(local files)"

@@ -9,8 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from engine.errors import InvalidInput, Unavailable
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from engine.manifest import ExpertKey
 
 
 def split_by_bytes(sizes: Mapping[ExpertKey, int], workers: int) -> list[list[ExpertKey]]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidInput
+from engine.manifest import ExpertKey
 from engine.migration import (
     DRAINING,
     LOCAL,
@@ -23,7 +24,7 @@ from engine.migration import (
     limit_moves,
     plan_migration,
 )
-from engine.placement import ExpertKey, WorkerCapacity, imbalance, plan_placement
+from engine.placement import WorkerCapacity, imbalance, plan_placement
 
 STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
 MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run

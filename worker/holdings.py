@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from engine.placement import ExpertKey
+from engine.manifest import ExpertKey
 
 SERVING, DRAINING = "serving", "draining"
 

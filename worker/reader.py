@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from engine.manifest import ExpertKey
+
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the block size
 CHUNK_BYTES = 1 << 20  # an expert's read is split in chunks of this size (the last may be shorter)
 READERS_PER_DRIVE = 4  # queue depth per drive: SSDs reach full speed only with several reads
 INITIAL_BANDWIDTH = 1e9  # bytes/s assumed for a drive before its first read is measured
 _BANDWIDTH_WEIGHT = 0.2  # weight of each new measurement in a drive's moving average
-
-Key = tuple[int, int]  # (layer, expert)
 
 if sys.platform == "darwin":
     import fcntl
@@ -234,7 +234,7 @@ class Crc32:
 class ReadJob:
     """One expert file read into one buffer, possibly in chunks from several drives."""
 
-    key: Key
+    key: ExpertKey
     size: int
     copies: list[tuple[int, Path]]
     demand: bool
@@ -323,7 +323,7 @@ class ReaderPool:
 
     def submit(
         self,
-        key: Key,
+        key: ExpertKey,
         size: int,
         copies: Sequence[tuple[int, Path]],
         *,
@@ -540,9 +540,11 @@ class ReaderPool:
         return f"{chunk.path}: read failed ({reason})"
 
 
-def iter_keys_by_drive(copies: Mapping[Key, Sequence[tuple[int, Path]]]) -> Iterator[Key]:
+def iter_keys_by_drive(
+    copies: Mapping[ExpertKey, Sequence[tuple[int, Path]]],
+) -> Iterator[ExpertKey]:
     """Keys in an order that alternates drives, so a bulk load keeps every drive busy."""
-    by_drive: dict[int, list[Key]] = {}
+    by_drive: dict[int, list[ExpertKey]] = {}
     for key in sorted(copies):
         by_drive.setdefault(copies[key][0][0], []).append(key)
     lists = [deque(keys) for _, keys in sorted(by_drive.items())]

@@ -26,7 +26,7 @@ import numpy as np
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
 from engine.errors import InvalidInput, Moved, NotFound, ShoalError, Unavailable
 from engine.experts import ExpertRunner, build_skeleton
-from engine.manifest import ExpertFile
+from engine.manifest import ExpertFile, ExpertKey
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy, mlx_dtype
 from worker.holdings import Holdings
@@ -47,7 +47,6 @@ MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests befor
 MAX_PAIRS = 1 << 18
 WAIT_SECONDS = 600.0  # a demand read that takes longer than this is reported as a failure
 
-Key = tuple[int, int]
 _ABSENT, _LOADING, _READY = 0, 1, 2
 
 
@@ -131,16 +130,16 @@ class ExpertCache:
 
     def __init__(
         self,
-        keys: list[Key],
+        keys: list[ExpertKey],
         sizes: np.ndarray,
-        copies: dict[Key, list[tuple[int, Path]]],
+        copies: dict[ExpertKey, list[tuple[int, Path]]],
         capacity: int,
         reader: ReaderPool,
-        decode: Callable[[Key, memoryview], dict[str, mx.array]],
+        decode: Callable[[ExpertKey, memoryview], dict[str, mx.array]],
         *,
-        checks: Mapping[Key, ExpertFile] | None,
+        checks: Mapping[ExpertKey, ExpertFile] | None,
         report: Callable[[str], None],
-        on_lost: Callable[[Key, str], None] = lambda key, why: None,
+        on_lost: Callable[[ExpertKey, str], None] = lambda key, why: None,
     ) -> None:
         self.keys = keys
         self.index = {key: i for i, key in enumerate(keys)}
@@ -186,7 +185,7 @@ class ExpertCache:
             while (self._state == _LOADING).any():
                 self._cond.wait()
 
-    def ready_tensors(self, keys: list[Key]) -> list[dict[str, mx.array]] | None:
+    def ready_tensors(self, keys: list[ExpertKey]) -> list[dict[str, mx.array]] | None:
         """The decoded tensors of `keys` if every one is in memory now, else None."""
         with self._cond:
             idx = [self.index[key] for key in keys]
@@ -194,7 +193,7 @@ class ExpertCache:
                 return None
             return [self._entries[i].tensors for i in idx]
 
-    def add(self, key: Key, size: int, copies: list[tuple[int, Path]]) -> None:
+    def add(self, key: ExpertKey, size: int, copies: list[tuple[int, Path]]) -> None:
         """Serve one more expert (a file just received); it starts on the drives."""
         with self._cond:
             if key not in self.index:
@@ -208,12 +207,12 @@ class ExpertCache:
                 self.heat.grow(1)
             self._copies[key] = list(copies)
 
-    def copies(self, key: Key) -> list[tuple[int, Path]]:
+    def copies(self, key: ExpertKey) -> list[tuple[int, Path]]:
         """The (drive, path) of the expert's files still trusted: what reads and sends use."""
         with self._cond:
             return list(self._copies.get(key, ()))
 
-    def lose_copy(self, key: Key, path: Path, why: str) -> int:
+    def lose_copy(self, key: ExpertKey, path: Path, why: str) -> int:
         """Stop using one file of an expert (it rotted or cannot be read): report it, and when
         no intact file of the expert is left, give the expert up (`on_lost`). Returns the
         number of its files still trusted. Reads, the scrub and transfers all end here."""
@@ -228,7 +227,7 @@ class ExpertCache:
                 self._on_lost(key, why)
         return len(left)
 
-    def discard(self, key: Key) -> list[tuple[int, Path]]:
+    def discard(self, key: ExpertKey) -> list[tuple[int, Path]]:
         """Stop serving an expert whose files are about to be deleted: forget its copies and,
         unless a request is using it right now, its memory. Returns the copies it had."""
         with self._cond:
@@ -451,14 +450,14 @@ class ExpertCache:
         )
         return self._decode(job.key, view, origin)
 
-    def _digest(self, key: Key) -> Digest | None:
+    def _digest(self, key: ExpertKey) -> Digest | None:
         """A fresh checksum for a read of `key`: the manifest's CRC-32 where it has one (the
         reader feeds it chunk by chunk as they arrive), else its SHA-256; None: not checked."""
         if self._checks is None:
             return None
         return Crc32() if self._checks[key].crc32 else hashlib.sha256()
 
-    def _expected(self, key: Key) -> str:
+    def _expected(self, key: ExpertKey) -> str:
         entry = self._checks[key]
         return entry.crc32 or entry.sha256
 
@@ -478,7 +477,7 @@ class ExpertCache:
         raise self._lost(job.key, "no intact copy of its file is left (see the problems)")
 
     @staticmethod
-    def _lost(key: Key, why: str) -> Moved:
+    def _lost(key: ExpertKey, why: str) -> Moved:
         # ABORTED (Moved), not DATA_LOSS: the coordinator fetches the inventory again, which
         # no longer lists this expert here, and routes it to another copy or names it alone
         # as unowned; the worker's other experts stay in service.
@@ -588,11 +587,11 @@ class Residency:
         """True when the budget cannot hold every expert at once."""
         return self.budget < self.expert_bytes
 
-    def held(self) -> list[tuple[int, int]]:
+    def held(self) -> list[ExpertKey]:
         """The experts offered (verified, not draining): what the inventory lists."""
         return self.holdings.offered()
 
-    def add_expert(self, key: Key, drive: int, path: Path) -> None:
+    def add_expert(self, key: ExpertKey, drive: int, path: Path) -> None:
         """Serve an expert whose verified file was just put into store folder `drive`."""
         layer, expert = key
         entry = self._files[key]
@@ -610,7 +609,7 @@ class Residency:
             self._stacks.pop(layer, None)  # restacked once the new expert is in memory
         self.holdings.add(key)
 
-    def remove_expert(self, key: Key) -> list[Path]:
+    def remove_expert(self, key: ExpertKey) -> list[Path]:
         """Stop serving an expert for good (its files are to be deleted): later requests for
         it are told it moved. Returns the paths of its files."""
         layer, expert = key
@@ -623,7 +622,7 @@ class Residency:
         self.expert_bytes -= self._files[key].bytes
         return [path for _, path in self.cache.discard(key)]
 
-    def withdraw(self, key: Key, why: str) -> None:
+    def withdraw(self, key: ExpertKey, why: str) -> None:
         """Stop offering an expert none of whose files here is intact any more (rot, a file
         gone): like a deleted one, a request for it is told it moved, and a push (`shoal
         deploy`, `shoal rebalance`) may bring a fresh copy. The bad files stay where they are
@@ -641,7 +640,7 @@ class Residency:
         if self._echo is not None:
             self._echo(message)
 
-    def _decode(self, key: Key, view: memoryview, origin: str) -> dict[str, mx.array]:
+    def _decode(self, key: ExpertKey, view: memoryview, origin: str) -> dict[str, mx.array]:
         return self.runners[key[0]].check(tensors_from_buffer(view, origin=origin), origin)
 
     def stacked_layers(self) -> list[int]:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidInput, ShoalError
-from engine.manifest import Manifest, read_manifest
+from engine.manifest import ExpertKey, Manifest, read_manifest
 from worker.reader import sha256_uncached
 
-ExpertKey = tuple[int, int]
 Copy = tuple[int, Path]  # (index of the store folder, i.e. the drive; the file in it)
 
 

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
-from engine.manifest import Manifest
-from engine.placement import ExpertKey
+from engine.manifest import ExpertKey, Manifest
 from worker.holdings import DRAINING, SERVING
 from worker.reader import file_problem
 from worker.residency import Residency
