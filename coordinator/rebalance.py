@@ -20,11 +20,11 @@ from pathlib import Path
 
 from coordinator.cluster import WorkerLink
 from coordinator.heat import fetch_readings, name_workers, record_heat
-from coordinator.transfer import CHUNK_BYTES, QUIET_SECONDS, Event, Execution, Executor
+from coordinator.transfer import QUIET_SECONDS, Event, Execution, Executor
 from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic
 from engine.rebalance_plan import LiveWorker, Proposal, propose, state_of
-from proto import shoal_pb2
+from proto import CHUNK_BYTES, shoal_pb2
 
 MIGRATION_FILE = "migration.json"
 

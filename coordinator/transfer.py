@@ -26,9 +26,8 @@ from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unava
 from engine.manifest import ExpertKey, Manifest
 from engine.migration import LOCAL, MigrationPlan, Step
 from engine.rebalance_plan import copy_sources, wait_before_delete
-from proto import shoal_pb2
+from proto import CHUNK_BYTES, shoal_pb2
 
-CHUNK_BYTES = 1 << 20
 QUIET_SECONDS = 1.0  # a drained copy is deleted once nobody asked for it for this long
 DELETE_TIMEOUT = 60.0
 SLOWEST_CHECK = 20e6  # bytes/s a worker's check of a file on disk is allowed (a slow USB disk)

@@ -16,6 +16,9 @@ GRPC_OPTIONS = [
 # What a worker reads from one message at most: a 2048-token prompt chunk of a 7168-wide
 # model in float32 is 59 MB; anything far larger is refused before it is held in memory.
 REQUEST_LIMIT = 256 << 20
+# Bytes of an expert file one ExpertChunk carries (PushExpert, ReadExpert; the last may be
+# shorter): the size both senders, the coordinator's and a worker's, cut a file into.
+CHUNK_BYTES = 1 << 20
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", REQUEST_LIMIT),

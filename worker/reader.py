@@ -31,7 +31,7 @@ from typing import Protocol
 from engine.manifest import ExpertKey
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the block size
-CHUNK_BYTES = 1 << 20  # an expert's read is split in chunks of this size (the last may be shorter)
+READ_CHUNK_BYTES = 1 << 20  # an expert's read from disk is split in pieces of this size
 READERS_PER_DRIVE = 4  # queue depth per drive: SSDs reach full speed only with several reads
 INITIAL_BANDWIDTH = 1e9  # bytes/s assumed for a drive before its first read is measured
 _BANDWIDTH_WEIGHT = 0.2  # weight of each new measurement in a drive's moving average
@@ -164,7 +164,10 @@ def file_problem(
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ReadChunk:
+    """One piece of an expert's read from disk (the last may be shorter), and the drive and
+    copy of the file it is planned on."""
+
     drive: int
     path: Path
     offset: int
@@ -176,8 +179,8 @@ def plan_chunks(
     copies: Sequence[tuple[int, Path]],
     backlog: Mapping[int, float],
     bandwidth: Mapping[int, float],
-    chunk_bytes: int = CHUNK_BYTES,
-) -> list[Chunk]:
+    chunk_bytes: int = READ_CHUNK_BYTES,
+) -> list[ReadChunk]:
     """Split a read of `size` bytes into chunks, each on the drive expected to finish it first.
 
     `copies` are (drive, path) of intact copies of the file; `backlog` the seconds of reading
@@ -192,7 +195,7 @@ def plan_chunks(
             copies, key=lambda c: (finish[c[0]] + length / bandwidth[c[0]], c[0])
         )
         finish[drive] += length / bandwidth[drive]
-        chunks.append(Chunk(drive, path, offset, length))
+        chunks.append(ReadChunk(drive, path, offset, length))
     return chunks
 
 
@@ -259,8 +262,8 @@ class _Drive:
         self.stats = DriveStats(folder)
         self.bandwidth = INITIAL_BANDWIDTH
         self.queued = {True: 0, False: 0}  # bytes queued, by demand
-        self.demand: deque[tuple[ReadJob, Chunk]] = deque()
-        self.prefetch: deque[tuple[ReadJob, Chunk]] = deque()
+        self.demand: deque[tuple[ReadJob, ReadChunk]] = deque()
+        self.prefetch: deque[tuple[ReadJob, ReadChunk]] = deque()
         self.in_flight = 0
         self.active_since = 0.0
 
@@ -279,7 +282,7 @@ class ReaderPool:
         buffers: int,
         *,
         readers_per_drive: int = READERS_PER_DRIVE,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = READ_CHUNK_BYTES,
         on_problem: Callable[[str], None] = lambda message: None,
     ) -> None:
         self.chunk_bytes = round_up(chunk_bytes)
@@ -410,7 +413,7 @@ class ReaderPool:
                 self._queue(job, chunk)
         self._cond.notify_all()
 
-    def _plan(self, job: ReadJob) -> list[Chunk]:
+    def _plan(self, job: ReadJob) -> list[ReadChunk]:
         live = [(d, p) for d, p in job.copies if not self._drives[d].stats.failed]
         if not live:
             return []
@@ -422,7 +425,7 @@ class ReaderPool:
         bandwidth = {d.index: d.bandwidth for d in self._drives}
         return plan_chunks(job.size, live, backlog, bandwidth, self.chunk_bytes)
 
-    def _queue(self, job: ReadJob, chunk: Chunk) -> None:
+    def _queue(self, job: ReadJob, chunk: ReadChunk) -> None:
         drive = self._drives[chunk.drive]
         (drive.demand if job.demand else drive.prefetch).append((job, chunk))
         drive.queued[job.demand] += chunk.length
@@ -434,7 +437,7 @@ class ReaderPool:
         job.started = True
         threading.Thread(target=job.on_done, args=(job,), daemon=True).start()
 
-    def _next(self, drive: _Drive) -> tuple[ReadJob, Chunk] | None:
+    def _next(self, drive: _Drive) -> tuple[ReadJob, ReadChunk] | None:
         while not self._closed:
             queue = drive.demand or drive.prefetch
             if queue:
@@ -466,7 +469,7 @@ class ReaderPool:
             elapsed = time.perf_counter() - started
             self._finish_chunk(drive, job, chunk, error, elapsed)
 
-    def _read_chunk(self, job: ReadJob, chunk: Chunk) -> None:
+    def _read_chunk(self, job: ReadJob, chunk: ReadChunk) -> None:
         file = open_uncached(chunk.path)
         try:
             length = round_up(chunk.length) if file.direct else chunk.length
@@ -478,7 +481,7 @@ class ReaderPool:
             raise OSError(errno.EIO, f"{chunk.path} is shorter than the manifest says")
 
     def _finish_chunk(
-        self, drive: _Drive, job: ReadJob, chunk: Chunk, error: OSError | None, elapsed: float
+        self, drive: _Drive, job: ReadJob, chunk: ReadChunk, error: OSError | None, elapsed: float
     ) -> None:
         problem = None
         with self._cond:
@@ -502,7 +505,8 @@ class ReaderPool:
                 if others:  # read this chunk again from another copy
                     bandwidth = {d.index: d.bandwidth for d in self._drives}
                     replan = plan_chunks(chunk.length, others, {}, bandwidth, chunk.length)[0]
-                    self._queue(job, Chunk(replan.drive, replan.path, chunk.offset, chunk.length))
+                    again = ReadChunk(replan.drive, replan.path, chunk.offset, chunk.length)
+                    self._queue(job, again)
                     self._cond.notify_all()
                 else:
                     job.error = error if job.error is None else job.error
@@ -531,7 +535,7 @@ class ReaderPool:
         if finish:
             job.on_done(job)
 
-    def _take_out(self, drive: _Drive, chunk: Chunk, error: OSError) -> str:
+    def _take_out(self, drive: _Drive, chunk: ReadChunk, error: OSError) -> str:
         """Report a failed read; if the drive's folder itself is gone, stop using the drive."""
         reason = error.strerror or str(error)
         if not drive.stats.failed and not drive.stats.folder.is_dir():

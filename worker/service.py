@@ -23,7 +23,7 @@ from engine.tensors import decode, dtype_name, encode, to_numpy
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
 from worker.residency import Request, Residency, Timing
 from worker.store import free_disk
-from worker.transfer import Chunk, ExpertFiles, FileState
+from worker.transfer import ExpertFiles, FileState, TransferChunk
 
 ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
 # Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
@@ -124,7 +124,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
         return self._answer(context, lambda: self.files.status((request.layer, request.expert)))
 
     def PushExpert(self, request_iterator, context):  # noqa: N802
-        chunks = (Chunk(c.layer, c.expert, c.offset, c.data, c.total_bytes, c.sha256)
+        chunks = (TransferChunk(c.layer, c.expert, c.offset, c.data, c.total_bytes, c.sha256)
                   for c in request_iterator)
         return self._answer(context, lambda: self.files.receive(chunks))
 

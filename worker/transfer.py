@@ -15,7 +15,6 @@ disk against the manifest at that moment; nothing here deletes an expert on its 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import shutil
@@ -25,19 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
-from engine.manifest import ExpertKey, Manifest
+from engine.manifest import ExpertKey, Manifest, sha256_file
+from proto import CHUNK_BYTES
 from worker.holdings import DRAINING, SERVING
 from worker.reader import file_problem
 from worker.residency import Residency
 
-CHUNK_BYTES = 1 << 20
 DEFAULT_QUIET = 1.0  # seconds a drained copy must go unasked before it may be deleted
 MAX_QUIET = 24 * 3600.0  # longer than any migration waits: a bigger value is a mistake
 ABSENT, PARTIAL = "absent", "partial"
 
 
 @dataclass(frozen=True)
-class Chunk:
+class TransferChunk:
+    """A piece of an expert file pushed to or read from this worker: an ExpertChunk off the
+    wire."""
+
     layer: int
     expert: int
     offset: int
@@ -108,7 +110,7 @@ class ExpertFiles:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def receive(self, chunks: Iterator[Chunk]) -> FileState:
+    def receive(self, chunks: Iterator[TransferChunk]) -> FileState:
         """Write a pushed file (resuming a partial one), verify it, rename it, serve it."""
         first = next(chunks, None)
         if first is None:
@@ -135,7 +137,9 @@ class ExpertFiles:
             with self._lock:
                 self._busy.discard(key)
 
-    def _write(self, key: ExpertKey, entry, first: Chunk, rest: Iterator[Chunk]) -> FileState:
+    def _write(
+        self, key: ExpertKey, entry, first: TransferChunk, rest: Iterator[TransferChunk]
+    ) -> FileState:
         found = self._partial(key)
         drive, partial = found if found is not None else self._choose_folder(entry)
         final = self.folders[drive] / entry.file
@@ -169,11 +173,7 @@ class ExpertFiles:
             raise ShoalError(f"cannot write {partial}: {e.strerror or e}") from None
         if position < entry.bytes:
             return self.status(key)  # the sender stopped early: resumable
-        digest = hashlib.sha256()
-        with open(partial, "rb") as f:
-            while block := f.read(CHUNK_BYTES):
-                digest.update(block)
-        if digest.hexdigest() != entry.sha256:
+        if sha256_file(partial) != entry.sha256:
             partial.unlink(missing_ok=True)
             raise CorruptData(
                 f"expert {key[0]}/{key[1]}: the received file does not match the manifest's "
@@ -203,7 +203,9 @@ class ExpertFiles:
 
     # -- sending --------------------------------------------------------------------------
 
-    def read(self, key: ExpertKey, offset: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    def read(
+        self, key: ExpertKey, offset: int, chunk_bytes: int = CHUNK_BYTES
+    ) -> Iterator[TransferChunk]:
         """The verified file of an expert this worker holds, from `offset`, in chunks."""
         entry = self._entry(key)
         if self.residency.holdings.state(key) not in (SERVING, DRAINING):
@@ -217,7 +219,7 @@ class ExpertFiles:
             f.seek(offset)
             position = offset
             while block := f.read(chunk_bytes):
-                yield Chunk(key[0], key[1], position, block, entry.bytes, entry.sha256)
+                yield TransferChunk(key[0], key[1], position, block, entry.bytes, entry.sha256)
                 position += len(block)
 
     # -- dropping -------------------------------------------------------------------------
@@ -278,6 +280,6 @@ def check_quiet(seconds: float) -> float:
     return float(seconds)
 
 
-def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
+def _chain(first: TransferChunk, rest: Iterator[TransferChunk]) -> Iterator[TransferChunk]:
     yield first
     yield from rest

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.reader import ALIGN, Chunk, ReaderPool, plan_chunks, read_file, sha256_uncached
+from worker.reader import ALIGN, ReadChunk, ReaderPool, plan_chunks, read_file, sha256_uncached
 
 
 def test_chunks_go_to_the_drive_expected_to_finish_first():
@@ -21,7 +21,7 @@ def test_chunks_go_to_the_drive_expected_to_finish_first():
     assert sum(c.drive == 1 for c in plan) == 6
     # Drive 0 has two seconds of work queued: everything goes to drive 1 first.
     plan = plan_chunks(2 * 100, [(0, a), (1, b)], {0: 2.0}, {0: 100.0, 1: 100.0}, 100)
-    assert plan == [Chunk(1, b, 0, 100), Chunk(1, b, 100, 100)]
+    assert plan == [ReadChunk(1, b, 0, 100), ReadChunk(1, b, 100, 100)]
     # The last chunk is shorter.
     assert [c.length for c in plan_chunks(250, [(0, a)], {}, {0: 1.0}, 100)] == [100, 100, 50]
 
