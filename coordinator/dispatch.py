@@ -218,6 +218,7 @@ class Dispatcher:
                 rows=encode(rows, "int32"),
                 experts=encode(experts[pairs], "int32"),
                 prefetch=hints.pop(worker, None),
+                call_pairs=experts.size,
             )
             self.cluster.links[worker].send(request)
             self.stats.worker_requests[self.cluster.links[worker].address] += 1

@@ -22,6 +22,10 @@ from engine.manifest import MoeLayer
 from engine.moe_layers import get_module
 from engine.tensors import to_mlx
 
+# mlx-lm's switch modules sort a call's pairs from this many on; a worker's call copies the
+# caller's pair count up to it (see ExpertRunner.gathered).
+SORT_PAIRS = 64
+
 
 def build_skeleton(config: dict) -> nn.Module:
     """The model's mlx-lm module tree with lazy random weights that are never evaluated."""
@@ -102,6 +106,11 @@ class ExpertRunner:
         self.input_width, self.output_width = switch_widths(self.module)
         self._loaded: dict[str, mx.array] | None = None  # the stack the module holds now
         self._index_cache: dict[int, mx.array] = {}
+        # On a GPU, MLX picks a call's kernel by its pair count (CUDA: a vector kernel below 8
+        # pairs, a tiled one from 8), and the two give a pair other bits. So a worker, which
+        # gets only some of each row's experts, pads its call to the caller's count; on the
+        # CPU every pair's bits are the same whatever the call, and padding would only cost.
+        self.pads = mx.default_device().type == mx.DeviceType.gpu
 
     def check(self, tensors: dict[str, mx.array], what: str) -> dict[str, mx.array]:
         """Refuse an expert file whose tensors are not the ones this layer's module holds."""
@@ -124,14 +133,30 @@ class ExpertRunner:
         return stacked
 
     def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray, dtype: mx.Dtype,
-                 rows: np.ndarray, positions: np.ndarray) -> mx.array:
+                 rows: np.ndarray, positions: np.ndarray, call_pairs: int = 0) -> mx.array:
         """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`) through the
         expert at `positions[i]` of the stack; (m, output width). The stack is given to the
-        module once, not per call; the request's arrays go to MLX as one buffer."""
+        module once, not per call; the request's arrays go to MLX as one buffer.
+
+        `call_pairs` is the pair count of the caller's whole switch call (all workers'). Where
+        the backend's kernels depend on it (`pads`), a call with fewer pairs is padded up to
+        min(call_pairs, SORT_PAIRS) with pairs of an expert of the stack that no real pair
+        uses, whose outputs are dropped: the call then runs the kernel, and sorts or not, as
+        the single-process model's call does, and no real pair shares a group with padding."""
         if self._loaded is not stacked:
             self.module.update(tree_unflatten(list(stacked.items())))
             self._loaded = stacked
         n, m = hidden.shape[0], positions.size
+        short = min(call_pairs, SORT_PAIRS) - m if self.pads else 0
+        if short > 0:
+            held = next(iter(stacked.values())).shape[0]
+            unused = np.flatnonzero(np.bincount(positions, minlength=held) == 0)
+            if unused.size:
+                rows = np.concatenate([rows, np.zeros(short, np.int32)])
+                positions = np.concatenate([positions, np.full(short, unused[0], np.int32)])
+                x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32),
+                                     ([positions], mx.int32))
+                return self.module(x[at], inds[:, None])[:m, 0, :]
         per_row = m // n
         if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
             # Each row's pairs together and equally many (always so in decode): the module

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/shoal.proto\x12\x08shoal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xba\x01\n\rExpertRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x06hidden\x18\x03 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x1e\n\x04rows\x18\x04 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12!\n\x07\x65xperts\x18\x05 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12(\n\x08prefetch\x18\x06 \x01(\x0b\x32\x16.shoal.v1.PrefetchHint\".\n\x0cPrefetchHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x98\x01\n\x0b\x45xpertReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x06output\x18\x02 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x19\n\x11inventory_version\x18\x04 \x01(\x04\x12&\n\x06timing\x18\x05 \x01(\x0b\x32\x16.shoal.v1.WorkerTiming\"Q\n\x0cWorkerTiming\x12\r\n\x05parse\x18\x01 \x01(\x01\x12\x0e\n\x06matrix\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ookkeeping\x18\x03 \x01(\x01\x12\r\n\x05reply\x18\x04 \x01(\x01\"\x12\n\x10InventoryRequest\"+\n\nHeldExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\x85\x02\n\tInventory\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12%\n\x07\x65xperts\x18\x05 \x03(\x0b\x32\x14.shoal.v1.HeldExpert\x12\x10\n\x08problems\x18\x06 \x03(\t\x12\x15\n\rmemory_budget\x18\x07 \x01(\x04\x12\x11\n\tfree_disk\x18\x08 \x01(\x04\x12\x19\n\x11inventory_version\x18\t \x01(\x04\x12&\n\x08\x64raining\x18\n \x03(\x0b\x32\x14.shoal.v1.HeldExpert\"\x0e\n\x0cStatsRequest\"g\n\nDriveStats\x12\x0e\n\x06\x66older\x18\x01 \x01(\t\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\r\n\x05reads\x18\x03 \x01(\x04\x12\x16\n\x0e\x61\x63tive_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\t\"\xea\x03\n\x0bWorkerStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rmemory_budget\x18\x02 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x18\n\x10resident_experts\x18\x05 \x01(\r\x12\x14\n\x0cheld_experts\x18\x06 \x01(\r\x12\x0e\n\x06passes\x18\x07 \x01(\x04\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65mands\x18\t \x01(\x04\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04\x12\x15\n\rprefetch_hits\x18\x0c \x01(\x04\x12\x15\n\rprefetch_late\x18\r \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x0e \x01(\x04\x12\x15\n\rprefetch_used\x18\x0f \x01(\x04\x12\x1a\n\x12prefetch_cancelled\x18\x10 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x11 \x01(\x04\x12\r\n\x05loads\x18\x12 \x01(\x04\x12\x11\n\tevictions\x18\x13 \x01(\x04\x12$\n\x06\x64rives\x18\x14 \x03(\x0b\x32\x14.shoal.v1.DriveStats\x12\x10\n\x08problems\x18\x15 \x03(\t\x12\x19\n\x11read_buffer_bytes\x18\x16 \x01(\x04\"\r\n\x0bHeatRequest\";\n\nExpertHeat\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"U\n\nHeatReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12%\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x14.shoal.v1.ExpertHeat\"B\n\x11\x45xpertFileRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"o\n\x0b\x45xpertChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\xe5\x01\n\x0f\x45xpertFileState\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.shoal.v1.ExpertFileState.State\x12\x15\n\rpartial_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x19\n\x11inventory_version\x18\x06 \x01(\x04\";\n\x05State\x12\n\n\x06\x41\x42SENT\x10\x00\x12\x0b\n\x07PARTIAL\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\"\xaa\x01\n\x0b\x44ropRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12*\n\x05phase\x18\x03 \x01(\x0e\x32\x1b.shoal.v1.DropRequest.Phase\x12\x15\n\rquiet_seconds\x18\x04 \x01(\x01\"9\n\x05Phase\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\t\n\x05\x44RAIN\x10\x01\x12\n\n\x06\x44\x45LETE\x10\x02\x12\x08\n\x04KEEP\x10\x03\x32\x94\x04\n\rExpertService\x12?\n\x0cGetInventory\x12\x1a.shoal.v1.InventoryRequest\x1a\x13.shoal.v1.Inventory\x12=\n\x07\x43ompute\x12\x17.shoal.v1.ExpertRequest\x1a\x15.shoal.v1.ExpertReply(\x01\x30\x01\x12\x39\n\x08GetStats\x12\x16.shoal.v1.StatsRequest\x1a\x15.shoal.v1.WorkerStats\x12\x36\n\x07GetHeat\x12\x15.shoal.v1.HeatRequest\x1a\x14.shoal.v1.HeatReport\x12J\n\x10\x45xpertFileStatus\x12\x1b.shoal.v1.ExpertFileRequest\x1a\x19.shoal.v1.ExpertFileState\x12@\n\nPushExpert\x12\x15.shoal.v1.ExpertChunk\x1a\x19.shoal.v1.ExpertFileState(\x01\x12\x42\n\nReadExpert\x12\x1b.shoal.v1.ExpertFileRequest\x1a\x15.shoal.v1.ExpertChunk0\x01\x12>\n\nDropExpert\x12\x15.shoal.v1.DropRequest\x1a\x19.shoal.v1.ExpertFileStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/shoal.proto\x12\x08shoal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xce\x01\n\rExpertRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x06hidden\x18\x03 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x1e\n\x04rows\x18\x04 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12!\n\x07\x65xperts\x18\x05 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12(\n\x08prefetch\x18\x06 \x01(\x0b\x32\x16.shoal.v1.PrefetchHint\x12\x12\n\ncall_pairs\x18\x07 \x01(\r\".\n\x0cPrefetchHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x98\x01\n\x0b\x45xpertReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x06output\x18\x02 \x01(\x0b\x32\x10.shoal.v1.Tensor\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x19\n\x11inventory_version\x18\x04 \x01(\x04\x12&\n\x06timing\x18\x05 \x01(\x0b\x32\x16.shoal.v1.WorkerTiming\"Q\n\x0cWorkerTiming\x12\r\n\x05parse\x18\x01 \x01(\x01\x12\x0e\n\x06matrix\x18\x02 \x01(\x01\x12\x13\n\x0b\x62ookkeeping\x18\x03 \x01(\x01\x12\r\n\x05reply\x18\x04 \x01(\x01\"\x12\n\x10InventoryRequest\"+\n\nHeldExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\x85\x02\n\tInventory\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12%\n\x07\x65xperts\x18\x05 \x03(\x0b\x32\x14.shoal.v1.HeldExpert\x12\x10\n\x08problems\x18\x06 \x03(\t\x12\x15\n\rmemory_budget\x18\x07 \x01(\x04\x12\x11\n\tfree_disk\x18\x08 \x01(\x04\x12\x19\n\x11inventory_version\x18\t \x01(\x04\x12&\n\x08\x64raining\x18\n \x03(\x0b\x32\x14.shoal.v1.HeldExpert\"\x0e\n\x0cStatsRequest\"g\n\nDriveStats\x12\x0e\n\x06\x66older\x18\x01 \x01(\t\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\r\n\x05reads\x18\x03 \x01(\x04\x12\x16\n\x0e\x61\x63tive_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\t\"\xea\x03\n\x0bWorkerStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rmemory_budget\x18\x02 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x18\n\x10resident_experts\x18\x05 \x01(\r\x12\x14\n\x0cheld_experts\x18\x06 \x01(\r\x12\x0e\n\x06passes\x18\x07 \x01(\x04\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x0f\n\x07\x64\x65mands\x18\t \x01(\x04\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04\x12\x15\n\rprefetch_hits\x18\x0c \x01(\x04\x12\x15\n\rprefetch_late\x18\r \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x0e \x01(\x04\x12\x15\n\rprefetch_used\x18\x0f \x01(\x04\x12\x1a\n\x12prefetch_cancelled\x18\x10 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x11 \x01(\x04\x12\r\n\x05loads\x18\x12 \x01(\x04\x12\x11\n\tevictions\x18\x13 \x01(\x04\x12$\n\x06\x64rives\x18\x14 \x03(\x0b\x32\x14.shoal.v1.DriveStats\x12\x10\n\x08problems\x18\x15 \x03(\t\x12\x19\n\x11read_buffer_bytes\x18\x16 \x01(\x04\"\r\n\x0bHeatRequest\";\n\nExpertHeat\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"U\n\nHeatReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12%\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x14.shoal.v1.ExpertHeat\"B\n\x11\x45xpertFileRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"o\n\x0b\x45xpertChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\xe5\x01\n\x0f\x45xpertFileState\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.shoal.v1.ExpertFileState.State\x12\x15\n\rpartial_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x19\n\x11inventory_version\x18\x06 \x01(\x04\";\n\x05State\x12\n\n\x06\x41\x42SENT\x10\x00\x12\x0b\n\x07PARTIAL\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\"\xaa\x01\n\x0b\x44ropRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12*\n\x05phase\x18\x03 \x01(\x0e\x32\x1b.shoal.v1.DropRequest.Phase\x12\x15\n\rquiet_seconds\x18\x04 \x01(\x01\"9\n\x05Phase\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\t\n\x05\x44RAIN\x10\x01\x12\n\n\x06\x44\x45LETE\x10\x02\x12\x08\n\x04KEEP\x10\x03\x32\x94\x04\n\rExpertService\x12?\n\x0cGetInventory\x12\x1a.shoal.v1.InventoryRequest\x1a\x13.shoal.v1.Inventory\x12=\n\x07\x43ompute\x12\x17.shoal.v1.ExpertRequest\x1a\x15.shoal.v1.ExpertReply(\x01\x30\x01\x12\x39\n\x08GetStats\x12\x16.shoal.v1.StatsRequest\x1a\x15.shoal.v1.WorkerStats\x12\x36\n\x07GetHeat\x12\x15.shoal.v1.HeatRequest\x1a\x14.shoal.v1.HeatReport\x12J\n\x10\x45xpertFileStatus\x12\x1b.shoal.v1.ExpertFileRequest\x1a\x19.shoal.v1.ExpertFileState\x12@\n\nPushExpert\x12\x15.shoal.v1.ExpertChunk\x1a\x19.shoal.v1.ExpertFileState(\x01\x12\x42\n\nReadExpert\x12\x1b.shoal.v1.ExpertFileRequest\x1a\x15.shoal.v1.ExpertChunk0\x01\x12>\n\nDropExpert\x12\x15.shoal.v1.DropRequest\x1a\x19.shoal.v1.ExpertFileStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,43 +34,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=83
   _globals['_EXPERTREQUEST']._serialized_start=86
-  _globals['_EXPERTREQUEST']._serialized_end=272
-  _globals['_PREFETCHHINT']._serialized_start=274
-  _globals['_PREFETCHHINT']._serialized_end=320
-  _globals['_EXPERTREPLY']._serialized_start=323
-  _globals['_EXPERTREPLY']._serialized_end=475
-  _globals['_WORKERTIMING']._serialized_start=477
-  _globals['_WORKERTIMING']._serialized_end=558
-  _globals['_INVENTORYREQUEST']._serialized_start=560
-  _globals['_INVENTORYREQUEST']._serialized_end=578
-  _globals['_HELDEXPERT']._serialized_start=580
-  _globals['_HELDEXPERT']._serialized_end=623
-  _globals['_INVENTORY']._serialized_start=626
-  _globals['_INVENTORY']._serialized_end=887
-  _globals['_STATSREQUEST']._serialized_start=889
-  _globals['_STATSREQUEST']._serialized_end=903
-  _globals['_DRIVESTATS']._serialized_start=905
-  _globals['_DRIVESTATS']._serialized_end=1008
-  _globals['_WORKERSTATS']._serialized_start=1011
-  _globals['_WORKERSTATS']._serialized_end=1501
-  _globals['_HEATREQUEST']._serialized_start=1503
-  _globals['_HEATREQUEST']._serialized_end=1516
-  _globals['_EXPERTHEAT']._serialized_start=1518
-  _globals['_EXPERTHEAT']._serialized_end=1577
-  _globals['_HEATREPORT']._serialized_start=1579
-  _globals['_HEATREPORT']._serialized_end=1664
-  _globals['_EXPERTFILEREQUEST']._serialized_start=1666
-  _globals['_EXPERTFILEREQUEST']._serialized_end=1732
-  _globals['_EXPERTCHUNK']._serialized_start=1734
-  _globals['_EXPERTCHUNK']._serialized_end=1845
-  _globals['_EXPERTFILESTATE']._serialized_start=1848
-  _globals['_EXPERTFILESTATE']._serialized_end=2077
-  _globals['_EXPERTFILESTATE_STATE']._serialized_start=2018
-  _globals['_EXPERTFILESTATE_STATE']._serialized_end=2077
-  _globals['_DROPREQUEST']._serialized_start=2080
-  _globals['_DROPREQUEST']._serialized_end=2250
-  _globals['_DROPREQUEST_PHASE']._serialized_start=2193
-  _globals['_DROPREQUEST_PHASE']._serialized_end=2250
-  _globals['_EXPERTSERVICE']._serialized_start=2253
-  _globals['_EXPERTSERVICE']._serialized_end=2785
+  _globals['_EXPERTREQUEST']._serialized_end=292
+  _globals['_PREFETCHHINT']._serialized_start=294
+  _globals['_PREFETCHHINT']._serialized_end=340
+  _globals['_EXPERTREPLY']._serialized_start=343
+  _globals['_EXPERTREPLY']._serialized_end=495
+  _globals['_WORKERTIMING']._serialized_start=497
+  _globals['_WORKERTIMING']._serialized_end=578
+  _globals['_INVENTORYREQUEST']._serialized_start=580
+  _globals['_INVENTORYREQUEST']._serialized_end=598
+  _globals['_HELDEXPERT']._serialized_start=600
+  _globals['_HELDEXPERT']._serialized_end=643
+  _globals['_INVENTORY']._serialized_start=646
+  _globals['_INVENTORY']._serialized_end=907
+  _globals['_STATSREQUEST']._serialized_start=909
+  _globals['_STATSREQUEST']._serialized_end=923
+  _globals['_DRIVESTATS']._serialized_start=925
+  _globals['_DRIVESTATS']._serialized_end=1028
+  _globals['_WORKERSTATS']._serialized_start=1031
+  _globals['_WORKERSTATS']._serialized_end=1521
+  _globals['_HEATREQUEST']._serialized_start=1523
+  _globals['_HEATREQUEST']._serialized_end=1536
+  _globals['_EXPERTHEAT']._serialized_start=1538
+  _globals['_EXPERTHEAT']._serialized_end=1597
+  _globals['_HEATREPORT']._serialized_start=1599
+  _globals['_HEATREPORT']._serialized_end=1684
+  _globals['_EXPERTFILEREQUEST']._serialized_start=1686
+  _globals['_EXPERTFILEREQUEST']._serialized_end=1752
+  _globals['_EXPERTCHUNK']._serialized_start=1754
+  _globals['_EXPERTCHUNK']._serialized_end=1865
+  _globals['_EXPERTFILESTATE']._serialized_start=1868
+  _globals['_EXPERTFILESTATE']._serialized_end=2097
+  _globals['_EXPERTFILESTATE_STATE']._serialized_start=2038
+  _globals['_EXPERTFILESTATE_STATE']._serialized_end=2097
+  _globals['_DROPREQUEST']._serialized_start=2100
+  _globals['_DROPREQUEST']._serialized_end=2270
+  _globals['_DROPREQUEST_PHASE']._serialized_start=2213
+  _globals['_DROPREQUEST_PHASE']._serialized_end=2270
+  _globals['_EXPERTSERVICE']._serialized_start=2273
+  _globals['_EXPERTSERVICE']._serialized_end=2805
 # @@protoc_insertion_point(module_scope)

@@ -18,20 +18,22 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("seq", "layer", "hidden", "rows", "experts", "prefetch")
+    __slots__ = ("seq", "layer", "hidden", "rows", "experts", "prefetch", "call_pairs")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    CALL_PAIRS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     layer: int
     hidden: Tensor
     rows: Tensor
     experts: Tensor
     prefetch: PrefetchHint
-    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchHint, _Mapping]] = ...) -> None: ...
+    call_pairs: int
+    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., experts: _Optional[_Union[Tensor, _Mapping]] = ..., prefetch: _Optional[_Union[PrefetchHint, _Mapping]] = ..., call_pairs: _Optional[int] = ...) -> None: ...
 
 class PrefetchHint(_message.Message):
     __slots__ = ("layer", "experts")

@@ -59,6 +59,7 @@ class Request:
     dtype: str
     rows: np.ndarray  # (m,) int32
     experts: np.ndarray  # (m,) int32
+    call_pairs: int = 0  # the caller's whole call's pairs (ExpertRunner.gathered pads to it)
 
 
 @dataclass
@@ -724,7 +725,7 @@ class Residency:
         positions = stack.positions[request.experts]
         with self._lock:
             out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
-                                  request.rows, positions)
+                                  request.rows, positions, request.call_pairs)
             before = time.perf_counter()
             mx.eval(out)
             timing.matrix += time.perf_counter() - before

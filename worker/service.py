@@ -35,7 +35,8 @@ def decode_request(message: shoal_pb2.ExpertRequest) -> Request:
     hidden = decode(message.hidden, what="hidden", dtypes=ACTIVATION_DTYPES, ndim=2)
     rows = decode(message.rows, what="rows", dtypes=("int32",), ndim=1)
     experts = decode(message.experts, what="experts", dtypes=("int32",), ndim=1)
-    return Request(message.layer, hidden, message.hidden.dtype, rows, experts)
+    return Request(message.layer, hidden, message.hidden.dtype, rows, experts,
+                   message.call_pairs)
 
 
 class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):

@@ -1,10 +1,13 @@
 """The cache in one process: any budget computes the same as every expert in memory; hints
 fill the cache without pushing out hot experts; a bad copy is found by its checksum."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import engine.experts as experts_module
 from engine.errors import ShoalError
 from engine.sharding import shard
 from worker.residency import Request, Residency
@@ -192,3 +195,35 @@ def test_by_default_a_read_that_rotted_gives_up_that_expert_alone(store, tmp_pat
     finally:
         residency.close()
         reference.close()
+
+
+def test_a_call_padded_to_the_callers_pair_count_gives_the_same_outputs(store, monkeypatch):
+    """On a GPU a worker pads a call with fewer pairs than the caller's (ExpertRunner.pads);
+    the padding is an unused expert's and its outputs are dropped, so the real pairs' outputs
+    are those of the unpadded call (here on the CPU, where both must be bit-identical)."""
+    residency = Residency(scan_stores([store]))
+    rng = np.random.default_rng(3)
+    try:
+        for runner in residency.runners.values():
+            runner.pads = False
+        # decode-shaped (one row, each row's pairs together) and prompt-shaped requests
+        requests = [Request(layer, rng.standard_normal((1, 64)).astype(np.float32), "float32",
+                            np.zeros(3, np.int32), rng.choice(8, 3, replace=False).astype(np.int32),
+                            call_pairs=8) for layer in range(3)]
+        requests += [random_request(rng) for _ in range(10)]
+        plain = [np.array(residency.compute(r)) for r in requests]
+        for runner in residency.runners.values():
+            runner.pads = True
+        sizes = []  # the pair count of every call the module is given
+        real_to_mlx = experts_module.to_mlx
+        monkeypatch.setattr(experts_module, "to_mlx", lambda *parts: (
+            sizes.append(parts[-1][0][0].size), real_to_mlx(*parts))[1])
+        for request, expected in zip(requests, plain, strict=True):
+            if not request.call_pairs:
+                request = dataclasses.replace(request, call_pairs=request.experts.size + 40)
+            padded = np.array(residency.compute(request))
+            assert padded.shape == expected.shape
+            assert np.array_equal(padded, expected)
+        assert sizes[:3] == [8, 8, 8]  # the decode-shaped ones were padded to the caller's 8
+    finally:
+        residency.close()
