@@ -29,9 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from coordinator.cluster import WorkerLink  # noqa: E402
 from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
 from coordinator.heat import fetch_readings  # noqa: E402
+from coordinator.link import WorkerLink  # noqa: E402
 from coordinator.local import start_workers, stop_workers  # noqa: E402
 from coordinator.rebalance import migrate  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402

@@ -1,310 +1,60 @@
-"""The workers a generation uses: one link per worker, what each holds, the routing table.
+"""The workers a generation uses: their links, what each holds, the routing table.
 
-Each `WorkerLink` owns a gRPC channel and a long-lived bidirectional Compute stream; requests
-are queued onto it and replies come back in order. Sending to every involved worker before
-reading any reply is what makes the workers of one layer compute at the same time. A
-`Cluster` is either fixed (`connect`, from --workers) or follows a `Membership` (discovery,
---cluster-config), taking workers in and out between layer calls.
+A `Cluster` follows a set of members: a `Membership` (discovery, --cluster-config: workers
+come and go with their health) or `FixedMembers` (--workers: every listed worker must answer
+at the start; one that fails later is routed around for good). Either way the cluster
+rebuilds its links and routes between layer calls when the members' `version` changed.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from engine.auth import METADATA_KEY, Secret, make_credential
-from engine.errors import (
-    InvalidInput,
-    Moved,
-    ShoalError,
-    Unauthenticated,
-    Unavailable,
-)
+from coordinator.link import CONNECT_TIMEOUT, WorkerLink, handshake, held
+from engine.auth import Secret
+from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.placement import LayerRoutes, replica_routes
-from proto import (
-    GRPC_OPTIONS,
-    PROTOCOL_VERSION,
-    error_class_for,
-    secure_channel,
-    shoal_pb2,
-    shoal_pb2_grpc,
-)
-
-if TYPE_CHECKING:
-    from coordinator.membership import Membership
-
-CONNECT_TIMEOUT = 10.0
-# Until a link has measured its round trips, a reply may take this long (a first prefill
-# chunk on a slow CPU worker, compiling its kernels); afterwards see `reply_deadline`.
-FIRST_REPLY_TIMEOUT = 120.0
-MIN_REPLY_TIMEOUT = 1.5  # above a busy 2-core machine's hiccups; a hung worker costs this
-KEEPALIVE = [  # pings every 10 s on idle links, 5 s to answer one
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVICE_NAME = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
-# gRPC backs off up to 2 minutes between reconnects by default; a worker that comes back
-# should be taken in again within a second or two.
-_LINK_OPTIONS = [
-    *GRPC_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    *KEEPALIVE,
-]
-_CLOSE = object()
+from proto import shoal_pb2
 
 
-class _Watchdog:
-    """Cancels the Compute stream of a link whose reply is overdue, so that the thread
-    waiting in `receive` gets an error instead of waiting forever (gRPC's blocking stream
-    iterator takes no timeout). One thread for every link; arming costs a dict write."""
+class Members(Protocol):
+    """What a Cluster follows: the live workers, which change when `version` does."""
 
-    def __init__(self) -> None:
-        self._due: dict[WorkerLink, float] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+    version: int
 
-    def arm(self, link: WorkerLink, deadline: float) -> None:
-        self._due[link] = deadline
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="shoal-deadlines",
-                                                    daemon=True)
-                    self._thread.start()
-        self._wake.set()
+    def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]: ...
 
-    def disarm(self, link: WorkerLink) -> None:
-        self._due.pop(link, None)
+    def update_inventory(self, link: WorkerLink, inventory: shoal_pb2.Inventory) -> None: ...
 
-    def _run(self) -> None:
-        while True:
-            if not self._due:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            now = time.monotonic()
-            for link, deadline in list(self._due.items()):
-                if now >= deadline and self._due.get(link) == deadline:
-                    self._due.pop(link, None)
-                    link.overdue()
-            time.sleep(0.02)
-
-
-_WATCHDOG = _Watchdog()
-
-
-def parse_addresses(text: str) -> list[str]:
-    addresses = [a.strip() for a in text.split(",") if a.strip()]
-    if not addresses:
-        raise InvalidInput("--workers needs at least one HOST:PORT")
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidInput(f"worker address {address!r} is not HOST:PORT")
-    return addresses
-
-
-def _describe(error: grpc.RpcError) -> str:
-    return f"{error.code().name}: {error.details()}"
-
-
-def incompatibility(
-    address: str, protocol: int, fingerprint: str, manifest: Manifest | None
-) -> str | None:
-    """Why a worker (its inventory or its Bonjour advert) cannot serve this model, or None.
-    Without a manifest (`shoal workers`) only the protocol is judged."""
-    if protocol != PROTOCOL_VERSION:
-        return (
-            f"worker {address} speaks protocol {protocol}, this coordinator "
-            f"{PROTOCOL_VERSION}: upgrade Shoal on both"
-        )
-    if manifest is not None and fingerprint != manifest.fingerprint:
-        return (
-            f"worker {address} serves a different model ({fingerprint[:12]}, expected "
-            f"{manifest.model_type} {manifest.fingerprint[:12]})"
-        )
-    return None
-
-
-def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
-    return frozenset((h.layer, h.expert) for h in inventory.experts)
-
-
-def error_for(error: grpc.RpcError, address: str) -> ShoalError:
-    """A worker's refusal as the ShoalError it was raised as there (workers map ours to
-    status codes); a call that did not get through is Unavailable."""
-    kind = error_class_for(error.code())
-    if kind is None:
-        failed = error.code() == grpc.StatusCode.FAILED_PRECONDITION
-        kind = ShoalError if failed else Unavailable
-    return kind(f"worker {address}: {error.details() or error.code().name}")
-
-
-class WorkerLink:
-    """One worker: its channel, its inventory, and the Compute stream to it."""
-
-    def __init__(self, address: str, secret: Secret) -> None:
-        self.address = address
-        self._secret = secret
-        self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
-        self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._requests: queue.SimpleQueue | None = None
-        self._replies: Iterator[shoal_pb2.ExpertReply] | None = None
-        # receive() and the watchdog agree under this lock on whether a reply is awaited
-        self._waiting_lock = threading.Lock()
-        self._waiting = None
-        self._timeout = 0.0
-        self._late: float | None = None
-        self.inventory: shoal_pb2.Inventory | None = None
-
-    def _metadata(self, method: str) -> list[tuple[str, str]]:
-        return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
-
-    def fetch_inventory(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.Inventory:
-        try:
-            self.inventory = self._stub.GetInventory(
-                shoal_pb2.InventoryRequest(), timeout=timeout,
-                metadata=self._metadata("GetInventory"), wait_for_ready=True,
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self.check_health(1.0)  # says why, if the reason is known (refused, TLS)
-                message = f"worker {self.address} did not answer in {timeout:.0f} s"
-                raise Unavailable(message) from None
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise Unauthenticated(f"worker {self.address}: {_describe(e)}") from None
-            raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
-        return self.inventory
-
-    def fetch_stats(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.WorkerStats:
-        """The worker's cache, prefetch and drive counters since it started."""
-        try:
-            return self._stub.GetStats(
-                shoal_pb2.StatsRequest(), timeout=timeout, metadata=self._metadata("GetStats")
-            )
-        except grpc.RpcError as e:
-            raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
-
-    def call(self, method: str, request, *, timeout: float | None = CONNECT_TIMEOUT):
-        """Any other call of the expert service (heat, expert files), with the credential;
-        a refusal becomes the ShoalError the worker raised. A streamed reply is returned as
-        its iterator (errors while reading it are grpc.RpcError: see error_for)."""
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout,
-                                               metadata=self._metadata(method))
-        except grpc.RpcError as e:
-            raise error_for(e, self.address) from None
-
-    def check_health(self, timeout: float) -> float:
-        """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable,
-        or Unauthenticated when the TLS handshake fails (another cluster's identity)."""
-        started = time.perf_counter()
-        try:
-            reply = self._health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
-            )
-        except grpc.RpcError as e:
-            if "handshake failed" in (e.details() or "").lower():
-                raise Unauthenticated(
-                    f"worker {self.address} refused this cluster's TLS identity or holds "
-                    "another's: copy the same cluster secret file (shoal cluster-init) to every Mac"
-                ) from None
-            raise Unavailable(f"worker {self.address}: {_describe(e)}") from None
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise Unavailable(f"worker {self.address} is shutting down")
-        return time.perf_counter() - started
-
-    def send(self, request: shoal_pb2.ExpertRequest) -> None:
-        if self._requests is None:
-            self._requests = queue.SimpleQueue()
-            self._replies = self._stub.Compute(
-                iter(self._requests.get, _CLOSE), metadata=self._metadata("Compute")
-            )
-        self._requests.put(request)
-
-    def receive(self, timeout: float) -> shoal_pb2.ExpertReply:
-        """The next reply on the Compute stream; Unavailable if none came within `timeout`
-        seconds (the stream is then abandoned: a worker that hung is treated as lost)."""
-        replies = self._replies
-        with self._waiting_lock:
-            self._waiting, self._timeout, self._late = replies, timeout, None
-        _WATCHDOG.arm(self, time.monotonic() + timeout)
-        try:
-            reply = next(replies)
-            with self._waiting_lock:
-                self._waiting = None
-            return reply
-        except grpc.RpcError as e:
-            self.reset()
-            if self._late is not None:
-                raise Unavailable(f"worker {self.address} did not answer within "
-                                  f"{self._late:.1f} s") from None
-            if e.code() == grpc.StatusCode.ABORTED:  # an expert moved: see Cluster.reload
-                raise Moved(f"worker {self.address}: {e.details()}") from None
-            raise Unavailable(f"worker {self.address} failed: {_describe(e)}") from None
-        except StopIteration:
-            self.reset()
-            raise Unavailable(f"worker {self.address} closed its stream") from None
-        finally:
-            with self._waiting_lock:
-                self._waiting = None
-            _WATCHDOG.disarm(self)
-
-    def overdue(self) -> None:
-        """Called by the watchdog when a reply is late: give up the stream, unless the reply
-        came meanwhile."""
-        with self._waiting_lock:
-            if self._waiting is None:
-                return
-            self._late = self._timeout
-            self._waiting.cancel()
-
-    def reset(self) -> None:
-        """Abandon the Compute stream (and any reply still owed on it); the next send opens
-        a new one."""
-        if self._requests is not None:
-            self._requests.put(_CLOSE)
-        self._requests = self._replies = None
-
-    def close(self) -> None:
-        self.reset()
-        self._channel.close()
+    def report_failure(self, link: WorkerLink, detail: str) -> None: ...
 
 
 @dataclass
 class Cluster:
     links: list[WorkerLink]
     routes: dict[int, LayerRoutes]  # per layer, every copy of each expert, primary first
-    layers: dict[int, int] = field(default_factory=dict)  # layer -> number of experts
-    holdings: list[frozenset[ExpertKey]] = field(default_factory=list)  # per link
-    membership: Membership | None = None  # None: a fixed set of workers
-    version: int = -1  # the membership version the links and routes were built from
+    layers: dict[int, int]  # layer -> number of experts
+    holdings: list[frozenset[ExpertKey]]  # per link
+    members: Members
+    version: int  # the members' version the links and routes were built from
     reloads: int = 0  # inventories fetched again because a worker's changed
 
-    def _route(self, holdings: list[frozenset[ExpertKey]]) -> None:
-        self.routes = replica_routes(self.layers, holdings)
+    @classmethod
+    def of(cls, members: Members, layers: dict[int, int]) -> Cluster:
+        """The cluster of the members' live workers now; raises Unavailable naming the
+        experts none of them holds."""
+        version, links, holdings = members.live()
+        return cls(links, replica_routes(layers, holdings), layers, holdings, members, version)
 
     def refresh(self) -> None:
-        """Follow the membership: when the healthy workers changed, rebuild the links and the
+        """Follow the members: when the live workers changed, rebuild the links and the
         routing table. Raises Unavailable naming the experts no live worker holds."""
-        if self.membership is None or self.membership.version == self.version:
+        if self.members.version == self.version:
             return
-        version, links, holdings = self.membership.live()
-        self._route(holdings)
+        version, links, holdings = self.members.live()
+        self.routes = replica_routes(self.layers, holdings)
         for link in self.links:
             if link not in links:  # left: its stream may hold a stale error when it returns
                 link.reset()
@@ -320,53 +70,69 @@ class Cluster:
         except ShoalError as e:
             self.lost(index, e)
             return
-        if self.membership is not None:
-            self.membership.update_inventory(link, inventory)
-            self.refresh()
-        else:
-            holdings = list(self.holdings)
-            holdings[index] = held(inventory)
-            self._route(holdings)
-            self.holdings = holdings
+        self.members.update_inventory(link, inventory)
+        self.refresh()
 
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a
         live owner (the caller then retries), else raise Unavailable naming those that do not."""
         try:
-            if self.membership is not None:
-                self.membership.report_failure(self.links[index], str(error))
-                self.refresh()
-            else:
-                self.holdings[index] = frozenset()
-                self._route(self.holdings)
+            self.members.report_failure(self.links[index], str(error))
+            self.refresh()
         except Unavailable as e:
             raise Unavailable(f"{error}; {e}") from None
 
+
+class FixedMembers:
+    """The workers at the addresses --workers lists. Each keeps its place in the links for
+    good; one that fails holds nothing from then on, and one whose inventory changed holds
+    what it now lists."""
+
+    def __init__(self, addresses: list[str], secret: Secret) -> None:
+        self.links = [WorkerLink(address, secret) for address in addresses]
+        self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
+        self.version = 0
+
+    def join(self, manifest: Manifest) -> Cluster:
+        """Ask every worker what it holds, refuse mismatches, and build the routing table;
+        a listed worker must answer now. Closes the links if any does not."""
+        try:
+            for i, link in enumerate(self.links):
+                inventory, problem = handshake(link, manifest, CONNECT_TIMEOUT)
+                if problem:
+                    raise ShoalError(problem)
+                self._holdings[i] = held(inventory)
+            self.version += 1
+            return Cluster.of(self, layer_sizes(manifest))
+        except BaseException:
+            self.close()
+            raise
+
+    def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]:
+        return self.version, list(self.links), list(self._holdings)
+
+    def update_inventory(self, link: WorkerLink, inventory: shoal_pb2.Inventory) -> None:
+        self._holdings[self.links.index(link)] = held(inventory)
+        self.version += 1
+
+    def report_failure(self, link: WorkerLink, detail: str) -> None:
+        self._holdings[self.links.index(link)] = frozenset()
+        self.version += 1
+
     def close(self) -> None:
-        if self.membership is None:  # a membership's links belong to it
-            for link in self.links:
-                link.close()
-
-
-def connect(addresses: list[str], secret: bytes, manifest: Manifest) -> Cluster:
-    """Ask every worker what it holds, refuse mismatches, and build the routing table."""
-    links = [WorkerLink(address, secret) for address in addresses]
-    try:
-        holdings = []
-        for link in links:
-            inventory = link.fetch_inventory()
-            problem = incompatibility(
-                link.address, inventory.protocol_version, inventory.fingerprint, manifest
-            )
-            if problem:
-                raise ShoalError(problem)
-            holdings.append(held(inventory))
-        layers = layer_sizes(manifest)
-        return Cluster(links, replica_routes(layers, holdings), layers, holdings)
-    except BaseException:
-        for link in links:
+        for link in self.links:
             link.close()
-        raise
+
+
+def parse_addresses(text: str) -> list[str]:
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if not addresses:
+        raise InvalidInput("--workers needs at least one HOST:PORT")
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidInput(f"worker address {address!r} is not HOST:PORT")
+    return addresses
 
 
 def layer_sizes(manifest: Manifest) -> dict[int, int]:

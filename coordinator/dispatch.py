@@ -22,7 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.cluster import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT, Cluster
+from coordinator.cluster import Cluster
+from coordinator.link import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT
 from coordinator.lookahead import Lookahead
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.cluster import Cluster, connect
+from coordinator.cluster import Cluster, FixedMembers
 from coordinator.dispatch import Dispatcher, DispatchStats, install
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
@@ -43,9 +43,11 @@ class RemoteModel:
     manifest: Manifest
     cluster: Cluster
     dispatcher: Dispatcher
+    owned: FixedMembers | None = None  # the workers opened for it from addresses
 
     def close(self) -> None:
-        self.cluster.close()
+        if self.owned is not None:  # a Membership is its opener's to close
+            self.owned.close()
 
 
 def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, TokenizerWrapper]:
@@ -89,15 +91,17 @@ def open_remote_model(
     until every expert has an owner; workers may leave and come back afterwards)."""
     manifest = read_manifest(Path(model_dir))
     model, tokenizer = load_dense(model_dir, manifest)
+    owned = None
     if membership is None:
-        cluster = connect(addresses, secret, manifest)
+        owned = FixedMembers(addresses, secret)
+        cluster = owned.join(manifest)
     else:
         cluster = membership.join(manifest, wait=wait, on_wait=on_wait)
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
     dispatcher.lookahead = Lookahead(model, manifest)
     mx.eval(model.parameters())
-    return RemoteModel(model, tokenizer, manifest, cluster, dispatcher)
+    return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned)
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, *, chat: bool) -> list[int]:

@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.cluster import Cluster, WorkerLink, held, incompatibility, layer_sizes
+from coordinator.cluster import Cluster, layer_sizes
 from coordinator.discovery import Browser, Candidate
+from coordinator.link import WorkerLink, handshake, held, incompatibility
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.cache_policy import format_bytes
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
-from engine.placement import replica_routes
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0
@@ -311,14 +311,12 @@ class Membership:
     def _handshake(self, key: str, link: WorkerLink, stop: threading.Event) -> None:
         changes: dict = {"handshake_at": time.monotonic()}
         try:
-            inventory = link.fetch_inventory(timeout=HANDSHAKE_TIMEOUT)
+            inventory, problem = handshake(link, self.manifest, HANDSHAKE_TIMEOUT)
         except Unauthenticated as e:
             changes.update(state="unauthenticated", detail=str(e))
         except Unavailable as e:
             changes.update(detail=str(e))  # the next health check decides
         else:
-            problem = incompatibility(link.address, inventory.protocol_version,
-                                      inventory.fingerprint, self.manifest)
             changes.update(
                 node_id=inventory.node_id,
                 state="incompatible" if problem else "healthy",
@@ -419,13 +417,11 @@ class Membership:
         said = None
         with self._changed:
             while True:
-                version, links, holdings = self.live()
                 try:
-                    routes = replica_routes(layers, holdings)
+                    return Cluster.of(self, layers)
                 except Unavailable as e:
                     missing = str(e)
-                else:
-                    return Cluster(links, routes, layers, holdings, self, version)
+                healthy = sum(m.state == "healthy" for m in self._members.values())
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise Unavailable(
@@ -434,10 +430,10 @@ class Membership:
                         f"{self.cluster}` running on every Mac, and can multicast reach this "
                         "one? `shoal workers` shows what is found (see docs/operations.md)"
                     )
-                if on_wait and said != len(holdings):
-                    said = len(holdings)
+                if on_wait and said != healthy:
+                    said = healthy
                     on_wait(f"waiting up to {remaining:.0f} s for workers of cluster "
-                            f"{self.cluster!r} ({len(holdings)} healthy; {missing})")
+                            f"{self.cluster!r} ({healthy} healthy; {missing})")
                 self._changed.wait(min(remaining, 1.0))
 
     def _problems_locked(self) -> str:

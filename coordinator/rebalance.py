@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.cluster import WorkerLink
 from coordinator.heat import fetch_readings, name_workers, record_heat
+from coordinator.link import WorkerLink
 from coordinator.transfer import QUIET_SECONDS, Event, Execution, Executor
 from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic

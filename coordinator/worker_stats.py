@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from coordinator.cluster import WorkerLink
+from coordinator.link import WorkerLink
 from coordinator.lookahead import LookaheadStats
 from engine.cache_policy import format_bytes
 from engine.errors import ShoalError

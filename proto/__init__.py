@@ -22,7 +22,7 @@ CHUNK_BYTES = 1 << 20
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", REQUEST_LIMIT),
-    # coordinators ping idle links (coordinator/cluster.py KEEPALIVE): allow it
+    # coordinators ping idle links (coordinator/link.py KEEPALIVE): allow it
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),

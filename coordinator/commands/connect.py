@@ -75,7 +75,7 @@ def open_live_workers(
 ) -> tuple[list, Callable[[], None]]:
     """The workers to talk to, and how to let go of them: --workers (each must answer), else
     the healthy workers of the cluster (Bonjour or --cluster-config) found within --wait."""
-    from coordinator.cluster import WorkerLink
+    from coordinator.link import WorkerLink
     from coordinator.membership import stderr_log
 
     check_one_worker_source(args)

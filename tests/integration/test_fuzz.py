@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.cluster import WorkerLink
+from coordinator.link import WorkerLink
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard

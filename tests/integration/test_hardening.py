@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cluster import SERVICE_NAME, WorkerLink
 from coordinator.generate import open_remote_model
+from coordinator.link import SERVICE_NAME, WorkerLink
 from engine.auth import create_secret, load_secret
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces

@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from coordinator.cluster import WorkerLink
 from coordinator.generate import open_remote_model
 from coordinator.heat import fetch_readings
+from coordinator.link import WorkerLink
 from engine.auth import load_secret
 from engine.manifest import MANIFEST_NAME, read_manifest
 from engine.sharding import shard

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.cluster import WorkerLink
 from coordinator.generate import generate, open_remote_model
 from coordinator.heat import fetch_readings
+from coordinator.link import WorkerLink
 from coordinator.rebalance import MIGRATION_FILE, migrate, observe
 from coordinator.transfer import Executor
 from engine.auth import load_secret

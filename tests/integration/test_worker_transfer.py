@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.cluster import WorkerLink
+from coordinator.link import WorkerLink
 from engine.auth import load_secret
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.manifest import read_manifest

@@ -1,0 +1,293 @@
+"""One worker as the coordinator reaches it: a `WorkerLink` owns the gRPC channel and a
+long-lived bidirectional Compute stream, queues requests onto it and reads the replies in
+order; the handshake that says whether a worker can serve this model; and how a failed call
+reads for the user (`error_for`, one table for every call on a link).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.auth import METADATA_KEY, Secret, make_credential
+from engine.errors import ShoalError, Unauthenticated, Unavailable
+from engine.manifest import ExpertKey, Manifest
+from proto import (
+    ERROR_CODES,
+    GRPC_OPTIONS,
+    PROTOCOL_VERSION,
+    error_class_for,
+    secure_channel,
+    shoal_pb2,
+    shoal_pb2_grpc,
+)
+
+CONNECT_TIMEOUT = 10.0
+# Until a link has measured its round trips, a reply may take this long (a first prefill
+# chunk on a slow CPU worker, compiling its kernels); afterwards see `reply_deadline`.
+FIRST_REPLY_TIMEOUT = 120.0
+MIN_REPLY_TIMEOUT = 1.5  # above a busy 2-core machine's hiccups; a hung worker costs this
+KEEPALIVE = [  # pings every 10 s on idle links, 5 s to answer one
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVICE_NAME = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+# gRPC backs off up to 2 minutes between reconnects by default; a worker that comes back
+# should be taken in again within a second or two.
+_LINK_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    *KEEPALIVE,
+]
+_CLOSE = object()
+
+
+class _Watchdog:
+    """Cancels the Compute stream of a link whose reply is overdue, so that the thread
+    waiting in `receive` gets an error instead of waiting forever (gRPC's blocking stream
+    iterator takes no timeout). One thread for every link; arming costs a dict write."""
+
+    def __init__(self) -> None:
+        self._due: dict[WorkerLink, float] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, link: WorkerLink, deadline: float) -> None:
+        self._due[link] = deadline
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="shoal-deadlines",
+                                                    daemon=True)
+                    self._thread.start()
+        self._wake.set()
+
+    def disarm(self, link: WorkerLink) -> None:
+        self._due.pop(link, None)
+
+    def _run(self) -> None:
+        while True:
+            if not self._due:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            for link, deadline in list(self._due.items()):
+                if now >= deadline and self._due.get(link) == deadline:
+                    self._due.pop(link, None)
+                    link.overdue()
+            time.sleep(0.02)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def incompatibility(
+    address: str, protocol: int, fingerprint: str, manifest: Manifest | None
+) -> str | None:
+    """Why a worker (its inventory or its Bonjour advert) cannot serve this model, or None.
+    Without a manifest (`shoal workers`) only the protocol is judged."""
+    if protocol != PROTOCOL_VERSION:
+        return (
+            f"worker {address} speaks protocol {protocol}, this coordinator "
+            f"{PROTOCOL_VERSION}: upgrade Shoal on both"
+        )
+    if manifest is not None and fingerprint != manifest.fingerprint:
+        return (
+            f"worker {address} serves a different model ({fingerprint[:12]}, expected "
+            f"{manifest.model_type} {manifest.fingerprint[:12]})"
+        )
+    return None
+
+
+def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
+    return frozenset((h.layer, h.expert) for h in inventory.experts)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How one kind of call on a link words a failed gRPC call for the user.
+
+    A status code in `refusals` is the worker's own answer: it raised that ShoalError there
+    (proto.ERROR_CODES read back; FAILED_PRECONDITION stands for any other), and the details
+    are its message. Any other code means the call did not get through: Unavailable, worded
+    by `failed`; with `identity`, a refused credential or TLS handshake is Unauthenticated
+    instead (the worker belongs to another cluster, or the clocks disagree).
+    """
+
+    refusals: frozenset[grpc.StatusCode] = frozenset()
+    failed: str = "worker {address}: {code}: {details}"
+    identity: bool = False
+
+
+_REFUSALS = frozenset(code for _, code in ERROR_CODES) | {grpc.StatusCode.FAILED_PRECONDITION}
+_OTHER_IDENTITY = (
+    "worker {address} refused this cluster's TLS identity or holds another's: copy the same "
+    "cluster secret file (shoal cluster-init) to every Mac"
+)
+# The calls of a link: the handshake and the counters are the worker's bookkeeping, which it
+# never refuses; any other call (heat, expert files) answers with the worker's refusals; on
+# the Compute stream only "an expert moved" is an answer (see Cluster.reload), any other
+# failure loses the worker for this call.
+INVENTORY = Reading(identity=True)
+STATS = Reading()
+HEALTH = Reading(identity=True)
+CALL = Reading(_REFUSALS, failed="worker {address}: {details}")
+STREAM = Reading(frozenset({grpc.StatusCode.ABORTED}),
+                 failed="worker {address} failed: {code}: {details}")
+
+
+def error_for(error: grpc.RpcError, address: str, reading: Reading = CALL) -> ShoalError:
+    """A failed call to the worker at `address` as the ShoalError the user is shown."""
+    code, details = error.code(), error.details() or error.code().name
+    if code in reading.refusals:
+        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
+    if reading.identity and "handshake failed" in details.lower():
+        return Unauthenticated(_OTHER_IDENTITY.format(address=address))
+    refused = reading.identity and code == grpc.StatusCode.UNAUTHENTICATED
+    kind = Unauthenticated if refused else Unavailable
+    return kind(reading.failed.format(address=address, code=code.name, details=details))
+
+
+def handshake(
+    link: WorkerLink, manifest: Manifest | None, timeout: float
+) -> tuple[shoal_pb2.Inventory, str | None]:
+    """Ask a worker what it holds: its inventory, and why it cannot serve this model (or
+    None). Raises Unavailable or Unauthenticated when it does not answer."""
+    inventory = link.fetch_inventory(timeout)
+    return inventory, incompatibility(link.address, inventory.protocol_version,
+                                      inventory.fingerprint, manifest)
+
+
+class WorkerLink:
+    """One worker: its channel, its inventory, and the Compute stream to it."""
+
+    def __init__(self, address: str, secret: Secret) -> None:
+        self.address = address
+        self._secret = secret
+        self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
+        self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._requests: queue.SimpleQueue | None = None
+        self._replies: Iterator[shoal_pb2.ExpertReply] | None = None
+        # receive() and the watchdog agree under this lock on whether a reply is awaited
+        self._waiting_lock = threading.Lock()
+        self._waiting = None
+        self._timeout = 0.0
+        self._late: float | None = None
+        self.inventory: shoal_pb2.Inventory | None = None
+
+    def _metadata(self, method: str) -> list[tuple[str, str]]:
+        return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
+
+    def fetch_inventory(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.Inventory:
+        try:
+            self.inventory = self._stub.GetInventory(
+                shoal_pb2.InventoryRequest(), timeout=timeout,
+                metadata=self._metadata("GetInventory"), wait_for_ready=True,
+            )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.check_health(1.0)  # says why, if the reason is known (refused, TLS)
+                message = f"worker {self.address} did not answer in {timeout:.0f} s"
+                raise Unavailable(message) from None
+            raise error_for(e, self.address, INVENTORY) from None
+        return self.inventory
+
+    def fetch_stats(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.WorkerStats:
+        """The worker's cache, prefetch and drive counters since it started."""
+        try:
+            return self._stub.GetStats(
+                shoal_pb2.StatsRequest(), timeout=timeout, metadata=self._metadata("GetStats")
+            )
+        except grpc.RpcError as e:
+            raise error_for(e, self.address, STATS) from None
+
+    def call(self, method: str, request, *, timeout: float | None = CONNECT_TIMEOUT):
+        """Any other call of the expert service (heat, expert files), with the credential;
+        a refusal becomes the ShoalError the worker raised. A streamed reply is returned as
+        its iterator (errors while reading it are grpc.RpcError: see error_for)."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout,
+                                               metadata=self._metadata(method))
+        except grpc.RpcError as e:
+            raise error_for(e, self.address) from None
+
+    def check_health(self, timeout: float) -> float:
+        """One grpc.health.v1 check; returns the round trip in seconds, raises Unavailable,
+        or Unauthenticated when the TLS handshake fails (another cluster's identity)."""
+        started = time.perf_counter()
+        try:
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            raise error_for(e, self.address, HEALTH) from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise Unavailable(f"worker {self.address} is shutting down")
+        return time.perf_counter() - started
+
+    def send(self, request: shoal_pb2.ExpertRequest) -> None:
+        if self._requests is None:
+            self._requests = queue.SimpleQueue()
+            self._replies = self._stub.Compute(
+                iter(self._requests.get, _CLOSE), metadata=self._metadata("Compute")
+            )
+        self._requests.put(request)
+
+    def receive(self, timeout: float) -> shoal_pb2.ExpertReply:
+        """The next reply on the Compute stream; Unavailable if none came within `timeout`
+        seconds (the stream is then abandoned: a worker that hung is treated as lost)."""
+        replies = self._replies
+        with self._waiting_lock:
+            self._waiting, self._timeout, self._late = replies, timeout, None
+        _WATCHDOG.arm(self, time.monotonic() + timeout)
+        try:
+            reply = next(replies)
+            with self._waiting_lock:
+                self._waiting = None
+            return reply
+        except grpc.RpcError as e:
+            self.reset()
+            if self._late is not None:
+                raise Unavailable(f"worker {self.address} did not answer within "
+                                  f"{self._late:.1f} s") from None
+            raise error_for(e, self.address, STREAM) from None
+        except StopIteration:
+            self.reset()
+            raise Unavailable(f"worker {self.address} closed its stream") from None
+        finally:
+            with self._waiting_lock:
+                self._waiting = None
+            _WATCHDOG.disarm(self)
+
+    def overdue(self) -> None:
+        """Called by the watchdog when a reply is late: give up the stream, unless the reply
+        came meanwhile."""
+        with self._waiting_lock:
+            if self._waiting is None:
+                return
+            self._late = self._timeout
+            self._waiting.cancel()
+
+    def reset(self) -> None:
+        """Abandon the Compute stream (and any reply still owed on it); the next send opens
+        a new one."""
+        if self._requests is not None:
+            self._requests.put(_CLOSE)
+        self._requests = self._replies = None
+
+    def close(self) -> None:
+        self.reset()
+        self._channel.close()

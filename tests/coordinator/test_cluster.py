@@ -1,0 +1,59 @@
+"""The cluster's one path over its members, and how failed calls on a link read, without a
+network: WorkerLinks open their channels lazily, and gRPC errors are stood in for."""
+
+import grpc
+import pytest
+
+from coordinator.cluster import Cluster, FixedMembers
+from coordinator.link import CALL, INVENTORY, STREAM, error_for
+from engine.auth import load_secret
+from engine.errors import InvalidInput, Moved, Unauthenticated, Unavailable
+from proto import shoal_pb2
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_failed_listed_worker_keeps_its_place_and_is_routed_around(secret_file):
+    members = FixedMembers(["127.0.0.1:1", "127.0.0.1:2"], load_secret(secret_file))
+    try:
+        both = shoal_pb2.Inventory(experts=[shoal_pb2.HeldExpert(layer=0, expert=e)
+                                            for e in range(2)])
+        for link in members.links:
+            members.update_inventory(link, both)
+        cluster = Cluster.of(members, {0: 2})
+        routes = cluster.routes
+        cluster.refresh()  # nothing changed: the same table
+        assert cluster.routes is routes
+        cluster.lost(1, Unavailable("worker b failed"))
+        assert cluster.links == members.links  # indices stay: replies are read in their order
+        assert cluster.holdings == [frozenset({(0, 0), (0, 1)}), frozenset()]
+        with pytest.raises(Unavailable, match="worker a failed; no live worker holds"):
+            cluster.lost(0, Unavailable("worker a failed"))
+    finally:
+        members.close()
+
+
+def test_a_failed_call_reads_as_the_workers_refusal_or_names_what_did_not_get_through():
+    refused = error_for(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "bad layer"), "h:1", CALL)
+    assert isinstance(refused, InvalidInput) and str(refused) == "worker h:1: bad layer"
+    moved = error_for(_Failed(grpc.StatusCode.ABORTED, "expert moved"), "h:1", STREAM)
+    assert isinstance(moved, Moved) and str(moved) == "worker h:1: expert moved"
+    # on the Compute stream any other failure loses the worker for this call
+    lost = error_for(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "bad layer"), "h:1", STREAM)
+    assert isinstance(lost, Unavailable)
+    assert str(lost) == "worker h:1 failed: INVALID_ARGUMENT: bad layer"
+    clock = error_for(_Failed(grpc.StatusCode.UNAUTHENTICATED, "stale"), "h:1", INVENTORY)
+    assert isinstance(clock, Unauthenticated)
+    assert str(clock) == "worker h:1: UNAUTHENTICATED: stale"
+    tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "SSL handshake failed"), "h:1",
+                    INVENTORY)
+    assert isinstance(tls, Unauthenticated) and "TLS identity" in str(tls)
