@@ -203,17 +203,13 @@ class BatchEngine:
         max_batch: int = 16,
         prompt_cache_bytes: int = 1 << 30,
         prefill_step_size: int = 512,
-        before_step: Callable[[], None] = lambda: None,
     ) -> None:
-        """`before_step` runs on the engine's thread before every step, when no call to the
-        workers is in flight (serve uses it to renew links whose worker came back)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
-        self._before_step = before_step
         self._cache_key = cache_key
         self._prompt_cache = LRUPromptCache(max_size=1 << 16, max_bytes=prompt_cache_bytes)
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
@@ -275,7 +271,6 @@ class BatchEngine:
                         self._admit(generator, arrivals)
                     if not self._live:
                         continue
-                    self._before_step()
                     self._step(generator)
                 except Exception as e:  # noqa: BLE001 (every request must hear of it)
                     if not isinstance(e, ShoalError):

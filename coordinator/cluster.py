@@ -55,9 +55,12 @@ class Cluster:
             return
         version, links, holdings = self.members.live()
         self.routes = replica_routes(self.layers, holdings)
-        for link in self.links:
-            if link not in links:  # left: its stream may hold a stale error when it returns
-                link.reset()
+        # Every stream is reopened at its next call, not only those of workers that left: a
+        # worker that stopped and came back between two calls (an idle server) is in both
+        # sets, and its old stream still holds the error of its stop. Membership changes
+        # are rare; a new stream costs one call's setup.
+        for link in {*self.links, *links}:
+            link.reset()
         self.links, self.holdings, self.version = links, holdings, version
 
     def reload(self, index: int) -> None:

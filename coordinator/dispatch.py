@@ -28,7 +28,7 @@ from coordinator.lookahead import Lookahead
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
-from engine.placement import spread
+from engine.placement import LayerRoutes
 from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
 from proto import shoal_pb2
 
@@ -91,6 +91,25 @@ class DispatchStats:
         self.worker_requests.clear()
         self.decode = LayerStats()
         self.prefill = LayerStats()
+
+
+def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarray:
+    """The worker that computes each (token, expert) pair of one layer call: the i-th pair of
+    an expert goes to its copy (i + turn + expert) mod copies, so within a call an expert's
+    pairs split evenly over its copies, and over successive calls (`turn`: the layer's call
+    count) a decode step's single pair moves round them. Any copy gives the same result (same
+    file, same code), so this changes who computes, not what."""
+    experts = np.asarray(experts)
+    if not (routes.counts > 1).any():  # no expert has a second copy: nothing to deal out
+        return routes.copies[experts, 0]
+    order = np.argsort(experts, kind="stable")
+    ranked = experts[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    first = np.repeat(starts, np.diff(np.r_[starts, ranked.size]))
+    rank = np.empty(experts.size, dtype=np.int64)
+    rank[order] = np.arange(experts.size) - first
+    counts = np.maximum(routes.counts[experts], 1)
+    return routes.copies[experts, (rank + turn + experts) % counts]
 
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often

@@ -218,26 +218,6 @@ def missing_experts(membership: Membership, manifest: Manifest) -> str | None:
     return None
 
 
-class RenewLinks:
-    """Before a step, when the healthy workers changed, drop every live link's Compute
-    stream so the next call opens a new one.
-
-    A worker that stopped while its stream was idle leaves the error on that stream; the
-    Cluster stops using the link but keeps the stream, and when the worker comes back the
-    first call reads the stale error and fails (coordinator/cluster.py: reported to be fixed
-    there; until then this keeps a returning worker from costing a request)."""
-
-    def __init__(self, membership: Membership) -> None:
-        self.membership = membership
-        self.version = membership.version
-
-    def __call__(self) -> None:
-        if self.membership.version != self.version:
-            self.version = self.membership.version
-            for link in self.membership.live()[1]:
-                link.reset()
-
-
 # ---------------------------------------------------------------------------------------
 # Answers in the OpenAI API's shapes
 

@@ -78,25 +78,6 @@ def replica_routes(
     return routes
 
 
-def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarray:
-    """The worker that computes each (token, expert) pair of one layer call: the i-th pair of
-    an expert goes to its copy (i + turn + expert) mod copies, so within a call an expert's
-    pairs split evenly over its copies, and over successive calls (`turn`: the layer's call
-    count) a decode step's single pair moves round them. Any copy gives the same result (same
-    file, same code), so this changes who computes, not what."""
-    experts = np.asarray(experts)
-    if not (routes.counts > 1).any():  # no expert has a second copy: nothing to deal out
-        return routes.copies[experts, 0]
-    order = np.argsort(experts, kind="stable")
-    ranked = experts[order]
-    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-    first = np.repeat(starts, np.diff(np.r_[starts, ranked.size]))
-    rank = np.empty(experts.size, dtype=np.int64)
-    rank[order] = np.arange(experts.size) - first
-    counts = np.maximum(routes.counts[experts], 1)
-    return routes.copies[experts, (rank + turn + experts) % counts]
-
-
 def describe_experts(
     by_layer: Mapping[int, Sequence[int]], *, layers_shown: int = 3, ids_shown: int = 4
 ) -> str:

@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.batching import BatchEngine
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
-    from coordinator.serve import RenewLinks, Service, listen, read_api_key, serve
+    from coordinator.serve import Service, listen, read_api_key, serve
     from engine.manifest import read_manifest
 
     cache_bytes = check_serve_args(args)
@@ -96,8 +96,7 @@ def main(args: argparse.Namespace) -> None:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
-                             max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
-                             before_step=RenewLinks(membership))
+                             max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
         serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
                       started=int(time.time())), sock)

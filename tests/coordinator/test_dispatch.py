@@ -134,3 +134,19 @@ def test_hints_name_the_copy_that_the_next_decode_step_will_use():
         sent_to = {int(e): w for w, link in enumerate(links) for e in link.experts}
         assert [sent_to[int(e)] for e in experts] == hinted.tolist()
     assert set(hinted.tolist()) == {0, 1}  # the copies really are spread
+
+
+def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
+    from coordinator.dispatch import spread
+    from engine.placement import replica_routes
+
+    holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
+    routes = replica_routes({0: 2}, holdings)[0]
+    experts = np.array([1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0], dtype=np.int32)
+    owner = spread(routes, experts, turn=5)
+    assert np.bincount(owner[experts == 0], minlength=3).tolist() == [3, 3, 3]
+    assert set(owner[experts == 1].tolist()) == {0}
+    assert spread(routes, experts, turn=5).tolist() == owner.tolist()
+    # one pair per call (decode): successive calls go round the copies
+    single = [int(spread(routes, np.array([0]), turn)[0]) for turn in range(6)]
+    assert sorted(single) == [0, 0, 1, 1, 2, 2]

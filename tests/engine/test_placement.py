@@ -136,21 +136,6 @@ def test_replica_routes_list_every_copy_with_the_least_loaded_owner_first():
         assert sorted(copies) == [w for w, held in enumerate(holdings) if (0, expert) in held]
 
 
-def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
-    from engine.placement import replica_routes, spread
-
-    holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
-    routes = replica_routes({0: 2}, holdings)[0]
-    experts = np.array([1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0], dtype=np.int32)
-    owner = spread(routes, experts, turn=5)
-    assert np.bincount(owner[experts == 0], minlength=3).tolist() == [3, 3, 3]
-    assert set(owner[experts == 1].tolist()) == {0}
-    assert spread(routes, experts, turn=5).tolist() == owner.tolist()
-    # one pair per call (decode): successive calls go round the copies
-    single = [int(spread(routes, np.array([0]), turn)[0]) for turn in range(6)]
-    assert sorted(single) == [0, 0, 1, 1, 2, 2]
-
-
 def test_stickiness_keeps_experts_where_they_are_at_a_small_cost_in_balance():
     sizes = {(layer, e): 10 for layer in range(4) for e in range(16)}
     heat = {key: float(1 + (key[1] * 7 + key[0]) % 11) for key in sizes}
