@@ -1,6 +1,17 @@
-"""Split a dense Llama checkpoint's MLPs into routed experts and write an mlx-lm `mixtral`
-checkpoint: exact when every token uses every expert, approximate with a router and experts
-fitted on the model's own text when each token uses only some."""
+"""Turn a dense Llama checkpoint into an mlx-lm `mixtral` checkpoint that computes the dense
+model while each token runs only `top_k` of its `num_experts` experts.
+
+Each MLP's neurons are cut into `top_k` slices, and the experts are `num_experts / top_k` copies
+of that set of slices (expert e is slice e % top_k of copy e // top_k). The router gives every
+expert of a copy the same row, one random direction per copy, so for each token the `top_k`
+largest logits are exactly the experts of the one copy its hidden state points to most: one of
+every slice. Mixtral's softmax over the chosen logits then weights each 1/top_k, which the
+down projections, scaled by top_k, undo. Whatever copy a token picks, it sums every slice of
+the dense MLP once: the model is the dense one, summed slice by slice, while the routing is
+real (which experts, and so which workers, a token visits depends on the token).
+
+With top_k == num_experts there is one copy and every token uses every expert.
+"""
 
 from __future__ import annotations
 
@@ -11,38 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
 from safetensors.numpy import save_file
-from tqdm import tqdm
 
 from engine.errors import InvalidInput, NotFound
 
 DEMO_PROMPT = "What is the capital of France?"
-DEMO_TOKENS = 24
-# Sampled completions of these are the text the router and experts are fitted on.
-CALIBRATION_PROMPTS = (
-    "Explain how rainbows form.",
-    "Write a short poem about the sea.",
-    "Give me a recipe for pancakes.",
-    "How does a computer store numbers?",
-)
-# Greedy completions of these, never fitted on, measure how often the MoE agrees with the model.
-HELD_OUT_PROMPTS = (
-    "Why do cats purr?",
-    "Describe the water cycle for a child.",
-)
-CALIBRATION_TEMPERATURE = 0.8
-# Selected experts should get (nearly) equal softmax weight, so the router's logits are scaled
-# down until they differ by about this much; top-k ranking survives any positive scaling.
-ROUTER_SPREAD = 1e-4
-# Ridge strength relative to the mean eigenvalue of the Gram matrix: a few hundred tokens
-# underdetermine both fits, and a pull towards zero (router) or the dense weights (experts)
-# generalises better than an exact fit.
-RIDGE = 1.0
-CLUSTER_ITERATIONS = 15
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -51,55 +36,17 @@ _TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-Sequence = tuple[int, ...]
-
 
 @dataclass(frozen=True)
 class MoefyReport:
-    """What a conversion built and, when top_k < num_experts, how closely it follows the dense
-    model (agreement: share of held-out positions whose greedy next token matches)."""
+    """What a conversion built: experts per layer, experts per token, neurons per expert,
+    copies of the slices, and how long it took."""
 
     num_experts: int
     top_k: int
     expert_size: int
-    calibration_tokens: int
-    held_out_positions: int
-    agreement: float | None
-    demo_matches: bool | None
-    dense_answer: str | None
-    moe_answer: str | None
+    copies: int
     build_seconds: float
-    measure_seconds: float
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one layer's MLP becomes experts: neuron indices per expert (E, size), the router
-    (E, hidden) and the down projection (hidden, intermediate) the experts are cut from."""
-
-    groups: np.ndarray
-    router: np.ndarray
-    down: np.ndarray
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What the dense model wrote to compare against: greedy held-out sequences with their
-    prompt lengths, and its greedy answer to DEMO_PROMPT."""
-
-    held_out: tuple[tuple[Sequence, int], ...]
-    demo_tokens: Sequence
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """How closely an MoE follows the dense model on a Reference."""
-
-    agreement: float
-    positions: int
-    demo_matches: bool
-    dense_answer: str
-    moe_answer: str
 
 
 def moefy(
@@ -109,49 +56,18 @@ def moefy(
     num_experts: int = 16,
     top_k: int | None = None,
     seed: int = 0,
-    progress: bool = True,
-    calibration_tokens: int = 256,
-    held_out_tokens: int = 96,
 ) -> MoefyReport:
-    """Write a `mixtral` checkpoint to `out_dir` whose experts partition each dense MLP.
-
-    With top_k == num_experts (the default) it computes the dense model exactly. Otherwise the
-    dense model writes about `calibration_tokens` tokens to fit on, and about `held_out_tokens`
-    more (plus an answer to DEMO_PROMPT) to measure agreement on.
-    """
+    """Write the `mixtral` checkpoint described in the module docstring to `out_dir`."""
     dense_dir, out_dir = Path(dense_dir), Path(out_dir)
     start = time.perf_counter()
     config, weights = read_checkpoint(dense_dir)
     top_k = num_experts if top_k is None else top_k
     expert_size = check_split(config, num_experts, top_k)
-    if top_k == num_experts:
-        plans, calibration = exact_plans(config, weights, num_experts), ()
-    else:
-        model, tokenizer = load(str(dense_dir))
-        calibration = calibration_text(model, tokenizer, calibration_tokens, seed, progress)
-        plans = fitted_plans(model, weights, calibration, num_experts, top_k, seed, progress)
-    moe_config = mixtral_config(config, num_experts, top_k, expert_size)
-    write_checkpoint(dense_dir, out_dir, moe_config, mixtral_weights(weights, plans, top_k))
-    build_seconds = time.perf_counter() - start
-    if top_k == num_experts:
-        return MoefyReport(
-            num_experts, top_k, expert_size, 0, 0, None, None, None, None, build_seconds, 0.0
-        )
-    start = time.perf_counter()
-    result = compare(out_dir, reference_text(model, tokenizer, held_out_tokens, progress))
-    return MoefyReport(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_size=expert_size,
-        calibration_tokens=sum(len(ids) for ids in calibration),
-        held_out_positions=result.positions,
-        agreement=result.agreement,
-        demo_matches=result.demo_matches,
-        dense_answer=result.dense_answer,
-        moe_answer=result.moe_answer,
-        build_seconds=build_seconds,
-        measure_seconds=time.perf_counter() - start,
-    )
+    copies = num_experts // top_k
+    moe_weights = mixtral_weights(weights, config, num_experts, top_k, seed)
+    write_checkpoint(dense_dir, out_dir, mixtral_config(config, num_experts, top_k, expert_size),
+                     moe_weights)
+    return MoefyReport(num_experts, top_k, expert_size, copies, time.perf_counter() - start)
 
 
 def read_checkpoint(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -172,7 +88,8 @@ def read_checkpoint(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def check_split(config: dict, num_experts: int, top_k: int) -> int:
-    """The per-expert intermediate size, after checking the dense model fits `mixtral`."""
+    """The per-expert intermediate size, after checking the dense model fits `mixtral` and
+    the split works: top_k slices, num_experts / top_k copies of them."""
     if config.get("model_type") != "llama":
         raise InvalidInput(
             f"moefy converts Llama checkpoints; this one is {config.get('model_type')!r}"
@@ -184,212 +101,49 @@ def check_split(config: dict, num_experts: int, top_k: int) -> int:
     if config.get("attention_bias") or config.get("mlp_bias") or config.get("rope_scaling"):
         raise InvalidInput("moefy needs a Llama without biases or rope scaling (mixtral)")
     intermediate = config["intermediate_size"]
-    if num_experts < 1 or intermediate % num_experts:
-        raise InvalidInput(
-            f"num_experts={num_experts} must divide intermediate_size={intermediate}; "
-            "pick a divisor such as 8 or 16"
-        )
     if not 1 <= top_k <= num_experts:
         raise InvalidInput(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
-    return intermediate // num_experts
+    if num_experts % top_k:
+        raise InvalidInput(
+            f"top_k={top_k} must divide num_experts={num_experts}: the experts are "
+            f"num_experts / top_k copies of top_k slices of each MLP (try 2, 4, 8 or 16)"
+        )
+    if intermediate % top_k:
+        raise InvalidInput(
+            f"top_k={top_k} must divide the MLP's intermediate_size={intermediate}"
+        )
+    return intermediate // top_k
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    messages = [{"role": "user", "content": prompt}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-def generate_ids(
-    model, tokenizer, prompt_ids: list[int], max_tokens: int, sampler=None
-) -> list[int]:
-    """Generated token ids (greedy unless a sampler is given), including a final EOS."""
-    responses = stream_generate(
-        model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler
-    )
-    return [response.token for response in responses]
-
-
-def calibration_text(
-    model: nn.Module, tokenizer, tokens: int, seed: int, progress: bool
-) -> tuple[Sequence, ...]:
-    """Chat prompts with completions the dense model samples itself (via mlx-lm)."""
-    mx.random.seed(seed)
-    sampler = make_sampler(temp=CALIBRATION_TEMPERATURE)
-    per_prompt = max(1, tokens // len(CALIBRATION_PROMPTS))
-    sequences = []
-    for prompt in tqdm(CALIBRATION_PROMPTS, desc="calibration text", disable=not progress):
-        ids = chat_ids(tokenizer, prompt)
-        sequences.append(tuple(ids + generate_ids(model, tokenizer, ids, per_prompt, sampler)))
-    return tuple(sequences)
-
-
-def reference_text(model: nn.Module, tokenizer, tokens: int, progress: bool) -> Reference:
-    """The dense model's greedy completions of HELD_OUT_PROMPTS and DEMO_PROMPT."""
-    per_prompt = max(1, tokens // len(HELD_OUT_PROMPTS))
-    held_out = []
-    for prompt in tqdm(HELD_OUT_PROMPTS, desc="held-out text", disable=not progress):
-        ids = chat_ids(tokenizer, prompt)
-        held_out.append((tuple(ids + generate_ids(model, tokenizer, ids, per_prompt)), len(ids)))
-    demo = generate_ids(model, tokenizer, chat_ids(tokenizer, DEMO_PROMPT), DEMO_TOKENS)
-    return Reference(tuple(held_out), tuple(demo))
-
-
-def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """The dense MLP's intermediate activations, silu(x W_g^T) * (x W_u^T)."""
-    g = x @ gate.T
-    return g / (1.0 + np.exp(-g)) * (x @ up.T)
-
-
-def contiguous_groups(size: int, num_experts: int) -> np.ndarray:
-    return np.arange(size).reshape(num_experts, size // num_experts)
-
-
-def cluster_neurons(acts: np.ndarray, down: np.ndarray, num_experts: int, seed: int) -> np.ndarray:
-    """Equal-size groups of neurons that fire on the same tokens (balanced spherical k-means on
-    each neuron's contribution magnitude per token), so a few experts carry most of a token."""
-    profile = (np.abs(acts) * np.linalg.norm(down, axis=0)).T
-    profile /= np.linalg.norm(profile, axis=1, keepdims=True) + 1e-12
-    size, capacity = profile.shape[0], profile.shape[0] // num_experts
-    rng = np.random.default_rng(seed)
-    centroids = profile[rng.choice(size, num_experts, replace=False)]
-    for _ in range(CLUSTER_ITERATIONS):
-        assign = balanced_assign(profile @ centroids.T, capacity)
-        centroids = np.stack([profile[assign == e].mean(axis=0) for e in range(num_experts)])
-        centroids /= np.linalg.norm(centroids, axis=1, keepdims=True) + 1e-12
-    return np.stack([np.flatnonzero(assign == e) for e in range(num_experts)])
-
-
-def balanced_assign(similarity: np.ndarray, capacity: int) -> np.ndarray:
-    """Each row to its most similar column with room left, most decided rows first."""
-    assign = np.empty(similarity.shape[0], dtype=np.int64)
-    count = np.zeros(similarity.shape[1], dtype=np.int64)
-    for row in np.argsort(-similarity.max(axis=1), kind="stable"):
-        column = int(np.argmax(np.where(count < capacity, similarity[row], -np.inf)))
-        assign[row] = column
-        count[column] += 1
-    return assign
-
-
-def expert_norms(acts: np.ndarray, down: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """(tokens, experts): the norm of each expert's share of the dense MLP output."""
-    return np.stack([np.linalg.norm(acts[:, g] @ down[:, g].T, axis=1) for g in groups], axis=1)
-
-
-def ridge_solve(features: np.ndarray, targets: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """argmin_W |features @ W - targets|^2 + r |W - prior|^2, r = RIDGE * mean Gram eigenvalue."""
-    gram = features.T @ features
-    ridge = RIDGE * np.trace(gram) / gram.shape[0]
-    return np.linalg.solve(
-        gram + ridge * np.eye(gram.shape[0]), features.T @ targets + ridge * prior
-    )
-
-
-def fit_router(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
-    """Gate weights (experts, hidden) predicting each expert's output norm from the MLP input,
-    scaled so the logits stay within ROUTER_SPREAD of each other."""
-    router = ridge_solve(x, norms, np.zeros((x.shape[1], norms.shape[1]))).T
-    largest = np.abs(x @ router.T).max()
-    return router * (ROUTER_SPREAD / largest) if largest > 0 else router
-
-
-def picked_activations(
-    x: np.ndarray, acts: np.ndarray, groups: np.ndarray, router: np.ndarray, top_k: int
-) -> np.ndarray:
-    """The activations with every neuron of an expert the router does not pick set to zero."""
-    picked = np.argsort(-(x @ router.T), axis=1)[:, :top_k]
-    expert_mask = np.zeros((x.shape[0], len(groups)))
-    np.put_along_axis(expert_mask, picked, 1.0, axis=1)
-    expert_of = np.empty(acts.shape[1], dtype=np.int64)
-    for expert, group in enumerate(groups):
-        expert_of[group] = expert
-    return acts * expert_mask[:, expert_of]
-
-
-def plan_layer(
-    x: np.ndarray,
-    target: np.ndarray,
-    mlp: tuple[np.ndarray, np.ndarray, np.ndarray],
-    num_experts: int,
-    top_k: int,
-    seed: int,
-) -> tuple[LayerPlan, np.ndarray]:
-    """Experts, router and down projection for one layer from its inputs `x` and the output it
-    should produce, and the output the planned MoE does produce on `x`.
-
-    The down projection is refitted (ridge towards the dense one) so the experts the router
-    picks reproduce the target, not only their own share: a picked expert stands in for the
-    correlated ones that were dropped, here and in earlier layers.
-    """
-    gate, up, down = mlp
-    acts = swiglu(x, gate, up)
-    groups = cluster_neurons(acts, down, num_experts, seed)
-    router = fit_router(x, expert_norms(acts, down, groups))
-    kept = picked_activations(x, acts, groups, router, top_k)
-    refitted = ridge_solve(kept, target, down.T).T
-    plan = LayerPlan(groups, router.astype(np.float32), refitted.astype(np.float32))
-    return plan, kept @ refitted.T
-
-
-def exact_plans(config: dict, weights: dict[str, np.ndarray], num_experts: int) -> list[LayerPlan]:
-    """Every token uses every expert with weight 1/E: any split is exact, and an all-zero
-    router gives exactly equal weights."""
-    hidden, size = config["hidden_size"], config["intermediate_size"]
-    router = np.zeros((num_experts, hidden), np.float32)
-    groups = contiguous_groups(size, num_experts)
-    return [
-        LayerPlan(groups, router, weights[f"model.layers.{layer}.mlp.down_proj.weight"])
-        for layer in range(config["num_hidden_layers"])
-    ]
-
-
-def _rows(arrays: list[mx.array]) -> np.ndarray:
-    """(1, length, hidden) arrays, one per sequence, as one (tokens, hidden) float64 matrix."""
-    return np.concatenate([np.array(a[0].astype(mx.float32), dtype=np.float64) for a in arrays])
-
-
-def fitted_plans(
-    model: nn.Module,
-    weights: dict[str, np.ndarray],
-    sequences: tuple[Sequence, ...],
-    num_experts: int,
-    top_k: int,
-    seed: int,
-    progress: bool,
-) -> list[LayerPlan]:
-    """Plan layer by layer, running the dense model and the MoE-so-far side by side on the
-    calibration text: each layer is fitted on the inputs the MoE really gives it, to bring the
-    residual stream back to the dense model's."""
-    dense = [model.model.embed_tokens(mx.array([ids])) for ids in sequences]
-    moe = list(dense)
-    lengths = np.cumsum([len(ids) for ids in sequences])[:-1]
-    plans = []
-    for index, layer in enumerate(tqdm(model.layers, desc="fit experts", disable=not progress)):
-        prefix = f"model.layers.{index}.mlp"
-        mlp = tuple(weights[f"{prefix}.{name}_proj.weight"] for name in ("gate", "up", "down"))
-        dense = [layer(h, mask="causal") for h in dense]
-        mids = [h + layer.self_attn(layer.input_layernorm(h), mask="causal") for h in moe]
-        x = _rows([layer.post_attention_layernorm(h) for h in mids])
-        mid = _rows(mids)
-        plan, out = plan_layer(x, _rows(dense) - mid, mlp, num_experts, top_k, seed)
-        moe = [mx.array(h[None].astype(np.float32)) for h in np.split(mid + out, lengths)]
-        plans.append(plan)
-    return plans
+def router_rows(hidden: int, num_experts: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
+    """(num_experts, hidden): one random unit direction per copy, repeated for each of the
+    copy's experts; all zero when there is one copy (every expert is chosen, equally)."""
+    copies = num_experts // top_k
+    if copies == 1:
+        return np.zeros((num_experts, hidden), np.float32)
+    directions = rng.standard_normal((copies, hidden))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    return np.repeat(directions, top_k, axis=0).astype(np.float32)
 
 
 def mixtral_weights(
-    weights: dict[str, np.ndarray], plans: list[LayerPlan], top_k: int
+    weights: dict[str, np.ndarray], config: dict, num_experts: int, top_k: int, seed: int
 ) -> dict[str, np.ndarray]:
-    """The dense weights with each MLP replaced by stacked experts (mlx-lm's SwitchGLU layout)
-    and a router; down projections are scaled by top_k to undo the ~1/top_k routing weights."""
+    """The dense weights with each MLP replaced by the router and the stacked experts (mlx-lm's
+    SwitchGLU layout); down projections scaled by top_k to undo the 1/top_k routing weights."""
+    rng = np.random.default_rng(seed)
     out = {name: w for name, w in weights.items() if ".mlp." not in name}
-    for layer, plan in enumerate(plans):
+    size = config["intermediate_size"] // top_k
+    slices = [slice(s * size, (s + 1) * size) for s in range(top_k)]
+    for layer in range(config["num_hidden_layers"]):
         mlp, moe = f"model.layers.{layer}.mlp", f"model.layers.{layer}.block_sparse_moe"
-        gate, up = weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]
-        out[f"{moe}.gate.weight"] = plan.router
-        out[f"{moe}.switch_mlp.gate_proj.weight"] = np.stack([gate[g] for g in plan.groups])
-        out[f"{moe}.switch_mlp.up_proj.weight"] = np.stack([up[g] for g in plan.groups])
+        gate, up, down = (weights[f"{mlp}.{name}_proj.weight"] for name in ("gate", "up", "down"))
+        copies = num_experts // top_k
+        out[f"{moe}.gate.weight"] = router_rows(config["hidden_size"], num_experts, top_k, rng)
+        out[f"{moe}.switch_mlp.gate_proj.weight"] = np.stack([gate[s] for s in slices] * copies)
+        out[f"{moe}.switch_mlp.up_proj.weight"] = np.stack([up[s] for s in slices] * copies)
         out[f"{moe}.switch_mlp.down_proj.weight"] = np.stack(
-            [plan.down[:, g] * np.float32(top_k) for g in plan.groups]
+            [down[:, s] * np.float32(top_k) for s in slices] * copies
         )
     return out
 
@@ -435,29 +189,6 @@ def write_checkpoint(
             shutil.copyfile(dense_dir / name, out_dir / name)
 
 
-def next_token_agreement(
-    model: nn.Module, sequences: tuple[tuple[Sequence, int], ...]
-) -> tuple[int, int]:
-    """(matches, positions): how often the model's greedy next token, teacher-forced on each
-    sequence, equals the token that follows in it after the prompt."""
-    matches = positions = 0
-    for ids, prompt_len in sequences:
-        logits = model(mx.array([ids[:-1]]))[0, prompt_len - 1 :]
-        predicted = np.array(mx.argmax(logits, axis=-1))
-        matches += int((predicted == np.array(ids[prompt_len:])).sum())
-        positions += len(ids) - prompt_len
-    return matches, positions
-
-
-def compare(moe_dir: Path, reference: Reference) -> Comparison:
-    """Load the written MoE with mlx-lm and compare it with what the dense model wrote."""
-    model, tokenizer = load(str(moe_dir))
-    matches, positions = next_token_agreement(model, reference.held_out)
-    moe_demo = generate_ids(model, tokenizer, chat_ids(tokenizer, DEMO_PROMPT), DEMO_TOKENS)
-    return Comparison(
-        agreement=matches / positions,
-        positions=positions,
-        demo_matches=tuple(moe_demo) == reference.demo_tokens,
-        dense_answer=tokenizer.decode(list(reference.demo_tokens)),
-        moe_answer=tokenizer.decode(moe_demo),
-    )
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

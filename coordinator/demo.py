@@ -90,7 +90,7 @@ def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) ->
     dense = prepare_dense(progress=progress)
     moe = build_once(
         root / f"smollm2-moe-e{experts}-k{top_k}",
-        lambda out: moefy(dense, out, num_experts=experts, top_k=top_k, progress=progress),
+        lambda out: moefy(dense, out, num_experts=experts, top_k=top_k),
         f"a {experts}-expert MoE (top-{top_k})",
     )
     return build_once(
@@ -98,6 +98,11 @@ def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) ->
         lambda out: shard(moe, out, workers=workers, progress=progress),
         f"{workers} worker stores",
     )
+
+
+def default_top_k(experts: int) -> int:
+    """Half the experts when they split in two copies; all of them otherwise."""
+    return experts // 2 if experts % 2 == 0 else experts
 
 
 def run_demo(
@@ -115,9 +120,9 @@ def run_demo(
     as the draft and compare. Returns the answer."""
     from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy, load_draft
 
-    top_k = experts if top_k is None else top_k
-    if not 1 <= top_k <= experts:
-        raise InvalidInput(f"--top-k must be between 1 and --experts ({experts}), got {top_k}")
+    top_k = default_top_k(experts) if top_k is None else top_k
+    if not 1 <= top_k <= experts or experts % top_k:
+        raise InvalidInput(f"--top-k must divide --experts ({experts}), got {top_k}")
     if not 1 <= workers <= experts:
         raise InvalidInput(f"--workers must be between 1 and --experts ({experts}), got {workers}")
     if num_draft_tokens is not None and not draft:

@@ -23,10 +23,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--experts", type=int, default=16, metavar="E",
                    help="experts per layer to split each MLP into (default 16)")
     p.add_argument("--top-k", type=int, metavar="K",
-                   help="experts per token (default: E, which computes the dense model exactly). "
-                   "K below E first fits a router and experts on the CPU (about 3 minutes on "
-                   "2 cores), and this small model then answers poorly: 40%% of next tokens "
-                   "agree with the dense model at 8 of 16, 16%% at 4 (docs/demo.md)")
+                   help="experts each token runs (default: E/2). The MLP is cut into K slices "
+                   "and the E experts are E/K copies of them; the router sends each token to "
+                   "one copy, so every token runs K of the E experts and the answer is still the "
+                   "dense model's (docs/demo.md). K must divide E; K = E runs every expert")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="local worker processes (default 2)")
     p.add_argument("--max-tokens", type=int, default=60, metavar="N",
