@@ -47,6 +47,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.cluster import parse_addresses
+    from coordinator.commands.worker_rows import member_rows
     from coordinator.discovery import Candidate, parse_endpoint
     from coordinator.doctor import (
         check_mdns,
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> None:
         format_checks,
         inspect_workers,
     )
-    from coordinator.membership import Membership, member_rows
+    from coordinator.membership import Membership
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)

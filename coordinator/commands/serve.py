@@ -1,5 +1,6 @@
-"""`shoal serve`: the OpenAI API over a sharded model (the HTTP side is coordinator/serve.py,
-the batched decoding coordinator/batching.py)."""
+"""`shoal serve`: the OpenAI API over a sharded model (the HTTP server is coordinator/serve.py,
+the API's request and answer shapes coordinator/openai_api.py, the batched decoding
+coordinator/batching.py)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.membership import format_table, member_rows
+    from coordinator.commands.worker_rows import format_table, member_rows
     from engine.manifest import read_manifest
 
     try:

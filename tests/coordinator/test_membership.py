@@ -16,9 +16,7 @@ from coordinator.membership import (
     RETRY_AFTER,
     after_check,
     duplicate_ids,
-    format_table,
     member_for,
-    member_rows,
     needs_handshake,
     stale_twins,
 )
@@ -99,11 +97,6 @@ def test_a_duplicated_node_id_is_reported_unless_one_copy_is_a_dead_entry():
     b = replace(a, key="studio-a-2._shoal._tcp.local.", address="10.0.0.10:50551")
     assert duplicate_ids([a, b]) == {"studio-a": ["10.0.0.10:50551", "169.254.3.4:50551"]}
     assert duplicate_ids([a, replace(b, state="unreachable")]) == {}
-    rows = member_rows([a, b])
-    assert all(r["duplicate_node_id"] for r in rows)
-    table = format_table(rows)
-    assert "duplicate id" in table and "node id studio-a is used by several workers" in table
-    assert "bridge0 (thunderbolt)" in table and "1.0 GiB" in table
 
 
 def test_a_worker_restarted_on_another_port_replaces_its_dead_entry_only():

@@ -1,9 +1,18 @@
-"""`shoal serve`'s pure parts: request validation, the context check, stop strings."""
+"""`shoal serve`'s pure parts: request validation, the context check, the answers' shapes,
+stop strings."""
 
 import pytest
 
-from coordinator.batching import split_at_stop
-from coordinator.serve import DEFAULT_MAX_TOKENS, fit_to_context, parse_request
+from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
+from coordinator.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    answer_meta,
+    chunk_json,
+    completion_json,
+    fit_to_context,
+    parse_request,
+    usage_chunk_json,
+)
 from engine.errors import InvalidInput
 
 HI = [{"role": "user", "content": "hi"}]
@@ -74,6 +83,58 @@ def test_the_context_holds_prompt_and_answer():
         fit_to_context(given, 100, 100)
     free = parse_request({"prompt": "x"}, chat=False)  # no max_tokens: what is left
     assert fit_to_context(free, 95, 100).sampling.max_tokens == 5
+
+
+class Letters:
+    """A tokenizer whose token i is the letter chr(97 + i)."""
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(97 + t) for t in tokens)
+
+
+DONE = Event(text="c", logprobs=(TokenLogprob(2, -0.5, ((2, -0.5), (3, -1.5))),),
+             finish_reason="stop", usage=Usage(2, 1, 0))
+
+
+def test_a_whole_chat_answer_has_the_message_logprobs_and_usage():
+    request = parse_request({"messages": HI, "logprobs": True, "top_logprobs": 2}, chat=True)
+    meta = answer_meta(chat=True, model="m")
+    assert meta["id"].startswith("chatcmpl-") and meta["model"] == "m"
+    body = completion_json(Letters(), request, [0, 1], [Event(text="ab"), DONE], meta)
+    assert body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "abc"}
+    assert choice["finish_reason"] == "stop"
+    [score] = choice["logprobs"]["content"]
+    assert score["token"] == "c" and [t["token"] for t in score["top_logprobs"]] == ["c", "d"]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_whole_text_answer_echoes_the_prompt_when_asked():
+    request = parse_request({"prompt": [0, 1], "echo": True, "logprobs": 1}, chat=False)
+    body = completion_json(Letters(), request, [0, 1], [DONE], answer_meta(chat=False,
+                                                                           model="m"))
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    [choice] = body["choices"]
+    assert choice["text"] == "abc"
+    assert choice["logprobs"] == {"tokens": ["c"], "token_logprobs": [-0.5],
+                                  "top_logprobs": [{"c": -0.5, "d": -1.5}]}
+
+
+def test_streamed_chat_chunks_name_the_role_first_and_usage_last():
+    request = parse_request({"messages": HI, "stream": True,
+                             "stream_options": {"include_usage": True}}, chat=True)
+    meta = answer_meta(chat=True, model="m")
+    first = chunk_json(Letters(), request, Event(text="a"), meta, first=True)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert first["choices"][0]["logprobs"] is None
+    last = chunk_json(Letters(), request, Event(finish_reason="length"), meta, first=False)
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    usage = usage_chunk_json(request, DONE, meta)
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
+    assert usage["id"] == first["id"] == last["id"]
 
 
 @pytest.mark.parametrize("pending,stops,expected", [
