@@ -13,11 +13,11 @@ from mlx_lm import generate, load
 from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama, unpermute_rope
 from builders.moefy import (
     DEMO_PROMPT,
-    balanced_assign,
     chat_ids,
     check_split,
     moefy,
 )
+from builders.moefy_plan import balanced_assign
 from engine.errors import InvalidInput, ShoalError
 
 # Measured with this test's settings: 0.31 over 48 held-out positions for top-8 of 16 (0.40 over
