@@ -29,7 +29,7 @@ from coordinator.worker_stats import read_stats, run_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402
-from worker.reader import open_uncached, read_into  # noqa: E402
+from worker.uncached import open_uncached, read_into  # noqa: E402
 
 PROMPT = "Explain how rainbows form."
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")

@@ -21,7 +21,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from builders.families import TINY, discover
-from builders.synthetic import model_config, random_model
+from builders.synthetic import random_model
+from builders.synthetic_config import model_config
 from engine.experts import switch_widths
 from engine.moe_layers import SWITCH_CLASSES
 

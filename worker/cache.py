@@ -23,7 +23,8 @@ import numpy as np
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import ExpertFile, ExpertKey
-from worker.reader import Crc32, Digest, ReaderPool, ReadJob, read_file
+from worker.reader import Crc32, Digest, ReaderPool, ReadJob
+from worker.uncached import read_file
 
 WAIT_SECONDS = 600.0  # a demand read that takes longer than this is reported as a failure
 

@@ -1,162 +1,36 @@
-"""Expert file reads for a worker whose experts do not all fit in memory.
+"""The worker's reader pool, for a worker whose experts do not all fit in memory.
 
 Positioned reads go into reusable page-aligned buffers, from a few reader threads per drive
-(one `--store` folder is one drive). Each drive has a demand queue, served first, and a
-prefetch queue. Files are read around the OS page cache where the platform allows it
-(`O_DIRECT` on Linux, `F_NOCACHE` on macOS, else `posix_fadvise(DONTNEED)` after the read),
-so the worker's memory budget is what it really uses. An expert with copies on several
-drives is read in chunks, each sent to the drive expected to finish it first; a drive that
-fails is reported and its chunks are read from another copy. A job may carry a checksum
-(`digest`): it is fed chunk by chunk, in file order, as the chunks arrive, so checking every
-read costs little more than its last chunk's share on top of the read itself.
+(one `--store` folder is one drive), through worker/uncached.py so the worker's memory budget
+is what it really uses. Each drive has a demand queue, served first, and a prefetch queue.
+An expert with copies on several drives is read in chunks, each sent to the drive expected to
+finish it first; a drive that fails is reported and its chunks are read from another copy. A
+job may carry a checksum (`digest`): it is fed chunk by chunk, in file order, as the chunks
+arrive, so checking every read costs little more than its last chunk's share on top of the
+read itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
 import mmap
 import os
-import sys
 import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from engine.manifest import ExpertKey
+from worker.uncached import ALIGN, open_uncached, read_into, round_up
 
-ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the block size
 READ_CHUNK_BYTES = 1 << 20  # an expert's read from disk is split in pieces of this size
 READERS_PER_DRIVE = 4  # queue depth per drive: SSDs reach full speed only with several reads
 INITIAL_BANDWIDTH = 1e9  # bytes/s assumed for a drive before its first read is measured
 _BANDWIDTH_WEIGHT = 0.2  # weight of each new measurement in a drive's moving average
-
-if sys.platform == "darwin":
-    import fcntl
-
-    _F_NOCACHE: int | None = getattr(fcntl, "F_NOCACHE", 48)
-else:
-    _F_NOCACHE = None
-
-
-def round_up(value: int, to: int = ALIGN) -> int:
-    return -(-value // to) * to
-
-
-# ---------------------------------------------------------------------------------------
-# Opening and reading files around the page cache
-
-
-@dataclass(frozen=True)
-class OpenFile:
-    fd: int
-    direct: bool  # O_DIRECT: offsets, lengths and buffers must be ALIGN-ed
-    drop_after: bool  # no way to bypass the cache at open: drop the pages after reading
-
-
-def open_uncached(path: Path) -> OpenFile:
-    """Open for reading without filling the OS page cache, as far as the platform allows."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return OpenFile(os.open(path, os.O_RDONLY | direct), True, False)
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT (tmpfs)
-                raise
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    if _F_NOCACHE is not None:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, _F_NOCACHE, 1)
-            return OpenFile(fd, False, False)
-    return OpenFile(fd, False, hasattr(os, "posix_fadvise"))
-
-
-def read_into(file: OpenFile, view: memoryview, offset: int) -> int:
-    """Fill `view` from `offset` with positioned reads; returns the bytes read (short at EOF)."""
-    done = 0
-    while done < len(view):
-        if hasattr(os, "preadv"):
-            got = os.preadv(file.fd, [view[done:]], offset + done)
-        else:  # the descriptor is this thread's own, so seeking is safe
-            os.lseek(file.fd, offset + done, os.SEEK_SET)
-            if hasattr(os, "readv"):
-                got = os.readv(file.fd, [view[done:]])
-            else:  # no scatter reads (Windows): one copy more
-                data = os.read(file.fd, len(view) - done)
-                got = len(data)
-                view[done : done + got] = data
-        done += got
-        if got == 0 or (file.direct and got % ALIGN):  # end of file
-            break
-    if file.drop_after:
-        os.posix_fadvise(file.fd, offset, done, os.POSIX_FADV_DONTNEED)
-    return done
-
-
-def read_file(path: Path, buffer: memoryview, size: int) -> None:
-    """Read a whole file of `size` bytes into `buffer`: page-aligned (an mmap) and at least
-    round_up(size) long, as O_DIRECT needs."""
-    file = open_uncached(path)
-    try:
-        got = read_into(file, buffer[: round_up(size) if file.direct else size], 0)
-    finally:
-        os.close(file.fd)
-    if got != size:
-        raise OSError(errno.EIO, f"read {got} bytes, expected {size}")
-
-
-def sha256_uncached(
-    path: Path, size: int, chunk: int = 8 << 20, pace: Callable[[int], None] | None = None
-) -> str:
-    """The file's SHA-256, read around the page cache (so checking a store does not fill it
-    and what is checked is what the drive holds). `pace`, if given, is called with the bytes
-    of each block read (the scrub sleeps there to keep to its rate)."""
-    digest = hashlib.sha256()
-    buffer = mmap.mmap(-1, chunk)
-    file = open_uncached(path)
-    try:
-        view = memoryview(buffer)
-        offset = 0
-        while offset < size:
-            got = read_into(file, view, offset)
-            if got == 0:
-                break
-            digest.update(view[: min(got, size - offset)])
-            offset += got
-            if pace is not None:
-                pace(got)
-        view.release()
-    finally:
-        os.close(file.fd)
-        buffer.close()
-    return digest.hexdigest()
-
-
-def file_problem(
-    path: Path, size: int, sha256: str, *, pace: Callable[[int], None] | None = None
-) -> str | None:
-    """Why the file at `path` is not the manifest's (`size` bytes, `sha256`) on the drive
-    now, or None when it is. A file replaced while it was read (a push renaming a fresh copy
-    over it) is not blamed: None, it is checked the next time."""
-    try:
-        before = os.stat(path)
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    if before.st_size != size:
-        return f"it has {before.st_size} bytes, the manifest says {size}"
-    try:
-        if sha256_uncached(path, size, pace=pace) == sha256:
-            return None
-        after = os.stat(path)
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    same = (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    return "checksum does not match the manifest" if same else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -542,17 +416,3 @@ class ReaderPool:
             drive.stats.failed = f"{drive.stats.folder} is no longer reachable ({reason})"
             return f"drive {drive.stats.folder} failed: {reason}; reading its experts elsewhere"
         return f"{chunk.path}: read failed ({reason})"
-
-
-def iter_keys_by_drive(
-    copies: Mapping[ExpertKey, Sequence[tuple[int, Path]]],
-) -> Iterator[ExpertKey]:
-    """Keys in an order that alternates drives, so a bulk load keeps every drive busy."""
-    by_drive: dict[int, list[ExpertKey]] = {}
-    for key in sorted(copies):
-        by_drive.setdefault(copies[key][0][0], []).append(key)
-    lists = [deque(keys) for _, keys in sorted(by_drive.items())]
-    while any(lists):
-        for keys in lists:
-            if keys:
-                yield keys.popleft()

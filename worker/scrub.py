@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from engine.cache_policy import format_bytes, parse_budget
 from engine.errors import InvalidInput
-from worker.reader import file_problem
 from worker.residency import Residency
+from worker.uncached import file_problem
 
 DEFAULT_RATE = 32 << 20  # bytes/s: a few percent of one SSD; 100 GB are checked in ~an hour
 PASS_PAUSE = 1.0  # seconds between passes (the rate already bounds the drive's load)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest, read_manifest
-from worker.reader import sha256_uncached
+from worker.uncached import sha256_uncached
 
 Copy = tuple[int, Path]  # (index of the store folder, i.e. the drive; the file in it)
 

@@ -27,8 +27,8 @@ from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unava
 from engine.manifest import ExpertKey, Manifest, sha256_file
 from proto import CHUNK_BYTES
 from worker.holdings import DRAINING, SERVING
-from worker.reader import file_problem
 from worker.residency import Residency
+from worker.uncached import file_problem
 
 DEFAULT_QUIET = 1.0  # seconds a drained copy must go unasked before it may be deleted
 MAX_QUIET = 24 * 3600.0  # longer than any migration waits: a bigger value is a mistake

@@ -6,7 +6,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from builders.families import TINY, discover
-from builders.synthetic import all_families, model_config, random_model
+from builders.synthetic import random_model
+from builders.synthetic_config import all_families, model_config
 
 
 def test_discover_finds_switch_users_and_their_wrappers(tmp_path: Path):

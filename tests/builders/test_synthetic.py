@@ -11,7 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from builders.synthetic import FAMILIES, build_checkpoint, model_config
+from builders.synthetic import build_checkpoint
+from builders.synthetic_config import FAMILIES, model_config
 from engine.errors import ShoalError
 
 PROMPTS = (

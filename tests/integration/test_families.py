@@ -23,7 +23,8 @@ import pytest
 from mlx_lm.utils import load_model
 
 from builders.families import TINY, discover
-from builders.synthetic import all_families, build_checkpoint
+from builders.synthetic import build_checkpoint
+from builders.synthetic_config import all_families
 from coordinator.generate import open_remote_model
 from coordinator.local import LocalWorker, start_worker, stop_workers
 from engine.auth import load_secret

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.reader import ALIGN, ReadChunk, ReaderPool, plan_chunks, read_file, sha256_uncached
+from worker.reader import ReadChunk, ReaderPool, plan_chunks
+from worker.uncached import ALIGN, read_file, sha256_uncached
 
 
 def test_chunks_go_to_the_drive_expected_to_finish_first():
