@@ -275,10 +275,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
 
-    from coordinator.demo import cache_root, prepare
+    from coordinator.demo import moe_folder, prepare
 
     sharded = prepare(args.experts, args.top_k, 1)
-    source = cache_root() / "demo" / f"smollm2-moe-e{args.experts}-k{args.top_k}"
+    source = moe_folder(args.experts, args.top_k)
     store = sharded / "worker-0"
     manifest = read_manifest(sharded)
     expert_total = sum(e.bytes for e in manifest.experts)

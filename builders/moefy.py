@@ -2,7 +2,8 @@
 model while each token runs only `top_k` of its `num_experts` experts.
 
 Each MLP's neurons are cut into `top_k` slices, and the experts are `num_experts / top_k` copies
-of that set of slices (expert e is slice e % top_k of copy e // top_k). The router gives every
+of that set of slices (expert e is copy e % copies of slice e // copies: interleaved, so that a
+split of the experts over workers by turns keeps a copy on one worker). The router gives every
 expert of a copy the same row, one random direction per copy, so for each token the `top_k`
 largest logits are exactly the experts of the one copy its hidden state points to most: one of
 every slice. Mixtral's softmax over the chosen logits then weights each 1/top_k, which the
@@ -116,14 +117,15 @@ def check_split(config: dict, num_experts: int, top_k: int) -> int:
 
 
 def router_rows(hidden: int, num_experts: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
-    """(num_experts, hidden): one random unit direction per copy, repeated for each of the
-    copy's experts; all zero when there is one copy (every expert is chosen, equally)."""
+    """(num_experts, hidden): one random unit direction per copy, the row of each of the copy's
+    experts (expert e is of copy e % copies); all zero when there is one copy (every expert is
+    chosen, equally)."""
     copies = num_experts // top_k
     if copies == 1:
         return np.zeros((num_experts, hidden), np.float32)
     directions = rng.standard_normal((copies, hidden))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    return np.repeat(directions, top_k, axis=0).astype(np.float32)
+    return np.tile(directions, (top_k, 1)).astype(np.float32)
 
 
 def mixtral_weights(
@@ -139,11 +141,12 @@ def mixtral_weights(
         mlp, moe = f"model.layers.{layer}.mlp", f"model.layers.{layer}.block_sparse_moe"
         gate, up, down = (weights[f"{mlp}.{name}_proj.weight"] for name in ("gate", "up", "down"))
         copies = num_experts // top_k
+        order = [slices[e // copies] for e in range(num_experts)]  # expert e's slice
         out[f"{moe}.gate.weight"] = router_rows(config["hidden_size"], num_experts, top_k, rng)
-        out[f"{moe}.switch_mlp.gate_proj.weight"] = np.stack([gate[s] for s in slices] * copies)
-        out[f"{moe}.switch_mlp.up_proj.weight"] = np.stack([up[s] for s in slices] * copies)
+        out[f"{moe}.switch_mlp.gate_proj.weight"] = np.stack([gate[s] for s in order])
+        out[f"{moe}.switch_mlp.up_proj.weight"] = np.stack([up[s] for s in order])
         out[f"{moe}.switch_mlp.down_proj.weight"] = np.stack(
-            [down[:, s] * np.float32(top_k) for s in slices] * copies
+            [down[:, s] * np.float32(top_k) for s in order]
         )
     return out
 

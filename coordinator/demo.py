@@ -82,6 +82,12 @@ def prepare_draft(*, progress: bool = True) -> Path:
                       f"the {DRAFT_BITS}-bit draft model")
 
 
+def moe_folder(experts: int, top_k: int) -> Path:
+    """Where the demo's MoE checkpoint is cached; "copies" names the construction (builders/
+    moefy.py), so a cache built by an older Shoal, which fitted its experts, is not reused."""
+    return cache_root() / "demo" / f"smollm2-moe-e{experts}-k{top_k}-copies"
+
+
 def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) -> Path:
     """The sharded demo model in the cache, built on first use; returns the shard folder."""
     from builders.moefy import moefy
@@ -89,20 +95,23 @@ def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) ->
     root = cache_root() / "demo"
     dense = prepare_dense(progress=progress)
     moe = build_once(
-        root / f"smollm2-moe-e{experts}-k{top_k}",
+        moe_folder(experts, top_k),
         lambda out: moefy(dense, out, num_experts=experts, top_k=top_k),
         f"a {experts}-expert MoE (top-{top_k})",
     )
     return build_once(
-        root / f"sharded-e{experts}-k{top_k}-w{workers}",
+        root / f"sharded-e{experts}-k{top_k}-copies-w{workers}",
         lambda out: shard(moe, out, workers=workers, progress=progress),
         f"{workers} worker stores",
     )
 
 
 def default_top_k(experts: int) -> int:
-    """Half the experts when they split in two copies; all of them otherwise."""
-    return experts // 2 if experts % 2 == 0 else experts
+    """A quarter of the experts (four copies of the MLP's slices), else half, else all."""
+    for copies in (4, 2):
+        if experts % copies == 0:
+            return experts // copies
+    return experts
 
 
 def run_demo(

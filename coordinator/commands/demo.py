@@ -23,7 +23,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--experts", type=int, default=16, metavar="E",
                    help="experts per layer to split each MLP into (default 16)")
     p.add_argument("--top-k", type=int, metavar="K",
-                   help="experts each token runs (default: E/2). The MLP is cut into K slices "
+                   help="experts each token runs (default: E/4). The MLP is cut into K slices "
                    "and the E experts are E/K copies of them; the router sends each token to "
                    "one copy, so every token runs K of the E experts and the answer is still the "
                    "dense model's (docs/demo.md). K must divide E; K = E runs every expert")

@@ -114,7 +114,7 @@ def test_version_and_help_say_what_a_newcomer_needs():
     assert "--max-tokens N" in generate_help and "(default 100)" in generate_help
     shard_help = " ".join(shoal("shard", "--help").stdout.split())
     demo_help = " ".join(shoal("demo", "--help").stdout.split())
-    assert "default: E/2" in demo_help and "dense model's" in demo_help
+    assert "default: E/4" in demo_help and "dense model's" in demo_help
     assert "(default 60)" in demo_help
     run = shoal("demo", "--max-tokens", "0")
     assert run.returncode == 2 and "--max-tokens must be at least 1" in run.stderr

@@ -29,10 +29,10 @@ def test_demo_answers_paris_and_stops_its_workers(tmp_path):
         assert run.returncode == 0, f"{attempt}: {run.stderr[-3000:]}"
         assert "Paris" in run.stdout, f"{attempt}: {run.stdout}"
         assert "tok/s" in run.stderr
-        assert "16 experts per layer, top-8" in run.stderr  # sparse: each token runs half
+        assert "16 experts per layer, top-4" in run.stderr  # sparse: each token runs a quarter
         assert not worker_processes(cache), attempt
     assert "building" not in run.stderr  # the second run built nothing
-    assert (cache / "demo" / "sharded-e16-k8-w2" / "manifest.json").exists()
+    assert (cache / "demo" / "sharded-e16-k4-copies-w2" / "manifest.json").exists()
 
 
 @pytest.mark.slow
@@ -42,13 +42,13 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
-    from coordinator.demo import prepare
+    from coordinator.demo import moe_folder, prepare
     from coordinator.generate import encode_prompt, open_remote_model
     from engine.auth import load_secret
 
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
-    sharded = prepare(16, 8, 2, progress=False)
-    reference, tokenizer = load(str(tmp_path / "cache" / "demo" / "smollm2-moe-e16-k8"))
+    sharded = prepare(16, 4, 2, progress=False)
+    reference, tokenizer = load(str(moe_folder(16, 4)))
     prompt = encode_prompt(tokenizer, "What is the capital of France?", chat=True)
     expected = [int(t) for t, _ in generate_step(mx.array(prompt), reference, max_tokens=12)]
     workers = [start_worker([sharded / f"worker-{k}"]) for k in range(2)]
