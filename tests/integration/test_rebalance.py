@@ -106,7 +106,8 @@ def generator_loop(sharded: str, config: str, secret_file: str, results: str, st
             tokens = generate(remote.model, remote.tokenizer, PROMPTS[prompt],
                               max_tokens=NEW_TOKENS).token_ids
             out.write(json.dumps({"start": started, "end": time.time(), "prompt": prompt,
-                                  "tokens": tokens, "reloads": remote.cluster.reloads}) + "\n")
+                                  "tokens": tokens, "reloads": remote.cluster.reloads,
+                                  "routing": remote.cluster.version}) + "\n")
             out.flush()
             turn += 1
     remote.close()
@@ -141,7 +142,7 @@ def test_rebalance_while_another_process_generates(cluster, tmp_path, secret_fil
     generating = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
                                   stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
-        wait_for_lines(results, 1, 120, generating)
+        (first, *_) = wait_for_lines(results, 1, 120, generating)
         started = time.time()
         run = subprocess.run(
             [sys.executable, "-m", "coordinator.cli", "rebalance", "--model", str(sharded),
@@ -161,7 +162,10 @@ def test_rebalance_while_another_process_generates(cluster, tmp_path, secret_fil
     assert all(line["tokens"] == cluster["expected"][line["prompt"]] for line in lines)
     overlapping = [line for line in lines if line["start"] < finished and line["end"] > started]
     assert overlapping, "no generation ran while the experts moved"
-    assert lines[-1]["reloads"] > 0, "the generating process never noticed a new inventory"
+    # it noticed the new placement: from a reply or a refusal (Cluster.reload), or from its
+    # membership's periodic inventory refresh, whichever came first; both rebuild its routes
+    assert lines[-1]["routing"] > first["routing"], \
+        "the generating process never noticed a new inventory"
 
     # the cluster now holds the planned placement, and the measured load is more even
     served = served_by(links)
