@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
+from benchmarks.batch_invariance import largest_difference
 from benchmarks.bench import FULL, QUICK, WORKERS, prepare
 from coordinator.demo import cache_root
 from coordinator.generate import open_remote_model
@@ -27,10 +28,6 @@ from engine.auth import ensure_secret, load_secret
 
 ROWS = (1, 2, 4, 7, 8, 16, 64)
 LENGTHS = (1, 2, 4, 7, 8, 9, 16, 32)
-
-
-def largest_difference(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a - b)).item())
 
 
 def switch_splits(width: int = 1024, hidden: int = 512, experts: int = 64, k: int = 8) -> dict:

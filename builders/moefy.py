@@ -28,7 +28,6 @@ from safetensors.numpy import save_file
 
 from engine.errors import InvalidInput, NotFound
 
-DEMO_PROMPT = "What is the capital of France?"
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -190,8 +189,3 @@ def write_checkpoint(
     for name in _TOKENIZER_FILES:
         if (dense_dir / name).is_file():
             shutil.copyfile(dense_dir / name, out_dir / name)
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    messages = [{"role": "user", "content": prompt}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

@@ -106,8 +106,9 @@ class ExpertRunner:
         self.input_width, self.output_width = switch_widths(self.module)
         self._loaded: dict[str, mx.array] | None = None  # the stack the module holds now
         self._index_cache: dict[int, mx.array] = {}
-        # On a GPU, MLX picks a call's kernel by its pair count (CUDA: a vector kernel below 8
-        # pairs, a tiled one from 8), and the two give a pair other bits. So a worker, which
+        # On a GPU a pair's bits depend on how many pairs its call has (measured on CUDA: a
+        # row's 4 experts in a call of 4 differ from the same 4 in a call of 8; calls of 8 and
+        # 16 agree: MLX picks its kernel by the call's size). So a worker, which
         # gets only some of each row's experts, pads its call to the caller's count; on the
         # CPU every pair's bits are the same whatever the call, and padding would only cost.
         self.pads = mx.default_device().type == mx.DeviceType.gpu
@@ -147,24 +148,29 @@ class ExpertRunner:
             self.module.update(tree_unflatten(list(stacked.items())))
             self._loaded = stacked
         n, m = hidden.shape[0], positions.size
-        short = min(call_pairs, SORT_PAIRS) - m if self.pads else 0
-        if short > 0:
-            held = next(iter(stacked.values())).shape[0]
-            unused = np.flatnonzero(np.bincount(positions, minlength=held) == 0)
-            if unused.size:
-                rows = np.concatenate([rows, np.zeros(short, np.int32)])
-                positions = np.concatenate([positions, np.full(short, unused[0], np.int32)])
-                x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32),
-                                     ([positions], mx.int32))
-                return self.module(x[at], inds[:, None])[:m, 0, :]
-        per_row = m // n
-        if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
-            # Each row's pairs together and equally many (always so in decode): the module
-            # takes the rows as they are, as the single-process model does, without a gather.
-            x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
-            return self.module(x, inds).reshape(m, -1)
+        padding = self._padding(stacked, positions, call_pairs)
+        if padding:
+            rows = np.concatenate([rows, np.zeros(padding[0], np.int32)])
+            positions = np.concatenate([positions, np.full(padding[0], padding[1], np.int32)])
+        else:
+            per_row = m // n
+            if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
+                # Each row's pairs together and equally many (always so in decode): the module
+                # takes the rows as they are, as the single-process model does, no gather.
+                x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
+                return self.module(x, inds).reshape(m, -1)
         x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
-        return self.module(x[at], inds[:, None])[:, 0, :]
+        return self.module(x[at], inds[:, None])[:m, 0, :]
+
+    def _padding(self, stacked: dict[str, mx.array], positions: np.ndarray,
+                 call_pairs: int) -> tuple[int, int] | None:
+        """(pairs to add, the stack position of an expert no real pair uses), or None."""
+        short = min(call_pairs, SORT_PAIRS) - positions.size if self.pads else 0
+        if short <= 0:
+            return None
+        held = next(iter(stacked.values())).shape[0]
+        unused = np.flatnonzero(np.bincount(positions, minlength=held) == 0)
+        return (short, int(unused[0])) if unused.size else None
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""

@@ -11,7 +11,9 @@ import pytest
 from mlx_lm import generate, load
 
 from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama, unpermute_rope
-from builders.moefy import DEMO_PROMPT, chat_ids, check_split, moefy
+from builders.moefy import check_split, moefy
+from coordinator.commands.demo import DEMO_PROMPT
+from coordinator.generate import encode_prompt
 from engine.errors import InvalidInput, ShoalError
 
 
@@ -36,7 +38,8 @@ def smollm2_exact_moe(smollm2_dense: Path, tmp_path_factory: pytest.TempPathFact
 
 def greedy_answer(model_dir: Path, prompt: str, max_tokens: int = 20) -> str:
     model, tokenizer = load(str(model_dir))
-    return generate(model, tokenizer, chat_ids(tokenizer, prompt), max_tokens=max_tokens)
+    ids = encode_prompt(tokenizer, prompt, chat=True)
+    return generate(model, tokenizer, ids, max_tokens=max_tokens)
 
 
 def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -101,7 +104,7 @@ def test_all_experts_reproduce_dense_logits(smollm2_dense: Path, smollm2_exact_m
     assert config["num_experts_per_tok"] == 16
     dense, tokenizer = load(str(smollm2_dense))
     moe, _ = load(str(smollm2_exact_moe))
-    prompt = mx.array([chat_ids(tokenizer, DEMO_PROMPT)])
+    prompt = mx.array([encode_prompt(tokenizer, DEMO_PROMPT, chat=True)])
     expected, actual = np.array(dense(prompt)), np.array(moe(prompt))
     # Same arithmetic summed in another order (16 partial sums instead of one): over 30
     # float32 layers the logits (up to ~40) drift by ~1.5e-4, i.e. 1e-4 absolute is just out of
@@ -144,7 +147,7 @@ def test_top_8_of_16_routes_each_token_to_one_copy_and_computes_the_dense_model(
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (16, 8)
     dense, tokenizer = load(str(smollm2_dense))
     moe, _ = load(str(tmp_path))
-    prompt = mx.array([chat_ids(tokenizer, DEMO_PROMPT)])
+    prompt = mx.array([encode_prompt(tokenizer, DEMO_PROMPT, chat=True)])
     chosen = routed_experts(moe, prompt)
     assert len(chosen) == config["num_hidden_layers"]
     copy0, copy1 = list(range(0, 16, 2)), list(range(1, 16, 2))  # copy = expert % 2
