@@ -74,7 +74,26 @@ class Cluster:
             self.lost(index, e)
             return
         self.members.update_inventory(link, inventory)
-        self.refresh()
+        try:
+            self.refresh()
+        except Unavailable:
+            # It gave up an expert that moved (shoal rebalance): the new holder took it in
+            # before this worker let it go, but its inventory here may be older than that.
+            self._fetch_others(index)
+            self.refresh()
+
+    def _fetch_others(self, index: int) -> None:
+        """Fetch every other worker's inventory again (one that does not answer is left as
+        it was: its liveness is the members' to judge)."""
+        for other, link in enumerate(self.links):
+            if other == index:
+                continue
+            try:
+                inventory = link.fetch_inventory()
+            except ShoalError:
+                continue
+            self.reloads += 1
+            self.members.update_inventory(link, inventory)
 
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a

@@ -57,3 +57,34 @@ def test_a_failed_call_reads_as_the_workers_refusal_or_names_what_did_not_get_th
     tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "SSL handshake failed"), "h:1",
                     INVENTORY)
     assert isinstance(tls, Unauthenticated) and "TLS identity" in str(tls)
+
+
+def _inventory(*experts: int) -> shoal_pb2.Inventory:
+    return shoal_pb2.Inventory(experts=[shoal_pb2.HeldExpert(layer=0, expert=e)
+                                        for e in experts])
+
+
+def test_a_worker_that_let_a_moved_expert_go_sends_us_to_its_new_holder(secret_file):
+    """Expert 1 moved from worker 0 to worker 1, and worker 0's change is noticed first: the
+    reload finds the new holder instead of declaring the expert lost."""
+    members = FixedMembers(["127.0.0.1:1", "127.0.0.1:2"], load_secret(secret_file))
+    try:
+        members.update_inventory(members.links[0], _inventory(0, 1))
+        members.update_inventory(members.links[1], _inventory(2))
+        cluster = Cluster.of(members, {0: 3})
+        now = {0: _inventory(0), 1: _inventory(1, 2)}  # what each worker answers now
+        for i, link in enumerate(members.links):
+            link.fetch_inventory = lambda timeout=None, i=i: now[i]
+        cluster.reload(0)
+        assert cluster.routes[0].copies[1, 0] == 1
+        assert cluster.holdings == [frozenset({(0, 0)}), frozenset({(0, 1), (0, 2)})]
+
+        now[1] = _inventory(2)  # expert 1 really is nowhere now: lost, and said so
+        members.update_inventory(members.links[0], _inventory(0, 1))
+        members.update_inventory(members.links[1], _inventory(2))
+        cluster.refresh()
+        with pytest.raises(Unavailable, match="no live worker holds these experts: layer 0: "
+                                              "experts? 1"):
+            cluster.reload(0)
+    finally:
+        members.close()
