@@ -18,6 +18,7 @@ import numpy as np
 from engine.manifest import ExpertKey
 
 SERVING, DRAINING = "serving", "draining"
+MAX_UNSETTLED = 256  # requests noted but not yet counted, at most (see Holdings.asked)
 
 
 class Holdings:
@@ -33,6 +34,7 @@ class Holdings:
         # (the worker's start until then). Arrays, so a request is counted without a loop.
         self._tokens: dict[int, np.ndarray] = {}
         self._asked: dict[int, np.ndarray] = {}
+        self._unsettled: list[tuple[int, np.ndarray, float]] = []  # see `asked`
         self._started = time.monotonic()
         self._lock = threading.Lock()
 
@@ -40,13 +42,27 @@ class Holdings:
 
     def asked(self, layer: int, experts: np.ndarray) -> None:
         """One request computed a (token, expert) pair for each entry of `experts` (valid
-        expert numbers of `layer`, repeats allowed)."""
-        now = time.monotonic()
-        size = int(experts.max()) + 1
+        expert numbers of `layer`, repeats allowed).
+
+        Noted here, counted by `settle`: the servicer settles once the reply is on its way,
+        and every reader settles first, so no reader misses a request and the reply does not
+        wait for the count (a bincount under the lock, 37 us a request on the H200)."""
         with self._lock:
-            tokens, asked = self._rows(layer, size)
+            self._unsettled.append((layer, experts, time.monotonic()))
+            if len(self._unsettled) >= MAX_UNSETTLED:  # nobody settles (a caller in process)
+                self._settle()
+
+    def settle(self) -> None:
+        """Count the requests noted since the last call."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:  # with the lock held
+        unsettled, self._unsettled = self._unsettled, []
+        for layer, experts, when in unsettled:
+            tokens, asked = self._rows(layer, int(experts.max()) + 1)
             tokens += np.bincount(experts, minlength=tokens.size)
-            asked[experts] = now
+            asked[experts] = when
 
     def _rows(self, layer: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's count and time arrays, grown to hold expert number `size - 1`."""
@@ -59,7 +75,8 @@ class Holdings:
             self._asked[layer] = np.concatenate([old_asked, np.full(grow, self._started)])
         return self._tokens[layer], self._asked[layer]
 
-    def _asked_at(self, key: ExpertKey) -> float:
+    def _asked_at(self, key: ExpertKey) -> float:  # with the lock held
+        self._settle()
         asked = self._asked.get(key[0])
         return self._started if asked is None or key[1] >= asked.size else float(asked[key[1]])
 
@@ -84,6 +101,7 @@ class Holdings:
     def tokens(self) -> dict[ExpertKey, int]:
         """Tokens computed per expert since the worker started, for experts asked at all."""
         with self._lock:
+            self._settle()
             return {(layer, int(e)): int(counts[e])
                     for layer, counts in self._tokens.items() for e in np.flatnonzero(counts)}
 

@@ -88,6 +88,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                     parse=parsed - started, matrix=timing.matrix,
                     bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
             )
+            self.residency.holdings.settle()  # the reply is sent: count it now (Holdings.asked)
 
 
     def GetStats(self, request, context):  # noqa: N802
