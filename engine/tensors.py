@@ -12,6 +12,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from engine.cuda_memory import to_gpu_reader
 from engine.errors import MAX_ECHO, InvalidInput, clip
 
 # Wire dtype name -> (numpy dtype carrying the bytes, mlx dtype). bfloat16 has no
@@ -74,6 +75,7 @@ def to_mlx(*segments: tuple[Sequence[np.ndarray], mx.Dtype]) -> list[mx.array]:
             buffer[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             at += a.nbytes
     device = mx.array(buffer)
+    to_gpu_reader(device)
     out = []
     for (arrays, dtype), start, size in zip(segments, starts, sizes, strict=False):
         rows = sum(a.shape[0] for a in arrays)
