@@ -1,0 +1,100 @@
+"""A/B of Shoal's decode under environment variants: each variant runs in its own process
+(coordinator and its two local workers inherit the variant's environment), on the bench
+checkpoint, and prints one line: decode tokens/s (median of --runs generations of 32 tokens
+at a 16-token prompt) and the per-layer decode breakdown, as `shoal bench` measures them.
+
+    python -m benchmarks.variants advice: noadvice:SHOAL_CUDA_ADVICE=0
+    python -m benchmarks.variants --quick plain: graphs-off:MLX_USE_CUDA_GRAPHS=0
+
+A variant is LABEL:VAR=VALUE[,VAR=VALUE...] (nothing after the colon: the environment as it
+is). Run them alternately (a b a b) on a noisy machine: the spread between runs of one
+variant is the error bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+RESULT = "RESULT "
+
+
+def measure(quick: bool, runs: int) -> dict:
+    from benchmarks.bench import FULL, QUICK, decode_dispatch, prepare
+    from benchmarks.measure import bench_prompt, timed_generation
+    from coordinator.demo import cache_root
+    from coordinator.generate import open_remote_model
+    from coordinator.local import start_workers, stop_workers
+    from engine.auth import create_secret, load_secret
+
+    root = cache_root() / "bench" / ("quick" if quick else "full")
+    _, sharded = prepare(QUICK if quick else FULL, root)
+    secret = root / "secret"
+    if not secret.exists():
+        create_secret(secret)
+    logs = root / "variant-logs"
+    logs.mkdir(exist_ok=True)
+    workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs)
+    try:
+        remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))
+        try:
+            vocab = remote.manifest.config["vocab_size"]
+            prompt = bench_prompt(vocab, 16)
+            timed_generation(remote.model, remote.tokenizer, prompt, 8)  # warm-up
+            speeds = [timed_generation(remote.model, remote.tokenizer, prompt, 32)[1]
+                      for _ in range(runs)]
+            dispatch = decode_dispatch(remote, vocab, 32, 16)
+        finally:
+            remote.close()
+    finally:
+        stop_workers(workers)
+    return {"tok_s": round(statistics.median(speeds), 1),
+            "runs": [round(s, 1) for s in speeds],
+            "breakdown": {k: round(v) for k, v in dispatch["breakdown"].items()}}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    label, _, assignments = text.partition(":")
+    env = {}
+    for item in filter(None, assignments.split(",")):
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise SystemExit(f"variant {text!r}: expected LABEL:VAR=VALUE[,VAR=VALUE...]")
+        env[name] = value
+    return label, env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Shoal's decode speed and per-layer breakdown under environment variants, "
+                    "each in its own process.")
+    parser.add_argument("variants", nargs="*", metavar="LABEL:VAR=VALUE,...",
+                        help="one run per variant, in the order given")
+    parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args()
+    if args.one:
+        print(RESULT + json.dumps(measure(args.quick, args.runs)), flush=True)
+        return
+    for text in args.variants:
+        label, env = parse_variant(text)
+        command = [sys.executable, "-m", "benchmarks.variants", "--one", "--runs",
+                   str(args.runs), *(["--quick"] if args.quick else [])]
+        child = subprocess.run(command, env={**os.environ, **env}, capture_output=True,
+                               text=True, timeout=900, cwd=Path(__file__).parent.parent)
+        lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT)]
+        if not lines:
+            print(f"{label}: failed ({child.returncode}): {child.stderr[-1500:]}", flush=True)
+            continue
+        result = {"variant": label, **json.loads(lines[-1][len(RESULT):])}
+        print(RESULT + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
