@@ -21,7 +21,9 @@ from engine.tensors import mlx_dtype, to_mlx
 from worker.residency import Request, Residency
 from worker.store import scan_stores
 
-PARTS = ("validate", "count", "build", "evaluate", "record")
+# "record" notes the request's heat before the reply; "settle" counts it after the reply is
+# sent (worker/holdings.py), off the reply's path
+PARTS = ("validate", "count", "build", "evaluate", "record", "settle")
 # "build" split in two, once more after the timed pass: the arrays into MLX, then the graph
 BUILD_PARTS = ("to_mlx", "graph")
 
@@ -65,7 +67,10 @@ def run(quick: bool, count: int) -> dict:
         t4 = time.perf_counter()
         residency.holdings.asked(r.layer, r.experts)
         t5 = time.perf_counter()
-        for part, took in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+        residency.holdings.settle()
+        t6 = time.perf_counter()
+        for part, took in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
+                              strict=True):
             seconds[part] += took
     started = time.perf_counter()
     for r in timed:

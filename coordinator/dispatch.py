@@ -55,8 +55,9 @@ class LayerStats:
     parse_scatter_seconds: float = 0.0  # replies -> the (..., k, width) MLX array
 
     def add(self, other: LayerStats) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        totals = self.__dict__  # twice per layer call: dict updates, not getattr/setattr
+        for name, value in other.__dict__.items():
+            totals[name] += value
 
     def breakdown(self) -> dict[str, float]:
         """Microseconds per call, one number per part (see the fields' comments)."""
@@ -100,7 +101,7 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
     count) a decode step's single pair moves round them. Any copy gives the same result (same
     file, same code), so this changes who computes, not what."""
     experts = np.asarray(experts)
-    if not (routes.counts > 1).any():  # no expert has a second copy: nothing to deal out
+    if not routes.replicated:  # no expert has a second copy: nothing to deal out
         return routes.copies[experts, 0]
     order = np.argsort(experts, kind="stable")
     ranked = experts[order]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -38,6 +39,11 @@ class LayerRoutes:
 
     copies: np.ndarray  # (experts, most copies) int32
     counts: np.ndarray  # (experts,) int32, 0 for an expert nobody holds
+
+    @functools.cached_property
+    def replicated(self) -> bool:
+        """Whether any expert has a second copy (asked at every layer call: decided once)."""
+        return bool((self.counts > 1).any())
 
 
 def replica_routes(
