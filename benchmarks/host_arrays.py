@@ -1,9 +1,9 @@
 """What moving a small array between host and MLX costs on this machine's backend, one kernel
-around it, us (median): the probe behind engine/cuda_memory.py.
+around it, us (median): the probe behind `to_gpu_reader` in engine/tensors.py.
 
 - `kernel_on_resident`: `mx.eval(a + 1)` on an array already on the device: the floor.
 - `first_read_of_host_array`: the same on an array just made from host bytes (`mx.array`).
-- `first_read_advised`: the same after `engine.cuda_memory.to_gpu_reader` (CUDA only; on other
+- `first_read_advised`: the same after `engine.tensors.to_gpu_reader` (CUDA only; on other
   backends it does nothing and this equals the line above).
 - `host_read_device_output`: `np.asarray` of a kernel's output held in device memory (MLX's
   CUDA backend moves it to managed memory first), cache cleared before each.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engine.cuda_memory import to_gpu_reader
+from engine.tensors import to_gpu_reader
 
 SIZES = (4096, 16384, 65536)
 
