@@ -181,13 +181,13 @@ class _Driver:
 
 _driver: _Driver | None = None
 _tried = False
-_lock = threading.Lock()
+_driver_lock = threading.Lock()
 
 
 def _get_driver() -> _Driver | None:
     global _driver, _tried
     if not _tried:
-        with _lock:
+        with _driver_lock:
             if not _tried:
                 try:
                     # SHOAL_CUDA_ADVICE=0 turns it off (to compare, or if a driver objects)
@@ -201,7 +201,7 @@ def _get_driver() -> _Driver | None:
 
 def to_gpu_reader(array: mx.array) -> None:
     """`array` was just made from host bytes and a GPU kernel reads it next: say so to the
-    driver (see the module's docstring). A hint: any failure leaves the array as it was."""
+    driver (see the comment above `_Driver`). A hint: any failure leaves the array as it was."""
     driver = _get_driver()
     if driver is None:
         return
