@@ -317,7 +317,11 @@ def run(
         scrubber = Scrubber(residency, scrub_rate, log=note)
         scrubber.start()
         note(f"scrubbing expert files at up to {format_bytes(scrub_rate)}/s")
-    stop.wait()
+    # Python runs a signal's handler in the main thread, but the kernel may deliver SIGTERM to
+    # any of gRPC's or MLX's threads, and then nothing interrupts a wait without a timeout:
+    # wake every second to let the handler run.
+    while not stop.wait(1.0):
+        pass
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         advertiser.close()
