@@ -30,13 +30,12 @@ def measure(quick: bool, runs: int) -> dict:
     from coordinator.demo import cache_root
     from coordinator.generate import open_remote_model
     from coordinator.local import start_workers, stop_workers
-    from engine.auth import create_secret, load_secret
+    from engine.auth import ensure_secret, load_secret
 
     root = cache_root() / "bench" / ("quick" if quick else "full")
     _, sharded = prepare(QUICK if quick else FULL, root)
     secret = root / "secret"
-    if not secret.exists():
-        create_secret(secret)
+    ensure_secret(secret)
     logs = root / "variant-logs"
     logs.mkdir(exist_ok=True)
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs)

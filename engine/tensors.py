@@ -7,9 +7,9 @@ not import gRPC."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
-import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -179,30 +179,22 @@ class _Driver:
         self._check(self._advise(address, size, _SET_ACCESSED_BY, location))
 
 
-_driver: _Driver | None = None
-_tried = False
-_driver_lock = threading.Lock()
-
-
-def _get_driver() -> _Driver | None:
-    global _driver, _tried
-    if not _tried:
-        with _driver_lock:
-            if not _tried:
-                try:
-                    # SHOAL_CUDA_ADVICE=0 turns it off (to compare, or if a driver objects)
-                    if mx.cuda.is_available() and os.environ.get("SHOAL_CUDA_ADVICE") != "0":
-                        _driver = _Driver()
-                except (OSError, AttributeError):
-                    _driver = None
-                _tried = True
-    return _driver
+@functools.cache
+def _driver() -> _Driver | None:
+    """The driver's calls, bound on first use; None off CUDA, where they cannot be bound, or
+    with SHOAL_CUDA_ADVICE=0 (to compare, or if a driver objects)."""
+    try:
+        if mx.cuda.is_available() and os.environ.get("SHOAL_CUDA_ADVICE") != "0":
+            return _Driver()
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def to_gpu_reader(array: mx.array) -> None:
     """`array` was just made from host bytes and a GPU kernel reads it next: say so to the
     driver (see the comment above `_Driver`). A hint: any failure leaves the array as it was."""
-    driver = _get_driver()
+    driver = _driver()
     if driver is None:
         return
     host = np.asarray(array)  # the managed buffer itself, not a copy

@@ -16,12 +16,16 @@ def test_a_reader_sees_every_request_noted_before_it_without_a_settle():
     assert holdings.tokens()[(0, 3)] == 3
 
 
-def test_a_copy_just_asked_for_is_not_quiet_enough_to_delete():
+def test_a_copy_just_asked_for_is_not_quiet_enough_to_delete(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("worker.holdings.time.monotonic", lambda: clock[0])
     holdings = Holdings([(0, 5)])
     holdings.drain((0, 5))
+    clock[0] += 100
     holdings.asked(0, np.array([5], np.int32))  # noted, not settled
-    assert holdings.idle_seconds((0, 5)) < 1.0
-    assert "last asked for" in holdings.why_not_delete((0, 5), quiet=30.0)
+    clock[0] += 1
+    assert holdings.idle_seconds((0, 5)) == 1.0  # since the note, not since the start (101)
+    assert "last asked for 1.0 s ago" in holdings.why_not_delete((0, 5), quiet=30.0)
 
 
 def test_requests_nobody_settles_are_counted_in_bounded_batches():
