@@ -7,7 +7,7 @@ The checkpoint is a DeepSeek-V3-shaped MoE (builders/synthetic.py, size "bench":
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
 import os
 import platform
@@ -29,6 +29,7 @@ from coordinator.demo import build_once, cache_root
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
+from engine.cuda import environment_as_given
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 from engine.sharding import shard
@@ -64,18 +65,38 @@ def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
     return source, sharded
 
 
+def baseline_env() -> dict[str, str]:
+    """mlx-lm's baselines run as the user would run mlx-lm: without the launch setting Shoal
+    gives its own processes (engine/cuda.py), with this checkout importable."""
+    env = environment_as_given()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def measure_single(source: Path, settings: dict) -> dict:
+    """mlx-lm in one process, a process of its own (MLX reads its CUDA launch setting once per
+    process, and this one runs Shoal's coordinator with Shoal's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        run = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench", "--single", str(source),
+             "--settings", json.dumps(settings), "--out", str(out)],
+            capture_output=True, text=True, timeout=1800, cwd=REPO, env=baseline_env())
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stdout + run.stderr).strip()[-800:]
+            raise ShoalError(f"mlx-lm in one process failed with {run.returncode}: {tail}")
+        return json.loads(out.read_text())
+
+
+def measure_single_here(source: Path, settings: dict) -> dict:
     from mlx_lm.utils import load_model, load_tokenizer
 
     model, config = load_model(source)
     tokenizer = load_tokenizer(source)
-    figures = decode_and_prefill(model, tokenizer, config["vocab_size"],
-                                 lengths=settings["lengths"],
-                                 decode_tokens=settings["decode_tokens"], runs=settings["runs"],
-                                 long_runs=settings["long_runs"])
-    del model
-    gc.collect()
-    return figures
+    return decode_and_prefill(model, tokenizer, config["vocab_size"],
+                              lengths=settings["lengths"],
+                              decode_tokens=settings["decode_tokens"], runs=settings["runs"],
+                              long_runs=settings["long_runs"])
 
 
 def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Path,
@@ -241,8 +262,7 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
                "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
                "--long-runs", str(settings["long_runs"])]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                             env=baseline_env())
         if run.returncode != 0 or not out.exists():
             tail = (run.stdout + run.stderr).strip()[-800:]
             return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
@@ -396,3 +416,26 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    """`python -m benchmarks.bench --single SOURCE [--settings JSON] [--out FILE]`: mlx-lm's
+    one-process figures, as `measure_single` runs them in a process of its own."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench",
+        description="mlx-lm's decode and prefill figures in this process (shoal bench runs "
+                    "the whole comparison)")
+    parser.add_argument("--single", type=Path, required=True, metavar="SOURCE",
+                        help="the checkpoint, as mlx-lm loads it")
+    parser.add_argument("--settings", type=json.loads, default=FULL, metavar="JSON",
+                        help="lengths, decode_tokens, runs and long_runs (default: the full "
+                             "bench's)")
+    parser.add_argument("--out", type=Path, help="write the figures here (default: print)")
+    args = parser.parse_args()
+    figures = json.dumps(measure_single_here(args.single, args.settings))
+    if args.out is None:
+        print(figures)
+    else:
+        args.out.write_text(figures)
+
+
+if __name__ == "__main__":
+    main()

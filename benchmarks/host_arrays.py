@@ -8,6 +8,8 @@ around it, us (median): the probe behind `to_gpu_reader` in engine/tensors.py.
 - `host_read_device_output`: `np.asarray` of a kernel's output held in device memory (MLX's
   CUDA backend moves it to managed memory first), cache cleared before each.
 - `host_read_warm`: the same once MLX's cache holds managed buffers of that size.
+- `make_array`: `mx.array` of host bytes alone (no kernel), and `advise_call`: the
+  `to_gpu_reader` call alone on such an array (what `to_mlx` adds on CUDA).
 
     python -m benchmarks.host_arrays [--json]
 """
@@ -69,7 +71,12 @@ def probe(size: int, count: int) -> dict[str, float]:
     def read(y: mx.array) -> None:
         np.asarray(y)[0, 0]
 
+    def advise_only(array: mx.array) -> None:
+        to_gpu_reader(array)
+
     return {
+        "make_array": median_us(lambda: None, lambda _: mx.array(host), count),
+        "advise_call": median_us(lambda: mx.array(host), advise_only, count),
         "kernel_on_resident": median_us(lambda: resident, plus_one, count),
         "first_read_of_host_array": median_us(lambda: mx.array(host), plus_one, count),
         "first_read_advised": median_us(advised, plus_one, count),

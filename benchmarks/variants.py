@@ -7,8 +7,13 @@ at a 16-token prompt) and the per-layer decode breakdown, as `shoal bench` measu
     python -m benchmarks.variants --quick plain: graphs-off:MLX_USE_CUDA_GRAPHS=0
 
 A variant is LABEL:VAR=VALUE[,VAR=VALUE...] (nothing after the colon: the environment as it
-is). Run them alternately (a b a b) on a noisy machine: the spread between runs of one
-variant is the error bar.
+is). `workers.VAR=VALUE` sets VAR for the two workers only, `coordinator.VAR=VALUE` for the
+coordinator only (its workers then run without VAR):
+
+    python -m benchmarks.variants both: coordinator:coordinator.MLX_USE_CUDA_GRAPHS=0
+
+Run them alternately (a b a b) on a noisy machine: the spread between runs of one variant is
+the error bar.
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.cuda import launch_directly
+
 RESULT = "RESULT "
+WORKER_ENV = "SHOAL_VARIANT_WORKER_ENV"  # parent -> child: the workers' own settings (JSON)
+SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int) -> dict:
@@ -38,7 +47,8 @@ def measure(quick: bool, runs: int) -> dict:
     ensure_secret(secret)
     logs = root / "variant-logs"
     logs.mkdir(exist_ok=True)
-    workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs)
+    workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
+                            places=[(worker_prefix(), "127.0.0.1")] * 2)
     try:
         remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))
         try:
@@ -57,15 +67,34 @@ def measure(quick: bool, runs: int) -> dict:
             "breakdown": {k: round(v) for k, v in dispatch["breakdown"].items()}}
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+def worker_prefix() -> list[str]:
+    """`env` with the workers' own settings (a value of None: unset for them)."""
+    settings = json.loads(os.environ.get(WORKER_ENV, "{}"))
+    prefix = ["env"]
+    for name, value in settings.items():
+        prefix += ["-u", name] if value is None else [f"{name}={value}"]
+    return prefix
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, str | None]]:
+    """(label, the coordinator's environment changes, the workers' own settings)."""
     label, _, assignments = text.partition(":")
-    env = {}
+    env: dict[str, str] = {}
+    workers: dict[str, str | None] = {}
     for item in filter(None, assignments.split(",")):
         name, equals, value = item.partition("=")
-        if not equals or not name:
-            raise SystemExit(f"variant {text!r}: expected LABEL:VAR=VALUE[,VAR=VALUE...]")
-        env[name] = value
-    return label, env
+        scope, dot, bare = name.partition(".")
+        if not equals or not name or (dot and scope not in SCOPES) or (dot and not bare):
+            raise SystemExit(f"variant {text!r}: expected LABEL:[SCOPE.]VAR=VALUE[,...] with "
+                             f"SCOPE one of {', '.join(SCOPES)}")
+        if scope == "workers":
+            workers[bare] = value
+        elif scope == "coordinator":
+            env[bare] = value
+            workers.setdefault(bare, os.environ.get(bare))  # as it was, for the workers
+        else:
+            env[name] = value
+    return label, env, workers
 
 
 def main() -> None:
@@ -79,14 +108,16 @@ def main() -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     if args.one:
+        launch_directly()  # as `shoal` does, before any kernel (engine/cuda.py)
         print(RESULT + json.dumps(measure(args.quick, args.runs)), flush=True)
         return
     for text in args.variants:
-        label, env = parse_variant(text)
+        label, env, workers = parse_variant(text)
         command = [sys.executable, "-m", "benchmarks.variants", "--one", "--runs",
                    str(args.runs), *(["--quick"] if args.quick else [])]
-        child = subprocess.run(command, env={**os.environ, **env}, capture_output=True,
-                               text=True, timeout=900, cwd=Path(__file__).parent.parent)
+        child = subprocess.run(command, env={**os.environ, **env, WORKER_ENV: json.dumps(workers)},
+                               capture_output=True, text=True, timeout=900,
+                               cwd=Path(__file__).parent.parent)
         lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT)]
         if not lines:
             print(f"{label}: failed ({child.returncode}): {child.stderr[-1500:]}", flush=True)

@@ -17,6 +17,8 @@ import numpy as np
 
 from benchmarks.bench import FULL, QUICK, prepare
 from coordinator.demo import cache_root
+from engine import tensors
+from engine.cuda import launch_directly
 from engine.tensors import mlx_dtype, to_mlx
 from worker.residency import Request, Residency
 from worker.store import scan_stores
@@ -24,8 +26,9 @@ from worker.store import scan_stores
 # "record" notes the request's heat before the reply; "settle" counts it after the reply is
 # sent (worker/holdings.py), off the reply's path
 PARTS = ("validate", "count", "build", "evaluate", "record", "settle")
-# "build" split in two, once more after the timed pass: the arrays into MLX, then the graph
-BUILD_PARTS = ("to_mlx", "graph")
+# "build" split in two, once more after the timed pass: the arrays into MLX, then the graph;
+# "advice" is the part of to_mlx spent in engine.tensors.to_gpu_reader (CUDA only)
+BUILD_PARTS = ("to_mlx", "advice", "graph")
 
 
 def requests(residency: Residency, count: int, experts_per_row: int = 4) -> list[Request]:
@@ -77,6 +80,14 @@ def run(quick: bool, count: int) -> dict:
         residency.compute(r)
     whole = (time.perf_counter() - started) / count
     build = dict.fromkeys(BUILD_PARTS, 0.0)
+    advise = tensors.to_gpu_reader
+
+    def timed_advice(array: mx.array) -> None:
+        before = time.perf_counter()
+        advise(array)
+        build["advice"] += time.perf_counter() - before
+
+    tensors.to_gpu_reader = timed_advice  # to_mlx looks it up at each call
     for r in timed:  # as ExpertRunner.gathered builds a decode request's call
         runner, stack = residency.runners[r.layer], residency._stack(r.layer)
         positions = stack.positions[r.experts].reshape(1, -1)
@@ -88,6 +99,7 @@ def run(quick: bool, count: int) -> dict:
         mx.eval(out)
         build["to_mlx"] += t1 - t0
         build["graph"] += t2 - t1
+    tensors.to_gpu_reader = advise
     residency.close()
     return {"device": str(mx.default_device()), "requests": count,
             "parts_us": {p: 1e6 * s / count for p, s in seconds.items()},
@@ -102,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2000, metavar="N",
                         help="timed decode requests (default 2000)")
     args = parser.parse_args(argv)
+    launch_directly()  # as shoal-worker does, before any kernel (engine/cuda.py)
     print(json.dumps(run(args.quick, args.requests), indent=1))
 
 

@@ -24,6 +24,7 @@ from engine.cache_policy import (
     parse_budget,
     resolve_budget,
 )
+from engine.cuda import launch_directly
 from engine.errors import ShoalError
 from engine.interfaces import (
     advertised_addresses,
@@ -342,6 +343,7 @@ def announced_addresses(host: str, interface: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    launch_directly()  # before any kernel: MLX reads it once (engine/cuda.py)
     args = parse_args(argv)
     try:
         serve(args)
