@@ -29,9 +29,9 @@ from coordinator.demo import build_once, cache_root
 from coordinator.generate import breakdown_table, open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
-from engine.cuda import environment_as_given
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
+from engine.process import environment_as_given
 from engine.sharding import shard
 from engine.tensors import decode, encode
 from proto import shoal_pb2
@@ -67,7 +67,7 @@ def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
 
 def baseline_env() -> dict[str, str]:
     """mlx-lm's baselines run as the user would run mlx-lm: without the launch setting Shoal
-    gives its own processes (engine/cuda.py), with this checkout importable."""
+    gives its own processes (engine/process.py), with this checkout importable."""
     env = environment_as_given()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env

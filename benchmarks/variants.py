@@ -26,14 +26,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.cuda import launch_directly
+from engine.process import launch_directly
 
 RESULT = "RESULT "
 WORKER_ENV = "SHOAL_VARIANT_WORKER_ENV"  # parent -> child: the workers' own settings (JSON)
 SCOPES = ("workers", "coordinator")
 
 
-def measure(quick: bool, runs: int) -> dict:
+def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
     from benchmarks.bench import FULL, QUICK, decode_dispatch, prepare
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.demo import cache_root
@@ -58,13 +58,26 @@ def measure(quick: bool, runs: int) -> dict:
             speeds = [timed_generation(remote.model, remote.tokenizer, prompt, 32)[1]
                       for _ in range(runs)]
             dispatch = decode_dispatch(remote, vocab, 32, 16)
+            prompt_pass = {}
+            if prefill:
+                long_prompt = bench_prompt(vocab, prefill)
+                timed_generation(remote.model, remote.tokenizer, long_prompt, 1)  # warm-up
+                stats = remote.dispatcher.stats
+                stats.reset()
+                rates = [timed_generation(remote.model, remote.tokenizer, long_prompt, 1)[0]
+                         for _ in range(runs)]
+                prompt_pass = {
+                    f"prefill{prefill}_tok_s": round(statistics.median(rates), 1),
+                    f"prefill{prefill}_runs": [round(r, 1) for r in rates],
+                    "prefill_breakdown": {k: round(v) for k, v in
+                                          stats.prefill.breakdown().items()}}
         finally:
             remote.close()
     finally:
         stop_workers(workers)
     return {"tok_s": round(statistics.median(speeds), 1),
             "runs": [round(s, 1) for s in speeds],
-            "breakdown": {k: round(v) for k, v in dispatch["breakdown"].items()}}
+            "breakdown": {k: round(v) for k, v in dispatch["breakdown"].items()}, **prompt_pass}
 
 
 def worker_prefix() -> list[str]:
@@ -105,16 +118,19 @@ def main() -> None:
                         help="one run per variant, in the order given")
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="also time the prompt pass of an N-token prompt (--runs times)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     if args.one:
-        launch_directly()  # as `shoal` does, before any kernel (engine/cuda.py)
-        print(RESULT + json.dumps(measure(args.quick, args.runs)), flush=True)
+        launch_directly()  # as `shoal` does, before any kernel (engine/process.py)
+        print(RESULT + json.dumps(measure(args.quick, args.runs, args.prefill)), flush=True)
         return
     for text in args.variants:
         label, env, workers = parse_variant(text)
         command = [sys.executable, "-m", "benchmarks.variants", "--one", "--runs",
-                   str(args.runs), *(["--quick"] if args.quick else [])]
+                   str(args.runs), "--prefill", str(args.prefill),
+                   *(["--quick"] if args.quick else [])]
         child = subprocess.run(command, env={**os.environ, **env, WORKER_ENV: json.dumps(workers)},
                                capture_output=True, text=True, timeout=900,
                                cwd=Path(__file__).parent.parent)

@@ -18,7 +18,7 @@ import numpy as np
 from benchmarks.bench import FULL, QUICK, prepare
 from coordinator.demo import cache_root
 from engine import tensors
-from engine.cuda import launch_directly
+from engine.process import launch_directly
 from engine.tensors import mlx_dtype, to_mlx
 from worker.residency import Request, Residency
 from worker.store import scan_stores
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=2000, metavar="N",
                         help="timed decode requests (default 2000)")
     args = parser.parse_args(argv)
-    launch_directly()  # as shoal-worker does, before any kernel (engine/cuda.py)
+    launch_directly()  # as shoal-worker does, before any kernel (engine/process.py)
     print(json.dumps(run(args.quick, args.requests), indent=1))
 
 

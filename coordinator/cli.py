@@ -23,8 +23,8 @@ from coordinator.commands import (
     shard,
     workers,
 )
-from engine.cuda import launch_directly
 from engine.errors import ShoalError
+from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
 COMMANDS = (cluster_init, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     # Everything Shoal reads is local; never let a library reach for a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    launch_directly()  # before any kernel: MLX reads it once (engine/cuda.py)
+    launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
     try:
         args.main(args)

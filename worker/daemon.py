@@ -24,7 +24,6 @@ from engine.cache_policy import (
     parse_budget,
     resolve_budget,
 )
-from engine.cuda import launch_directly
 from engine.errors import ShoalError
 from engine.interfaces import (
     advertised_addresses,
@@ -32,6 +31,7 @@ from engine.interfaces import (
     local_interfaces,
     select_interface,
 )
+from engine.process import launch_directly
 from engine.tls import Identity
 from proto import (
     PROTOCOL_VERSION,
@@ -343,7 +343,7 @@ def announced_addresses(host: str, interface: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    launch_directly()  # before any kernel: MLX reads it once (engine/cuda.py)
+    launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = parse_args(argv)
     try:
         serve(args)

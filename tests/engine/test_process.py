@@ -1,11 +1,11 @@
-"""Shoal's CUDA launch setting: defaulted for Shoal's processes, the user's choice kept, and
-the environment as given recovered for programs that are not Shoal's (mlx-lm's baselines)."""
+"""The launch setting Shoal gives its own processes: applied unless the user chose, and the
+environment as given recovered for programs that are not Shoal's (mlx-lm's baselines)."""
 
 import os
 
 import pytest
 
-from engine.cuda import CHOSEN_BY_SHOAL, GRAPHS, environment_as_given, launch_directly
+from engine.process import CHOSEN_BY_SHOAL, GRAPHS, environment_as_given, launch_directly
 
 
 @pytest.fixture

@@ -1,0 +1,181 @@
+"""What moving one MoE layer call's bytes costs, without expert work: the coordinator's
+`WorkerLink`s to real `ExpertServicer`s (TLS, the worker's server options and interceptors)
+whose experts are stand-ins that answer zeros of the right shape at once, against the bare
+gRPC echo (benchmarks/echo.py) of the same sizes and fan-out, median ms per call.
+
+A prompt pass moves megabytes per layer (bench checkpoint, 512 tokens, 2 workers: 1 MB out and
+4 MB back per worker in bfloat16): this is the part of its round trip that is not compute.
+
+`--keep-large-blocks` has glibc's malloc, in every process of the run, serve blocks up to
+32 MB from its heap and keep up to 256 MB of freed heap (`mallopt`), where by default it maps
+every block from 128 KB fresh from the system and unmaps it when freed, so that each page of
+each message's buffers faults on first touch: a trial (docs/benchmarks.md), not what Shoal does.
+
+    python -m benchmarks.link_bytes [--tokens 512] [--keep-large-blocks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.echo import round_trips
+from benchmarks.echo import serve as echo_serve
+from coordinator.link import WorkerLink
+from engine.auth import ensure_secret, load_secret
+from engine.tensors import encode
+from proto import shoal_pb2, shoal_pb2_grpc
+from worker.daemon import bind
+from worker.residency import Request, Timing
+from worker.service import ExpertServicer
+
+WIDTH, TOP_K, WORKERS = 1024, 8, 2  # the bench checkpoint's shapes
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
+def keep_large_blocks() -> bool:
+    """glibc only: blocks up to 32 MB (its ceiling) from the heap, up to 256 MB of freed heap
+    kept; True if glibc took both."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1
+
+
+class _Holdings:
+    version = 1
+
+    def settle(self) -> None:
+        pass
+
+
+class _StandInExperts:
+    """In place of a Residency: every pair's output is zeros, computed at once."""
+
+    holdings = _Holdings()
+
+    def compute(self, request: Request, timing: Timing) -> mx.array:
+        out = mx.zeros((request.rows.size, request.hidden.shape[1]), mx.bfloat16)
+        mx.eval(out)
+        return out
+
+
+class _StandInServicer(ExpertServicer):
+    def __init__(self) -> None:  # noqa: D107 (no stores, no files: Compute only)
+        self.residency = _StandInExperts()
+        self.node_id = "stand-in"
+
+
+def serve(secret_file: Path) -> None:
+    """The stand-in worker: prints its port, serves until killed."""
+    secret = load_secret(secret_file)
+    server, port = bind("127.0.0.1", 0, futures.ThreadPoolExecutor(8), secret,
+                        secret.require_identity())
+    shoal_pb2_grpc.add_ExpertServiceServicer_to_server(_StandInServicer(), server)
+    server.start()
+    print(port, flush=True)
+    time.sleep(3600)
+
+
+def link_calls(addresses: list[str], secret_file: Path, tokens: int, calls: int) -> float:
+    """Median seconds of one layer call: a request to every worker, then every reply."""
+    links = [WorkerLink(a, load_secret(secret_file)) for a in addresses]
+    hidden = np.zeros((tokens, WIDTH), np.uint16)  # bfloat16's bytes
+    per_worker = TOP_K // WORKERS
+    rows = np.repeat(np.arange(tokens, dtype=np.int32), per_worker)
+    experts = np.tile(np.arange(per_worker, dtype=np.int32), tokens)
+    times = []
+    try:
+        for i in range(calls + 5):
+            started = time.perf_counter()
+            for link in links:
+                link.send(shoal_pb2.ExpertRequest(
+                    seq=i + 1, layer=1, hidden=encode(hidden, "bfloat16"),
+                    rows=encode(rows, "int32"), experts=encode(experts, "int32"),
+                    call_pairs=tokens * TOP_K))
+            for link in links:
+                reply = link.receive(60.0)
+                np.frombuffer(reply.output.data, np.uint16)  # read, as dispatch does
+            if i >= 5:
+                times.append(time.perf_counter() - started)
+    finally:
+        for link in links:
+            link.close()
+    return statistics.median(times)
+
+
+def run(tokens: int, calls: int, keep: bool) -> dict:
+    kept = keep_large_blocks() if keep else False
+    flags = ["--keep-large-blocks"] if keep else []
+    with tempfile.TemporaryDirectory() as tmp:
+        secret_file = Path(tmp) / "secret"
+        ensure_secret(secret_file)
+        request_bytes = tokens * WIDTH * 2
+        reply_bytes = tokens * TOP_K // WORKERS * WIDTH * 2
+        servers = []
+        try:
+            for _ in range(WORKERS):
+                servers.append(subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.link_bytes", "--serve", str(secret_file),
+                     *flags], stdout=subprocess.PIPE, text=True))
+            ports = [int(s.stdout.readline()) for s in servers]
+            shoal = link_calls([f"127.0.0.1:{p}" for p in ports], secret_file, tokens, calls)
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait()
+        echoes = []
+        try:
+            for _ in range(WORKERS):
+                echoes.append(subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.link_bytes", "--echo", str(secret_file),
+                     "--reply-bytes", str(reply_bytes), *flags],
+                    stdout=subprocess.PIPE, text=True))
+            addresses = [e.stdout.readline().split()[-1] for e in echoes]
+            echo = round_trips(addresses, request_bytes, calls, warmup=5,
+                               identity=load_secret(secret_file).require_identity())
+        finally:
+            for e in echoes:
+                e.kill()
+                e.wait()
+    return {"tokens": tokens, "workers": WORKERS, "request_bytes": request_bytes,
+            "reply_bytes": reply_bytes, "large_blocks_kept": kept,
+            "shoal_link_ms": round(1e3 * shoal, 2), "echo_ms": round(1e3 * echo, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.link_bytes",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=512, help="rows of the layer call")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--keep-large-blocks", action="store_true",
+                        help="glibc's malloc keeps large blocks in every process (see above)")
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # a stand-in worker
+    parser.add_argument("--echo", type=Path, help=argparse.SUPPRESS)  # an echo server
+    parser.add_argument("--reply-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.keep_large_blocks:
+        keep_large_blocks()
+    if args.serve:
+        serve(args.serve)
+    elif args.echo:
+        echo_serve("127.0.0.1", 0, args.reply_bytes, load_secret(args.echo).require_identity())
+    else:
+        print(json.dumps(run(args.tokens, args.calls, args.keep_large_blocks)))
+
+
+if __name__ == "__main__":
+    main()

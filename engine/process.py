@@ -1,0 +1,37 @@
+"""Settings Shoal gives its own processes (`shoal`, `shoal-worker`) for the libraries under
+them, each unless the user chose otherwise; `launch_directly` runs first thing in both commands.
+
+- **MLX's CUDA backend launches each evaluation's kernels as they come**, instead of capturing
+  them into a CUDA graph first (MLX's default). A coordinator evaluates at every MoE layer (it
+  must read the router's choice) and a worker at every request: short runs of a few kernels,
+  where capturing and launching a graph costs more than it saves. On the H200 machine
+  (`python -m benchmarks.variants`, docs/benchmarks.md) the coordinator's wait for a layer's
+  attention and router fell from 900-916 to 557-573 us with graphs off in every process, and
+  decode rose from 23.0 to 25.6 and from 23.9 to 27.2 tok/s in two alternated pairs; the same
+  kernels run either way (`python -m benchmarks.greedy_digest`: every logit's bits equal).
+  MLX reads the setting once per process, at its first kernel. Elsewhere it means nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+GRAPHS = "MLX_USE_CUDA_GRAPHS"
+CHOSEN_BY_SHOAL = "SHOAL_CUDA_GRAPHS_DEFAULTED"  # set beside it when Shoal chose, not the user
+
+
+def launch_directly() -> None:
+    """Turn MLX's CUDA graphs off for this process and those it starts, unless the user set
+    MLX_USE_CUDA_GRAPHS (either way: theirs is kept)."""
+    if GRAPHS not in os.environ:
+        os.environ[GRAPHS] = "0"
+        os.environ[CHOSEN_BY_SHOAL] = "1"
+
+
+def environment_as_given() -> dict[str, str]:
+    """This process's environment without what `launch_directly` added: for starting another
+    program (mlx-lm's own baselines in `shoal bench`) as the user would have run it."""
+    env = dict(os.environ)
+    if env.pop(CHOSEN_BY_SHOAL, None):
+        env.pop(GRAPHS, None)
+    return env
