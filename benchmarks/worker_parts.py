@@ -88,18 +88,20 @@ def run(quick: bool, count: int) -> dict:
         build["advice"] += time.perf_counter() - before
 
     tensors.to_gpu_reader = timed_advice  # to_mlx looks it up at each call
-    for r in timed:  # as ExpertRunner.gathered builds a decode request's call
-        runner, stack = residency.runners[r.layer], residency._stack(r.layer)
-        positions = stack.positions[r.experts].reshape(1, -1)
-        t0 = time.perf_counter()
-        x, inds = to_mlx(([r.hidden], mlx_dtype(r.dtype)), ([positions], mx.int32))
-        t1 = time.perf_counter()
-        out = runner.module(x, inds)
-        t2 = time.perf_counter()
-        mx.eval(out)
-        build["to_mlx"] += t1 - t0
-        build["graph"] += t2 - t1
-    tensors.to_gpu_reader = advise
+    try:
+        for r in timed:  # as ExpertRunner.gathered builds a decode request's call
+            runner, stack = residency.runners[r.layer], residency._stack(r.layer)
+            positions = stack.positions[r.experts].reshape(1, -1)
+            t0 = time.perf_counter()
+            x, inds = to_mlx(([r.hidden], mlx_dtype(r.dtype)), ([positions], mx.int32))
+            t1 = time.perf_counter()
+            out = runner.module(x, inds)
+            t2 = time.perf_counter()
+            mx.eval(out)
+            build["to_mlx"] += t1 - t0
+            build["graph"] += t2 - t1
+    finally:
+        tensors.to_gpu_reader = advise
     residency.close()
     return {"device": str(mx.default_device()), "requests": count,
             "parts_us": {p: 1e6 * s / count for p, s in seconds.items()},
