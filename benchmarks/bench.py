@@ -73,19 +73,28 @@ def baseline_env() -> dict[str, str]:
     return env
 
 
+def baseline_figures(what: str, command: Callable[[Path], list[str]]) -> dict:
+    """Run an mlx-lm baseline in processes of its own, `command(out)` writing its figures as
+    JSON to `out`; the figures, or {"error": ...} naming `what` with the output's tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        run = subprocess.run(command(out), capture_output=True, text=True, timeout=1800,
+                             cwd=REPO, env=baseline_env())
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stdout + run.stderr).strip()[-800:]
+            return {"error": f"{what} failed with {run.returncode}: {tail}"}
+        return json.loads(out.read_text())
+
+
 def measure_single(source: Path, settings: dict) -> dict:
     """mlx-lm in one process, a process of its own (MLX reads its CUDA launch setting once per
     process, and this one runs Shoal's coordinator with Shoal's)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "figures.json"
-        run = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench", "--single", str(source),
-             "--settings", json.dumps(settings), "--out", str(out)],
-            capture_output=True, text=True, timeout=1800, cwd=REPO, env=baseline_env())
-        if run.returncode != 0 or not out.exists():
-            tail = (run.stdout + run.stderr).strip()[-800:]
-            raise ShoalError(f"mlx-lm in one process failed with {run.returncode}: {tail}")
-        return json.loads(out.read_text())
+    figures = baseline_figures("mlx-lm in one process", lambda out: [
+        sys.executable, "-m", "benchmarks.bench", "--single", str(source),
+        "--settings", json.dumps(settings), "--out", str(out)])
+    if "error" in figures:  # every ratio is taken against it
+        raise ShoalError(figures["error"])
+    return figures
 
 
 def measure_single_here(source: Path, settings: dict) -> dict:
@@ -253,20 +262,13 @@ def wait_for_line(path: Path, pattern: str, timeout: float = 60.0) -> str:
 def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
     """mlx-lm's own generation over mx.distributed: 2 ranks, ring backend on loopback."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "figures.json"
-        cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable,
-               str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
-               "--mode", mode, "--out", str(out),
-               "--prompt-lengths", ",".join(map(str, settings["lengths"])),
-               "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
-               "--long-runs", str(settings["long_runs"])]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO,
-                             env=baseline_env())
-        if run.returncode != 0 or not out.exists():
-            tail = (run.stdout + run.stderr).strip()[-800:]
-            return {"error": f"mlx.launch ({mode}) failed with {run.returncode}: {tail}"}
-        return json.loads(out.read_text())
+    return baseline_figures(f"mlx.launch ({mode})", lambda out: [
+        str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable,
+        str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
+        "--mode", mode, "--out", str(out),
+        "--prompt-lengths", ",".join(map(str, settings["lengths"])),
+        "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
+        "--long-runs", str(settings["long_runs"])])
 
 
 def measure_shoal_on(network: str, sharded: Path, settings: dict, secret_file: Path,

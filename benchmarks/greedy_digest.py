@@ -31,7 +31,6 @@ def run(quick: bool, tokens: int) -> dict:
     prompt = mx.array(bench_prompt(tokenizer.vocab_size, 16))[None]
     digest = hashlib.sha256()
     out: list[int] = []
-    seconds = 0.0
     for attempt in range(2):  # the first pass warms up; the second is digested and timed
         cache = make_prompt_cache(model)
         logits = model(prompt, cache=cache)[:, -1, :]

@@ -3,8 +3,10 @@
 whose experts are stand-ins that answer zeros of the right shape at once, against the bare
 gRPC echo (benchmarks/echo.py) of the same sizes and fan-out, median ms per call.
 
-A prompt pass moves megabytes per layer (bench checkpoint, 512 tokens, 2 workers: 1 MB out and
-4 MB back per worker in bfloat16): this is the part of its round trip that is not compute.
+A prompt pass moves megabytes per layer: with the bench checkpoint's shapes, 512 tokens and 2
+workers, 1 MB out and 4 MB back per worker in bfloat16, as a real model's activations travel
+(the bench checkpoint's own are float32, twice that): the part of its round trip that is not
+compute.
 
 `--keep-large-blocks` has glibc's malloc, in every process of the run, serve blocks up to
 32 MB from its heap and keep up to 256 MB of freed heap (`mallopt`), where by default it maps
@@ -17,6 +19,7 @@ each message's buffers faults on first touch: a trial (docs/benchmarks.md), not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import statistics
@@ -24,12 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.bench import REPO, wait_for_line
 from benchmarks.echo import round_trips
 from benchmarks.echo import serve as echo_serve
 from coordinator.link import WorkerLink
@@ -80,13 +85,13 @@ class _StandInServicer(ExpertServicer):
 
 
 def serve(secret_file: Path) -> None:
-    """The stand-in worker: prints its port, serves until killed."""
+    """The stand-in worker: prints its address, serves until killed."""
     secret = load_secret(secret_file)
     server, port = bind("127.0.0.1", 0, futures.ThreadPoolExecutor(8), secret,
                         secret.require_identity())
     shoal_pb2_grpc.add_ExpertServiceServicer_to_server(_StandInServicer(), server)
     server.start()
-    print(port, flush=True)
+    print(f"stand-in serving on 127.0.0.1:{port}", flush=True)
     time.sleep(3600)
 
 
@@ -117,6 +122,25 @@ def link_calls(addresses: list[str], secret_file: Path, tokens: int, calls: int)
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def servers(folder: Path, args: list[str]) -> Iterator[list[str]]:
+    """WORKERS processes of this module run with `args` (stand-in workers or echo servers),
+    their addresses once each serves (bounded: bench.wait_for_line); killed by PID after."""
+    logs = [folder / f"{args[0].strip('-')}-{k}.log" for k in range(WORKERS)]
+    procs = []
+    try:
+        for log in logs:
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.link_bytes", *args],
+                    stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
+        yield [wait_for_line(log, r"on (\S+:\d+)") for log in logs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
 def run(tokens: int, calls: int, keep: bool) -> dict:
     kept = keep_large_blocks() if keep else False
     flags = ["--keep-large-blocks"] if keep else []
@@ -125,32 +149,12 @@ def run(tokens: int, calls: int, keep: bool) -> dict:
         ensure_secret(secret_file)
         request_bytes = tokens * WIDTH * 2
         reply_bytes = tokens * TOP_K // WORKERS * WIDTH * 2
-        servers = []
-        try:
-            for _ in range(WORKERS):
-                servers.append(subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.link_bytes", "--serve", str(secret_file),
-                     *flags], stdout=subprocess.PIPE, text=True))
-            ports = [int(s.stdout.readline()) for s in servers]
-            shoal = link_calls([f"127.0.0.1:{p}" for p in ports], secret_file, tokens, calls)
-        finally:
-            for s in servers:
-                s.kill()
-                s.wait()
-        echoes = []
-        try:
-            for _ in range(WORKERS):
-                echoes.append(subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.link_bytes", "--echo", str(secret_file),
-                     "--reply-bytes", str(reply_bytes), *flags],
-                    stdout=subprocess.PIPE, text=True))
-            addresses = [e.stdout.readline().split()[-1] for e in echoes]
+        with servers(Path(tmp), ["--serve", str(secret_file), *flags]) as addresses:
+            shoal = link_calls(addresses, secret_file, tokens, calls)
+        with servers(Path(tmp), ["--echo", str(secret_file), "--reply-bytes", str(reply_bytes),
+                                 *flags]) as addresses:
             echo = round_trips(addresses, request_bytes, calls, warmup=5,
                                identity=load_secret(secret_file).require_identity())
-        finally:
-            for e in echoes:
-                e.kill()
-                e.wait()
     return {"tokens": tokens, "workers": WORKERS, "request_bytes": request_bytes,
             "reply_bytes": reply_bytes, "large_blocks_kept": kept,
             "shoal_link_ms": round(1e3 * shoal, 2), "echo_ms": round(1e3 * echo, 2)}
