@@ -33,8 +33,8 @@ from engine.errors import ShoalError
 from engine.manifest import read_manifest
 from engine.process import environment_as_given
 from engine.sharding import shard
-from engine.tensors import decode, encode
-from proto import shoal_pb2
+from engine.tensors import decode
+from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 # runs: generations at the shortest prompt (the decode figure); long_runs: at each longer one
@@ -188,15 +188,15 @@ def serialization_us(width: int, rows: int, pairs: int, repeat: int = 50) -> dic
     index = np.arange(pairs, dtype=np.int32)
 
     def request() -> None:
-        wire = shoal_pb2.ExpertRequest(
-            seq=1, layer=1, hidden=encode(hidden, "float32"), rows=encode(index % rows, "int32"),
-            experts=encode(index, "int32")).SerializeToString()
-        message = shoal_pb2.ExpertRequest.FromString(wire)
-        decode(message.hidden, what="hidden", ndim=2)
+        wire = EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(seq=1, layer=1),
+                                    hidden=(hidden, "float32"), rows=(index % rows, "int32"),
+                                    experts=(index, "int32"))
+        _, tensors = EXPERT_REQUEST.read(wire, "request")
+        decode(tensors["hidden"], what="hidden", ndim=2)
 
     def reply() -> None:
-        wire = shoal_pb2.ExpertReply(seq=1, output=encode(outputs, "float32")).SerializeToString()
-        decode(shoal_pb2.ExpertReply.FromString(wire).output, what="output", ndim=2)
+        wire = EXPERT_REPLY.write(shoal_pb2.ExpertReply(seq=1), output=(outputs, "float32"))
+        decode(EXPERT_REPLY.read(wire, "reply")[1]["output"], what="output", ndim=2)
 
     figures = {}
     for name, step in (("request", request), ("reply", reply)):

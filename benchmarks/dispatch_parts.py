@@ -18,8 +18,7 @@ import numpy as np
 
 from coordinator.dispatch import Dispatcher
 from engine.placement import replica_routes
-from engine.tensors import encode
-from proto import shoal_pb2
+from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
 
 WIDTH, TOP_K, EXPERTS, WORKERS = 1024, 8, 64, 2
 
@@ -30,17 +29,17 @@ class _Link:
     def __init__(self, index: int) -> None:
         self.address = f"stand-in-{index}"
         self.inventory = None
-        self._requests: list[shoal_pb2.ExpertRequest] = []
+        self._requests: list[bytes] = []
 
-    def send(self, request: shoal_pb2.ExpertRequest) -> None:
+    def send(self, request: bytes) -> None:
         self._requests.append(request)
 
-    def receive(self, timeout: float) -> shoal_pb2.ExpertReply:
-        request = self._requests.pop(0)
-        pairs = len(request.experts.data) // 4
-        output = np.zeros((pairs, WIDTH), np.float32)
-        return shoal_pb2.ExpertReply(seq=request.seq, output=encode(output, "float32"),
-                                     timing=shoal_pb2.WorkerTiming())
+    def receive(self, timeout: float) -> bytes:
+        request, tensors = EXPERT_REQUEST.read(self._requests.pop(0), "request")
+        output = np.zeros((tensors["experts"].shape[0], WIDTH), np.float32)
+        return EXPERT_REPLY.write(
+            shoal_pb2.ExpertReply(seq=request.seq, timing=shoal_pb2.WorkerTiming()),
+            output=(output, "float32"))
 
     def reset(self) -> None:
         self._requests.clear()

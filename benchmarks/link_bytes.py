@@ -39,8 +39,7 @@ from benchmarks.echo import round_trips
 from benchmarks.echo import serve as echo_serve
 from coordinator.link import WorkerLink
 from engine.auth import ensure_secret, load_secret
-from engine.tensors import encode
-from proto import shoal_pb2, shoal_pb2_grpc
+from proto import EXPERT_REPLY, EXPERT_REQUEST, add_expert_service, shoal_pb2
 from worker.daemon import bind
 from worker.residency import Request, Timing
 from worker.service import ExpertServicer
@@ -89,7 +88,7 @@ def serve(secret_file: Path) -> None:
     secret = load_secret(secret_file)
     server, port = bind("127.0.0.1", 0, futures.ThreadPoolExecutor(8), secret,
                         secret.require_identity())
-    shoal_pb2_grpc.add_ExpertServiceServicer_to_server(_StandInServicer(), server)
+    add_expert_service(_StandInServicer(), server)
     server.start()
     print(f"stand-in serving on 127.0.0.1:{port}", flush=True)
     time.sleep(3600)
@@ -106,14 +105,14 @@ def link_calls(addresses: list[str], secret_file: Path, tokens: int, calls: int)
     try:
         for i in range(calls + 5):
             started = time.perf_counter()
+            for link in links:  # written and read as dispatch does
+                link.send(EXPERT_REQUEST.write(
+                    shoal_pb2.ExpertRequest(seq=i + 1, layer=1, call_pairs=tokens * TOP_K),
+                    hidden=(hidden, "bfloat16"), rows=(rows, "int32"),
+                    experts=(experts, "int32")))
             for link in links:
-                link.send(shoal_pb2.ExpertRequest(
-                    seq=i + 1, layer=1, hidden=encode(hidden, "bfloat16"),
-                    rows=encode(rows, "int32"), experts=encode(experts, "int32"),
-                    call_pairs=tokens * TOP_K))
-            for link in links:
-                reply = link.receive(60.0)
-                np.frombuffer(reply.output.data, np.uint16)  # read, as dispatch does
+                _, tensors = EXPERT_REPLY.read(link.receive(60.0), "reply")
+                np.frombuffer(tensors["output"].data, np.uint16)
             if i >= 5:
                 times.append(time.perf_counter() - started)
     finally:

@@ -29,8 +29,8 @@ from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
 from engine.placement import LayerRoutes
-from engine.tensors import decode, dtype_name, encode, mlx_dtype, to_mlx, to_numpy
-from proto import shoal_pb2
+from engine.tensors import WireView, decode, dtype_name, mlx_dtype, to_mlx, to_numpy
+from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
 
 
 @dataclass
@@ -231,22 +231,21 @@ class Dispatcher:
             needed = tokens[first]  # the tokens this worker needs, each sent once
             rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
             self._seq += 1
-            request = shoal_pb2.ExpertRequest(
-                seq=self._seq,
-                layer=layer,
-                hidden=encode(hidden if needed.size == len(hidden) else hidden[needed],
-                              wire_dtype),
-                rows=encode(rows, "int32"),
-                experts=encode(experts[pairs], "int32"),
-                prefetch=hints.pop(worker, None),
-                call_pairs=experts.size,
+            request = EXPERT_REQUEST.write(
+                shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
+                                        prefetch=hints.pop(worker, None),
+                                        call_pairs=experts.size),
+                hidden=(hidden if needed.size == len(hidden) else hidden[needed], wire_dtype),
+                rows=(rows, "int32"),
+                experts=(experts[pairs], "int32"),
             )
             self.cluster.links[worker].send(request)
             self.stats.worker_requests[self.cluster.links[worker].address] += 1
             pending.append((worker, pairs, self._seq, time.perf_counter()))
-            stats.bytes_sent += request.ByteSize()
+            stats.bytes_sent += len(request)
         for worker, hint in hints.items():  # a hint alone gets no reply
-            self.cluster.links[worker].send(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint))
+            self.cluster.links[worker].send(
+                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)))
         stats.send_seconds += time.perf_counter() - started
         if shared is not None:
             before = time.perf_counter()
@@ -261,7 +260,7 @@ class Dispatcher:
             link = self.cluster.links[worker]
             pace = self._pace.setdefault(link.address, Pace())
             try:
-                reply = link.receive(pace.deadline(pairs.size))
+                data = link.receive(pace.deadline(pairs.size))
             except (Unavailable, Moved) as e:
                 for other, *_ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
@@ -269,6 +268,7 @@ class Dispatcher:
                     raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
             received = time.perf_counter()
+            reply, tensors = EXPERT_REPLY.read(data, f"reply of {link.address}")
             pace.observe(received - sent, pairs.size)
             if received - sent > critical[0]:
                 critical = (received - sent, reply)
@@ -277,15 +277,16 @@ class Dispatcher:
                 changed.append(link)
             if reply.seq != seq:
                 raise ShoalError(f"worker {link.address} answered request {reply.seq}, not {seq}")
-            values = decode(reply.output, what=f"output of {link.address}", ndim=2)
+            output = tensors.get("output", WireView())
+            values = decode(output, what=f"output of {link.address}", ndim=2)
             if values.shape != (pairs.size, width):
                 raise ShoalError(
                     f"worker {link.address} returned shape {values.shape} for layer {layer}, "
                     f"expected {(pairs.size, width)}"
                 )
             parts.append(values)
-            out_dtype = mlx_dtype(reply.output.dtype)
-            stats.bytes_received += reply.ByteSize()
+            out_dtype = mlx_dtype(output.dtype)
+            stats.bytes_received += len(data)
             stats.worker_compute_seconds += reply.compute_seconds
             slowest = max(slowest, reply.compute_seconds)
             parse_scatter += time.perf_counter() - received

@@ -19,9 +19,11 @@ from engine.auth import METADATA_KEY, Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from proto import (
+    COMPUTE,
     ERROR_CODES,
     GRPC_OPTIONS,
     PROTOCOL_VERSION,
+    SERVICE,
     error_class_for,
     secure_channel,
     shoal_pb2,
@@ -39,7 +41,6 @@ KEEPALIVE = [  # pings every 10 s on idle links, 5 s to answer one
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-SERVICE_NAME = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 # gRPC backs off up to 2 minutes between reconnects by default; a worker that comes back
 # should be taken in again within a second or two.
 _LINK_OPTIONS = [
@@ -179,8 +180,10 @@ class WorkerLink:
         self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
         self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # bytes both ways: messages are written and read by proto.EXPERT_REQUEST / EXPERT_REPLY
+        self._compute = self._channel.stream_stream(COMPUTE, _registered_method=True)
         self._requests: queue.SimpleQueue | None = None
-        self._replies: Iterator[shoal_pb2.ExpertReply] | None = None
+        self._replies: Iterator[bytes] | None = None
         # receive() and the watchdog agree under this lock on whether a reply is awaited
         self._waiting_lock = threading.Lock()
         self._waiting = None
@@ -230,7 +233,7 @@ class WorkerLink:
         started = time.perf_counter()
         try:
             reply = self._health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
+                health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=timeout
             )
         except grpc.RpcError as e:
             raise error_for(e, self.address, HEALTH) from None
@@ -238,17 +241,20 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is shutting down")
         return time.perf_counter() - started
 
-    def send(self, request: shoal_pb2.ExpertRequest) -> None:
+    def send(self, request: bytes) -> None:
+        """Queue one ExpertRequest's bytes (proto.EXPERT_REQUEST.write) on the Compute stream."""
+        if not isinstance(request, bytes):  # gRPC's thread would fail on it, out of sight
+            raise TypeError(f"a Compute request is bytes, not {type(request).__name__}")
         if self._requests is None:
             self._requests = queue.SimpleQueue()
-            self._replies = self._stub.Compute(
-                iter(self._requests.get, _CLOSE), metadata=self._metadata("Compute")
-            )
+            self._replies = self._compute(iter(self._requests.get, _CLOSE),
+                                          metadata=self._metadata("Compute"))
         self._requests.put(request)
 
-    def receive(self, timeout: float) -> shoal_pb2.ExpertReply:
-        """The next reply on the Compute stream; Unavailable if none came within `timeout`
-        seconds (the stream is then abandoned: a worker that hung is treated as lost)."""
+    def receive(self, timeout: float) -> bytes:
+        """The next reply's bytes on the Compute stream (proto.EXPERT_REPLY.read); Unavailable
+        if none came within `timeout` seconds (the stream is then abandoned: a worker that hung
+        is treated as lost)."""
         replies = self._replies
         with self._waiting_lock:
             self._waiting, self._timeout, self._late = replies, timeout, None

@@ -2,9 +2,12 @@
 settings both ends must agree on."""
 
 import grpc
+from google.protobuf import message_factory
 
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, Unauthenticated, Unavailable
+from engine.tensors import TensorMessage
 from engine.tls import NAME, Identity
+from proto import shoal_pb2
 
 PROTOCOL_VERSION = 1
 # Prefill chunks can carry hundreds of MB of activations; gRPC's 4 MB default is far too small.
@@ -67,3 +70,40 @@ def server_credentials(identity: Identity) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(identity.key, identity.certificate)],
                                        root_certificates=identity.authority,
                                        require_client_auth=True)
+
+
+# The Compute stream's messages carry megabytes of tensors in a prompt pass: they cross gRPC as
+# bytes both ways (no serializer), written and read by these two (engine/tensors.py), which copy
+# a tensor's bytes once (the sender's join; gRPC's own copies aside) where protobuf's Python API
+# copies them five times over the two ends. What they write is ordinary protobuf: any client of
+# shoal.proto can call Compute.
+EXPERT_REQUEST = TensorMessage(shoal_pb2.ExpertRequest, "hidden", "rows", "experts")
+EXPERT_REPLY = TensorMessage(shoal_pb2.ExpertReply, "output")
+SERVICE = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"]
+COMPUTE = f"/{SERVICE.full_name}/Compute"
+_HANDLERS = {  # (client streams, server streams) -> gRPC's handler of that kind
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_expert_service(servicer: object, server: grpc.Server) -> None:
+    """Serve `servicer`'s ExpertService methods on `server`, as shoal_pb2_grpc's generated
+    registration does, except that Compute takes and yields bytes (EXPERT_REQUEST/REPLY)."""
+    handlers = {}
+    for method in SERVICE.methods:
+        make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        behaviour = getattr(servicer, method.name)
+        if method.name == "Compute":
+            handlers[method.name] = make(behaviour)
+            continue
+        handlers[method.name] = make(
+            behaviour,
+            request_deserializer=message_factory.GetMessageClass(method.input_type).FromString,
+            response_serializer=message_factory.GetMessageClass(
+                method.output_type).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)

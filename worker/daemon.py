@@ -36,9 +36,9 @@ from engine.tls import Identity
 from proto import (
     PROTOCOL_VERSION,
     SERVER_OPTIONS,
+    SERVICE,
+    add_expert_service,
     server_credentials,
-    shoal_pb2,
-    shoal_pb2_grpc,
 )
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.reader import READERS_PER_DRIVE
@@ -278,12 +278,10 @@ def run(
 
     node_id = args.node_id or load_node_id(node_id_path(), log=note)
     memory_budget = residency.budget
-    shoal_pb2_grpc.add_ExpertServiceServicer_to_server(
-        ExpertServicer(residency, node_id, memory_budget), server
-    )
+    add_expert_service(ExpertServicer(residency, node_id, memory_budget), server)
     liveness = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(liveness, server)
-    for service in ("", shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name):
+    for service in ("", SERVICE.full_name):
         liveness.set(service, health_pb2.HealthCheckResponse.SERVING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

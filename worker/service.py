@@ -19,8 +19,15 @@ from engine.errors import (
     Unauthenticated,
     clip,
 )
-from engine.tensors import decode, dtype_name, encode, to_numpy
-from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
+from engine.tensors import WireView, decode, dtype_name, to_numpy
+from proto import (
+    EXPERT_REPLY,
+    EXPERT_REQUEST,
+    PROTOCOL_VERSION,
+    shoal_pb2,
+    shoal_pb2_grpc,
+    status_for,
+)
 from worker.residency import Request, Residency, Timing
 from worker.store import free_disk
 from worker.transfer import ExpertFiles, FileState, TransferChunk
@@ -31,11 +38,14 @@ ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
 # (unauthenticated) apart from "not answering" (unreachable). Every Shoal method needs it.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
 
-def decode_request(message: shoal_pb2.ExpertRequest) -> Request:
-    hidden = decode(message.hidden, what="hidden", dtypes=ACTIVATION_DTYPES, ndim=2)
-    rows = decode(message.rows, what="rows", dtypes=("int32",), ndim=1)
-    experts = decode(message.experts, what="experts", dtypes=("int32",), ndim=1)
-    return Request(message.layer, hidden, message.hidden.dtype, rows, experts,
+def decode_request(message: shoal_pb2.ExpertRequest, tensors: dict[str, WireView]) -> Request:
+    """A Compute request (EXPERT_REQUEST.read) as checked numpy views of its bytes."""
+    hidden = decode(tensors.get("hidden", WireView()), what="hidden", dtypes=ACTIVATION_DTYPES,
+                    ndim=2)
+    rows = decode(tensors.get("rows", WireView()), what="rows", dtypes=("int32",), ndim=1)
+    experts = decode(tensors.get("experts", WireView()), what="experts", dtypes=("int32",),
+                     ndim=1)
+    return Request(message.layer, hidden, tensors["hidden"].dtype, rows, experts,
                    message.call_pairs)
 
 
@@ -62,31 +72,38 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                       for lay, e in self.residency.holdings.draining()],
         )
 
-    def Compute(self, request_iterator, context) -> Iterator[shoal_pb2.ExpertReply]:  # noqa: N802
-        for message in request_iterator:
+    def Compute(self, request_iterator, context) -> Iterator[bytes]:  # noqa: N802
+        # Messages arrive and leave as bytes (proto.add_expert_service): see EXPERT_REQUEST.
+        for data in request_iterator:
             started = time.perf_counter()
+            try:
+                message, tensors = EXPERT_REQUEST.read(data, "request")
+            except ShoalError as e:
+                context.abort(status_for(e), str(e))
             if message.HasField("prefetch"):
                 self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
-            if not message.HasField("hidden"):
+            if "hidden" not in tensors:
                 continue  # a hint alone: no reply
             timing = Timing()
             try:
-                request = decode_request(message)
+                request = decode_request(message, tensors)
                 parsed = time.perf_counter()
                 out = self.residency.compute(request, timing)
             except ShoalError as e:
                 context.abort(status_for(e), f"request {message.seq}: {e}")
             computed = time.perf_counter()
-            output = encode(to_numpy(out), dtype_name(out.dtype))
-            done = time.perf_counter()
-            yield shoal_pb2.ExpertReply(
-                seq=message.seq,
-                output=output,
-                compute_seconds=done - started,
-                inventory_version=self.residency.holdings.version,
-                timing=shoal_pb2.WorkerTiming(
-                    parse=parsed - started, matrix=timing.matrix,
-                    bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
+            output = to_numpy(out)
+            done = time.perf_counter()  # the copy into the reply's bytes follows: in the wire
+            yield EXPERT_REPLY.write(
+                shoal_pb2.ExpertReply(
+                    seq=message.seq,
+                    compute_seconds=done - started,
+                    inventory_version=self.residency.holdings.version,
+                    timing=shoal_pb2.WorkerTiming(
+                        parse=parsed - started, matrix=timing.matrix,
+                        bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
+                ),
+                output=(output, dtype_name(out.dtype)),
             )
             self.residency.holdings.settle()  # the reply is sent: count it now (Holdings.asked)
 

@@ -13,8 +13,7 @@ from engine.manifest import read_manifest
 from engine.moe_layers import get_module
 from engine.placement import LayerRoutes
 from engine.sharding import shard
-from engine.tensors import encode
-from proto import shoal_pb2
+from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
 
 
 class Counting(nn.Module):
@@ -98,13 +97,16 @@ class _Link:
         self.replies: list = []
         self.experts: list[int] = []
 
-    def send(self, request) -> None:
-        experts = np.frombuffer(request.experts.data, np.int32)
+    def send(self, data: bytes) -> None:
+        request, tensors = EXPERT_REQUEST.read(data, "request")
+        if "hidden" not in tensors:
+            return  # a hint alone
+        experts = np.frombuffer(tensors["experts"].data, np.int32)
         self.experts += experts.tolist()
-        width = request.hidden.shape[1]
-        self.replies.append(shoal_pb2.ExpertReply(
-            seq=request.seq, output=encode(np.zeros((experts.size, width), np.float32),
-                                           "float32")))
+        width = tensors["hidden"].shape[1]
+        self.replies.append(EXPERT_REPLY.write(
+            shoal_pb2.ExpertReply(seq=request.seq),
+            output=(np.zeros((experts.size, width), np.float32), "float32")))
 
     def receive(self, timeout: float):
         return self.replies.pop(0)

@@ -12,8 +12,9 @@ from coordinator.link import WorkerLink
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.tensors import decode, encode
-from proto import shoal_pb2
+from engine.tensors import decode
+from proto import COMPUTE, shoal_pb2
+from tests.wire import tensor_fields
 
 SEED = 1234
 ROUNDS = 40  # per RPC: 8 RPCs, 320 requests
@@ -66,9 +67,10 @@ def test_a_worker_answers_every_malformed_request_clearly_and_still_serves(
 
     def good_request() -> shoal_pb2.ExpertRequest:
         return shoal_pb2.ExpertRequest(
-            seq=7, layer=layers[0], hidden=encode(np.ones((1, width), np.float32), "float32"),
-            rows=encode(np.zeros(2, np.int32), "int32"),
-            experts=encode(np.array([0, 1], np.int32), "int32"))
+            seq=7, layer=layers[0],
+            hidden=tensor_fields(np.ones((1, width), np.float32), "float32"),
+            rows=tensor_fields(np.zeros(2, np.int32), "int32"),
+            experts=tensor_fields(np.array([0, 1], np.int32), "int32"))
 
     def compute_once(request) -> np.ndarray:
         reply = next(stub.Compute(iter([request]), metadata=meta("Compute"), timeout=60))
@@ -138,6 +140,15 @@ def test_a_worker_answers_every_malformed_request_clearly_and_still_serves(
                                                                metadata=meta(name)))
                 assert code in UNPARSABLE, f"{name} answered {code} to garbage"
         assert grpc.StatusCode.INVALID_ARGUMENT in seen["Compute"]
+        # Compute's bytes are read by Shoal's own reader (engine/tensors.py: split_message): a
+        # message cut short is refused as such, whatever field the cut falls in.
+        whole = good_request().SerializeToString()
+        compute_bytes = link._channel.stream_stream(COMPUTE)
+        for cut in (1, 5, len(whole) // 2, len(whole) - 1):
+            with pytest.raises(grpc.RpcError) as refused:
+                next(compute_bytes(iter([whole[:cut]]), metadata=meta("Compute"), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cut short" in refused.value.details()
         assert np.array_equal(compute_once(good_request()), expected)  # still right
         after = rss_kib(worker.proc.pid)
         assert after < before * 1.5 + 64 * 1024, (before, after)  # KiB

@@ -13,15 +13,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.generate import open_remote_model
-from coordinator.link import SERVICE_NAME, WorkerLink
+from coordinator.link import WorkerLink
 from engine.auth import create_secret, load_secret
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.tensors import encode
-from proto import secure_channel, shoal_pb2
+from proto import SERVICE, secure_channel, shoal_pb2
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
+from tests.wire import tensor_fields
 from worker.daemon import listen_host
 from worker.residency import MAX_PAIRS
 
@@ -90,7 +90,7 @@ def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, s
         time.sleep(0.5)  # and no more than 6
         ended = [s for s in streams if s.done()]
         assert [s.code() for s in ended] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
-        health = link._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+        health = link._health.Check(health_pb2.HealthCheckRequest(service=SERVICE.full_name),
                                     timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -110,13 +110,14 @@ def test_requests_too_large_to_be_honest_are_refused_clearly(sharded, start_work
     pairs = MAX_PAIRS + 1
     try:
         for hidden in (
-            encode(np.zeros((1, width), np.float32), "float32"),
+            tensor_fields(np.zeros((1, width), np.float32), "float32"),
             {"dtype": "float32", "shape": [2**40, 2**40], "data": b"\0" * 16},  # overflows
         ):
-            link.send(shoal_pb2.ExpertRequest(
+            link.send(shoal_pb2.ExpertRequest(  # written by protobuf itself: the worker reads it
                 seq=1, layer=layer, hidden=hidden,
-                rows=encode(np.zeros(pairs, np.int32), "int32"),
-                experts=encode(np.full(pairs, expert, np.int32), "int32")))
+                rows=tensor_fields(np.zeros(pairs, np.int32), "int32"),
+                experts=tensor_fields(np.full(pairs, expert, np.int32), "int32"),
+            ).SerializeToString())
             started = time.monotonic()
             with pytest.raises(Unavailable, match="INVALID_ARGUMENT"):
                 link.receive(timeout=30)

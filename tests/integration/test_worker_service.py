@@ -6,8 +6,8 @@ import pytest
 
 from engine.auth import load_secret, make_credential
 from engine.sharding import shard
-from engine.tensors import encode
 from proto import secure_channel, shoal_pb2, shoal_pb2_grpc
+from tests.wire import tensor_fields
 
 SERVICE = "/shoal.v1.ExpertService/"
 
@@ -26,9 +26,9 @@ def credential(secret: bytes, method: str) -> list[tuple[str, str]]:
 def request(layer=0, width=64, rows=(0,), experts=(0,), n=1, dtype="float32"):
     hidden = np.ones((n, width), np.float32)
     return shoal_pb2.ExpertRequest(
-        seq=1, layer=layer, hidden=encode(hidden, dtype),
-        rows=encode(np.array(rows, np.int32), "int32"),
-        experts=encode(np.array(experts, np.int32), "int32"),
+        seq=1, layer=layer, hidden=tensor_fields(hidden, dtype),
+        rows=tensor_fields(np.array(rows, np.int32), "int32"),
+        experts=tensor_fields(np.array(experts, np.int32), "int32"),
     )
 
 

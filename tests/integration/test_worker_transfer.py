@@ -14,8 +14,9 @@ from engine.auth import load_secret
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.tensors import decode, encode
-from proto import shoal_pb2
+from engine.tensors import decode
+from proto import EXPERT_REPLY, shoal_pb2
+from tests.wire import tensor_fields
 from worker.transfer import partial_path
 
 State = shoal_pb2.ExpertFileState
@@ -31,16 +32,16 @@ def chunks(key, data: bytes, offset: int, entry, size: int = 4096):
 
 def compute(link: WorkerLink, key, hidden: np.ndarray) -> tuple[np.ndarray, int]:
     request = shoal_pb2.ExpertRequest(
-        seq=1, layer=key[0], hidden=encode(hidden, "float32"),
-        rows=encode(np.arange(len(hidden), dtype=np.int32), "int32"),
-        experts=encode(np.full(len(hidden), key[1], dtype=np.int32), "int32"),
+        seq=1, layer=key[0], hidden=tensor_fields(hidden, "float32"),
+        rows=tensor_fields(np.arange(len(hidden), dtype=np.int32), "int32"),
+        experts=tensor_fields(np.full(len(hidden), key[1], dtype=np.int32), "int32"),
     )
-    link.send(request)
+    link.send(request.SerializeToString())  # protobuf's own bytes: the worker reads them too
     try:
-        reply = link.receive(timeout=60)
+        reply, tensors = EXPERT_REPLY.read(link.receive(timeout=60), "reply")
     finally:
         link.reset()
-    return decode(reply.output, what="output", ndim=2), reply.inventory_version
+    return decode(tensors["output"], what="output", ndim=2), reply.inventory_version
 
 
 def status(link: WorkerLink, key) -> shoal_pb2.ExpertFileState:
