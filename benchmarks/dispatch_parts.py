@@ -18,6 +18,7 @@ import numpy as np
 
 from coordinator.dispatch import Dispatcher
 from engine.placement import replica_routes
+from engine.process import launch_directly
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
 
 WIDTH, TOP_K, EXPERTS, WORKERS = 1024, 8, 64, 2
@@ -83,7 +84,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch_parts",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500, help="timed calls (default 500)")
-    print(json.dumps(run(parser.parse_args().calls), indent=1))
+    calls = parser.parse_args().calls
+    launch_directly()  # as `shoal` does, before any kernel (engine/process.py)
+    print(json.dumps(run(calls), indent=1))
 
 
 if __name__ == "__main__":

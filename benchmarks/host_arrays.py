@@ -10,6 +10,9 @@ around it, us (median): the probe behind `to_gpu_reader` in engine/tensors.py.
 - `host_read_warm`: the same once MLX's cache holds managed buffers of that size.
 - `make_array`: `mx.array` of host bytes alone (no kernel), and `advise_call`: the
   `to_gpu_reader` call alone on such an array (what `to_mlx` adds on CUDA).
+- `kernel_after_host_read`: `mx.eval(a + 1)` on a kernel's output that the host has just
+  read (as the dispatcher reads a layer's hidden states before the shared expert computes on
+  them), and `kernel_after_host_read_advised`: the same with `to_gpu_reader` after the read.
 
     python -m benchmarks.host_arrays [--json]
 """
@@ -74,6 +77,13 @@ def probe(size: int, count: int) -> dict[str, float]:
     def advise_only(array: mx.array) -> None:
         to_gpu_reader(array)
 
+    def read_output(advise: bool) -> mx.array:
+        y = warm_output()
+        np.asarray(y)[0, 0]
+        if advise:
+            to_gpu_reader(y)
+        return y
+
     return {
         "make_array": median_us(lambda: None, lambda _: mx.array(host), count),
         "advise_call": median_us(lambda: mx.array(host), advise_only, count),
@@ -82,6 +92,9 @@ def probe(size: int, count: int) -> dict[str, float]:
         "first_read_advised": median_us(advised, plus_one, count),
         "host_read_device_output": median_us(fresh_output, read, count),
         "host_read_warm": median_us(warm_output, read, count),
+        "kernel_after_host_read": median_us(lambda: read_output(False), plus_one, count),
+        "kernel_after_host_read_advised": median_us(lambda: read_output(True), plus_one,
+                                                    count),
     }
 
 
