@@ -65,6 +65,18 @@ def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
     return source, sharded
 
 
+def bench_files(settings: dict, quick: bool, logs: str = "logs") -> tuple[Path, Path, Path, Path]:
+    """What a run of the bench's cluster needs, under Shoal's cache: the checkpoint and its
+    worker stores (built once), the cluster's secret file, a folder for the workers' logs."""
+    root = cache_root() / "bench" / ("quick" if quick else "full")
+    source, sharded = prepare(settings, root)
+    secret_file = root / "secret"
+    ensure_secret(secret_file)
+    log_dir = root / logs
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return source, sharded, secret_file, log_dir
+
+
 def baseline_env() -> dict[str, str]:
     """mlx-lm's baselines run as the user would run mlx-lm: without the launch setting Shoal
     gives its own processes (engine/process.py), with this checkout importable."""
@@ -296,12 +308,7 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         raise ShoalError(f"unknown network {network!r}; choose {' or '.join(NETWORKS)}")
     settings = {**(QUICK if quick else FULL),
                 **{k: v for k, v in overrides.items() if v is not None}, "network": network}
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    source, sharded = prepare(settings, root)
-    secret_file = root / "secret"
-    ensure_secret(secret_file)
-    log_dir = root / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    source, sharded, secret_file, log_dir = bench_files(settings, quick)
 
     steps: list[tuple[str, Callable[[], dict]]] = [
         ("mlx_lm_single", lambda: measure_single(source, settings)),

@@ -34,19 +34,13 @@ SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
-    from benchmarks.bench import FULL, QUICK, decode_dispatch, prepare
+    from benchmarks.bench import FULL, QUICK, bench_files, decode_dispatch
     from benchmarks.measure import bench_prompt, timed_generation
-    from coordinator.demo import cache_root
     from coordinator.generate import open_remote_model
     from coordinator.local import start_workers, stop_workers
-    from engine.auth import ensure_secret, load_secret
+    from engine.auth import load_secret
 
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    _, sharded = prepare(QUICK if quick else FULL, root)
-    secret = root / "secret"
-    ensure_secret(secret)
-    logs = root / "variant-logs"
-    logs.mkdir(exist_ok=True)
+    _, sharded, secret, logs = bench_files(QUICK if quick else FULL, quick, "variant-logs")
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
                             places=[(worker_prefix(), "127.0.0.1")] * 2)
     try:

@@ -59,12 +59,11 @@ def as_worker(argv: list[str]) -> None:
 
 def run(quick: bool) -> dict:
     import coordinator.link as link
-    from benchmarks.bench import FULL, QUICK, prepare
+    from benchmarks.bench import FULL, QUICK, bench_files
     from benchmarks.measure import bench_prompt, timed_generation
-    from coordinator.demo import cache_root
     from coordinator.generate import open_remote_model
     from coordinator.local import start_workers, stop_workers
-    from engine.auth import ensure_secret, load_secret
+    from engine.auth import load_secret
 
     events: dict[str, list[tuple[str, float]]] = {}
     send, receive = link.WorkerLink.send, link.WorkerLink.receive
@@ -79,12 +78,8 @@ def run(quick: bool) -> dict:
         return reply
 
     link.WorkerLink.send, link.WorkerLink.receive = timed_send, timed_receive
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    _, sharded = prepare(QUICK if quick else FULL, root)
-    secret = root / "secret"
-    ensure_secret(secret)
-    logs = root / "wire-directions-logs"
-    logs.mkdir(exist_ok=True)
+    _, sharded, secret, logs = bench_files(QUICK if quick else FULL, quick,
+                                           "wire-directions-logs")
     folder = tempfile.mkdtemp()
     os.environ[TIMES_DIR] = folder
     # start_workers runs PREFIX python -m worker.daemon ARGS: this module takes that over
