@@ -20,11 +20,10 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
 from benchmarks.batch_invariance import largest_difference
-from benchmarks.bench import FULL, QUICK, WORKERS, prepare
-from coordinator.demo import cache_root
+from benchmarks.bench import WORKERS, bench_files
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
-from engine.auth import ensure_secret, load_secret
+from engine.auth import load_secret
 
 ROWS = (1, 2, 4, 7, 8, 16, 64)
 LENGTHS = (1, 2, 4, 7, 8, 9, 16, 32)
@@ -47,12 +46,8 @@ def switch_splits(width: int = 1024, hidden: int = 512, experts: int = 64, k: in
 
 
 def forwards(quick: bool) -> dict:
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    source, sharded = prepare(QUICK if quick else FULL, root)
+    source, sharded, secret, logs = bench_files(quick)
     single, _ = load_model(source)
-    secret = ensure_secret(root / "secret")
-    logs = root / "logs"
-    logs.mkdir(exist_ok=True)
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret, logs)
     out = {}
     try:

@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,11 +25,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.bench import FULL, QUICK, WORKERS, machine, prepare
-from coordinator.demo import cache_root
+from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
-from engine.auth import ensure_secret, load_secret
+from engine.auth import load_secret
 
 BATCHES = (2, 4, 7, 8, 16, 32)
 PROMPT_LENGTHS = (16, 9, 23, 4, 16, 12, 5, 30)
@@ -112,16 +110,12 @@ def compare(runs, reference) -> dict:
 
 def models(quick: bool, tokens: int) -> dict:
     settings = QUICK if quick else FULL
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    source, sharded = prepare(settings, root)
+    source, sharded, secret, logs = bench_files(quick)
     prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
     single, _ = load_model(source)
     log("mlx-lm in one process: each prompt alone, then all together")
     alone = [generate(single, [p], tokens)[0] for p in prompts]
     together = generate(single, prompts, tokens)
-    secret = ensure_secret(root / "secret")
-    logs = Path(root / "logs")
-    logs.mkdir(exist_ok=True)
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret, logs)
     try:
         remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))

@@ -65,14 +65,24 @@ def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
     return source, sharded
 
 
-def bench_files(settings: dict, quick: bool, logs: str = "logs") -> tuple[Path, Path, Path, Path]:
-    """What a run of the bench's cluster needs, under Shoal's cache: the checkpoint and its
-    worker stores (built once), the cluster's secret file, a folder for the workers' logs."""
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    source, sharded = prepare(settings, root)
-    secret_file = root / "secret"
+def bench_root(quick: bool) -> Path:
+    return cache_root() / "bench" / ("quick" if quick else "full")
+
+
+def bench_checkpoint(quick: bool, settings: dict | None = None) -> tuple[Path, Path]:
+    """The bench's checkpoint (with `quick` the tiny one) and its worker stores, built once
+    under Shoal's cache; `settings` in place of the preset's (its size, bits, group size)."""
+    return prepare(settings or (QUICK if quick else FULL), bench_root(quick))
+
+
+def bench_files(quick: bool, logs: str = "logs",
+                settings: dict | None = None) -> tuple[Path, Path, Path, Path]:
+    """What a run of the bench's cluster needs: `bench_checkpoint`'s two, the cluster's secret
+    file, and a folder for the workers' logs."""
+    source, sharded = bench_checkpoint(quick, settings)
+    secret_file = bench_root(quick) / "secret"
     ensure_secret(secret_file)
-    log_dir = root / logs
+    log_dir = bench_root(quick) / logs
     log_dir.mkdir(parents=True, exist_ok=True)
     return source, sharded, secret_file, log_dir
 
@@ -308,7 +318,7 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         raise ShoalError(f"unknown network {network!r}; choose {' or '.join(NETWORKS)}")
     settings = {**(QUICK if quick else FULL),
                 **{k: v for k, v in overrides.items() if v is not None}, "network": network}
-    source, sharded, secret_file, log_dir = bench_files(settings, quick)
+    source, sharded, secret_file, log_dir = bench_files(quick, settings=settings)
 
     steps: list[tuple[str, Callable[[], dict]]] = [
         ("mlx_lm_single", lambda: measure_single(source, settings)),

@@ -19,14 +19,12 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.bench import FULL, QUICK, prepare
+from benchmarks.bench import bench_checkpoint
 from benchmarks.measure import bench_prompt
-from coordinator.demo import cache_root
 
 
 def run(quick: bool, tokens: int) -> dict:
-    source, _ = prepare(QUICK if quick else FULL, cache_root() / "bench" /
-                        ("quick" if quick else "full"))
+    source, _ = bench_checkpoint(quick)
     model, tokenizer = load(str(source))
     prompt = mx.array(bench_prompt(tokenizer.vocab_size, 16))[None]
     digest = hashlib.sha256()

@@ -20,11 +20,9 @@ import sys
 import threading
 import time
 
-from benchmarks.bench import FULL, QUICK, WORKERS, machine, prepare
+from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
 from benchmarks.measure import bench_prompt
-from coordinator.demo import cache_root
 from coordinator.local import start_server, start_workers, stop_workers
-from engine.auth import create_secret
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 
@@ -92,15 +90,10 @@ def run(*, quick: bool, tokens: int | None, streams: tuple[int, ...]) -> dict:
 
     settings = QUICK if quick else FULL
     tokens = tokens or (16 if quick else 48)
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    _, sharded = prepare(settings, root)
-    secret_file = root / "secret"
-    if not secret_file.exists():
-        create_secret(secret_file)
+    _, sharded, secret_file, log_dir = bench_files(quick)
     vocab = int(read_manifest(sharded).config["vocab_size"])
     # Distinct prompts: each stream must answer its own question.
     prompts = [bench_prompt(vocab, PROMPT_TOKENS + 3 * i)[i:] for i in range(max(streams))]
-    log_dir = root / "logs"
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret_file,
                             log_dir)
     server = None

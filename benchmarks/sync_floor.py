@@ -20,9 +20,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import switch_layers
 from mlx_lm.utils import load
 
-from benchmarks.bench import FULL, QUICK, machine, prepare
+from benchmarks.bench import FULL, QUICK, bench_checkpoint, machine
 from benchmarks.measure import bench_prompt
-from coordinator.demo import cache_root
 
 MODES = ("plain", "sync", "sync_host")
 SWITCHES = (switch_layers.SwitchGLU, switch_layers.SwitchMLP)
@@ -53,7 +52,7 @@ def with_mode(mode: dict[str, str]) -> None:
 
 def run(*, quick: bool, runs: int, tokens: int) -> dict:
     settings = QUICK if quick else FULL
-    source, _ = prepare(settings, cache_root() / "bench" / ("quick" if quick else "full"))
+    source, _ = bench_checkpoint(quick)
     model, tokenizer = load(str(source))
     prompt = bench_prompt(tokenizer.vocab_size, 16)
     mode = {"now": "plain"}

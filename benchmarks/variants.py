@@ -34,13 +34,13 @@ SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
-    from benchmarks.bench import FULL, QUICK, bench_files, decode_dispatch
+    from benchmarks.bench import bench_files, decode_dispatch
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
     from coordinator.local import start_workers, stop_workers
     from engine.auth import load_secret
 
-    _, sharded, secret, logs = bench_files(QUICK if quick else FULL, quick, "variant-logs")
+    _, sharded, secret, logs = bench_files(quick, "variant-logs")
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
                             places=[(worker_prefix(), "127.0.0.1")] * 2)
     try:

@@ -59,7 +59,7 @@ def as_worker(argv: list[str]) -> None:
 
 def run(quick: bool) -> dict:
     import coordinator.link as link
-    from benchmarks.bench import FULL, QUICK, bench_files
+    from benchmarks.bench import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
     from coordinator.local import start_workers, stop_workers
@@ -78,8 +78,7 @@ def run(quick: bool) -> dict:
         return reply
 
     link.WorkerLink.send, link.WorkerLink.receive = timed_send, timed_receive
-    _, sharded, secret, logs = bench_files(QUICK if quick else FULL, quick,
-                                           "wire-directions-logs")
+    _, sharded, secret, logs = bench_files(quick, "wire-directions-logs")
     folder = tempfile.mkdtemp()
     os.environ[TIMES_DIR] = folder
     # start_workers runs PREFIX python -m worker.daemon ARGS: this module takes that over

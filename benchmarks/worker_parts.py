@@ -15,8 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench import FULL, QUICK, prepare
-from coordinator.demo import cache_root
+from benchmarks.bench import bench_checkpoint
 from engine import tensors
 from engine.process import launch_directly
 from engine.tensors import mlx_dtype, to_mlx
@@ -48,8 +47,7 @@ def requests(residency: Residency, count: int, experts_per_row: int = 4) -> list
 
 
 def run(quick: bool, count: int) -> dict:
-    root = cache_root() / "bench" / ("quick" if quick else "full")
-    _, sharded = prepare(QUICK if quick else FULL, root)
+    _, sharded = bench_checkpoint(quick)
     residency = Residency(scan_stores([sharded / "worker-0"], verify=False))
     warm, timed = requests(residency, 100), requests(residency, count)
     for request in warm:

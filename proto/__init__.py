@@ -81,7 +81,7 @@ EXPERT_REQUEST = TensorMessage(shoal_pb2.ExpertRequest, "hidden", "rows", "exper
 EXPERT_REPLY = TensorMessage(shoal_pb2.ExpertReply, "output")
 SERVICE = shoal_pb2.DESCRIPTOR.services_by_name["ExpertService"]
 COMPUTE = f"/{SERVICE.full_name}/Compute"
-_HANDLERS = {  # (client streams, server streams) -> gRPC's handler of that kind
+HANDLER_KINDS = {  # (client streams, server streams) -> gRPC's handler of that kind
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -94,7 +94,7 @@ def add_expert_service(servicer: object, server: grpc.Server) -> None:
     registration does, except that Compute takes and yields bytes (EXPERT_REQUEST/REPLY)."""
     handlers = {}
     for method in SERVICE.methods:
-        make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        make = HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         behaviour = getattr(servicer, method.name)
         if method.name == "Compute":
             handlers[method.name] = make(behaviour)

@@ -23,6 +23,7 @@ from engine.tensors import WireView, decode, dtype_name, to_numpy
 from proto import (
     EXPERT_REPLY,
     EXPERT_REQUEST,
+    HANDLER_KINDS,
     PROTOCOL_VERSION,
     shoal_pb2,
     shoal_pb2_grpc,
@@ -184,14 +185,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
 def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind and (de)serializers as `handler` running
     `behavior`."""
-    if handler.request_streaming and handler.response_streaming:
-        make = grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        make = grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        make = grpc.unary_stream_rpc_method_handler
-    else:
-        make = grpc.unary_unary_rpc_method_handler
+    make = HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
     return make(behavior, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
