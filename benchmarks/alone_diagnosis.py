@@ -21,6 +21,7 @@ from mlx_lm.utils import load_model
 
 from benchmarks.batch_invariance import largest_difference
 from benchmarks.bench import WORKERS, bench_files
+from benchmarks.measure import bench_prompt
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import load_secret
@@ -45,15 +46,15 @@ def switch_splits(width: int = 1024, hidden: int = 512, experts: int = 64, k: in
     return out
 
 
-def forwards(quick: bool) -> dict:
+def forwards(quick: bool, lengths: tuple[int, ...] = LENGTHS) -> dict:
     source, sharded, secret, logs = bench_files(quick)
     single, _ = load_model(source)
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret, logs)
     out = {}
     try:
         remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))
-        for length in LENGTHS:
-            prompt = mx.array([[(7 * j + 11) % 500 + 5 for j in range(length)]])
+        for length in lengths:
+            prompt = mx.array([bench_prompt(remote.manifest.config["vocab_size"], length)])
             out[length] = largest_difference(single(prompt), remote.model(prompt))
         remote.close()
     finally:
@@ -65,9 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.alone_diagnosis",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), metavar="L,L,...",
+                        help="the forwards' token counts (default %(default)s)")
     args = parser.parse_args(argv)
+    lengths = tuple(int(n) for n in args.lengths.split(","))
     report = {"device": str(mx.default_device()), "switch_rows": switch_splits(),
-              "forward_tokens": forwards(args.quick)}
+              "forward_tokens": forwards(args.quick, lengths)}
     print(json.dumps(report, indent=1))
 
 

@@ -39,7 +39,11 @@ def log(message: str) -> None:
 
 
 def largest_difference(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
+    """The largest |a - b|; 0 where both hold the same value, NaN and infinities included
+    (a tiny checkpoint's long prompts can overflow), NaN where only one is NaN."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    same = (a == b) | (mx.isnan(a) & mx.isnan(b))
+    return float(mx.max(mx.where(same, 0.0, mx.abs(a - b))).item())
 
 
 def row_zero(f: Callable[[mx.array], mx.array], rows: mx.array) -> dict[int, float]:
