@@ -115,6 +115,12 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
 LARGE_CALL = 64  # (token, expert) pairs from which a call's time is mostly per pair
+# A worker's share of a prompt pass goes as pieces of about this many pairs, which it computes
+# one after the other while the next arrives and the last's reply leaves (docs/benchmarks.md:
+# 512-token prompt passes 8-50% faster on the H200 in alternated runs; 256 was slower, 1024
+# less fast). The bits are the same: the worker pads and sorts by the whole call's pair count,
+# and each pair's output does not depend on its call (checked on CUDA, and in the tests).
+PIECE_PAIRS = 512
 
 
 @dataclass
@@ -148,6 +154,14 @@ class Pace:
             self.small_seen += 1
 
 
+def _rows_of(tokens: np.ndarray) -> slice | np.ndarray:
+    """Ascending token indices as a slice where they are a run (a view of the hidden states,
+    not a copy), else as they are."""
+    if tokens.size and tokens[-1] - tokens[0] + 1 == tokens.size:
+        return slice(int(tokens[0]), int(tokens[-1]) + 1)
+    return tokens
+
+
 class _WorkerFailed(Exception):
     def __init__(self, worker: int, error: Unavailable) -> None:
         super().__init__(str(error))
@@ -173,11 +187,34 @@ class Dispatcher:
         self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for workers that stream
         self._pace: dict[str, Pace] = {}  # by worker address
+        self.piece_pairs = PIECE_PAIRS  # 0: every call's requests go whole
 
     def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The worker the next call of `layer` sends each of `experts` to, when each comes
         once (a decode step): where a prefetch hint for them should go."""
         return spread(self.cluster.routes[layer], experts, self._turns[layer] + 1)
+
+    def _pieces(self, pairs: np.ndarray, k: int) -> list[tuple[np.ndarray, slice | np.ndarray,
+                                                                np.ndarray]]:
+        """One worker's pairs of a call (ascending) as requests: (pairs, the tokens whose
+        hidden rows it needs, each pair's row among them). A prompt pass's go as pieces of
+        about `piece_pairs` pairs, whole tokens each, so that the worker computes one piece
+        while the next arrives and the reply of the last leaves; a decode step's go whole."""
+        tokens = pairs // k  # ascending, as pairs are
+        first = np.empty(tokens.size, dtype=bool)
+        first[0] = True
+        np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
+        needed = tokens[first]  # the tokens this worker needs, each sent once
+        rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
+        count = min(needed.size, pairs.size // self.piece_pairs) if self.piece_pairs else 1
+        if count <= 1:
+            return [(pairs, _rows_of(needed), rows)]
+        cuts = np.searchsorted(rows, np.arange(1, count) * needed.size // count).tolist()
+        out = []
+        for lo, hi in zip([0, *cuts], [*cuts, pairs.size], strict=True):
+            start, stop = int(rows[lo]), int(rows[hi - 1]) + 1
+            out.append((pairs[lo:hi], _rows_of(needed[start:stop]), rows[lo:hi] - start))
+        return out
 
     def __call__(
         self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
@@ -221,28 +258,26 @@ class Dispatcher:
             hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
         stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
+        pieces = {worker: self._pieces(np.flatnonzero(owner == worker), k)
+                  for worker in np.unique(owner).tolist()}  # ascending: the fixed order
         pending = []
-        for worker in np.unique(owner).tolist():  # ascending: the fixed order of combination
-            pairs = np.flatnonzero(owner == worker)
-            tokens = pairs // k  # ascending, as pairs are
-            first = np.empty(tokens.size, dtype=bool)
-            first[0] = True
-            np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
-            needed = tokens[first]  # the tokens this worker needs, each sent once
-            rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
-            self._seq += 1
-            request = EXPERT_REQUEST.write(
-                shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
-                                        prefetch=hints.pop(worker, None),
-                                        call_pairs=experts.size),
-                hidden=(hidden if needed.size == len(hidden) else hidden[needed], wire_dtype),
-                rows=(rows, "int32"),
-                experts=(experts[pairs], "int32"),
-            )
-            self.cluster.links[worker].send(request)
-            self.stats.worker_requests[self.cluster.links[worker].address] += 1
-            pending.append((worker, pairs, self._seq, time.perf_counter()))
-            stats.bytes_sent += len(request)
+        for round_ in range(max(len(p) for p in pieces.values())):
+            for worker, worker_pieces in pieces.items():  # every worker's first piece first
+                if round_ >= len(worker_pieces):
+                    continue
+                pairs, needed, rows = worker_pieces[round_]
+                self._seq += 1
+                request = EXPERT_REQUEST.write(
+                    shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
+                                            prefetch=hints.pop(worker, None),
+                                            call_pairs=experts.size),
+                    hidden=(hidden[needed], wire_dtype), rows=(rows, "int32"),
+                    experts=(experts[pairs], "int32"),
+                )
+                self.cluster.links[worker].send(request)
+                self.stats.worker_requests[self.cluster.links[worker].address] += 1
+                pending.append((worker, pairs, self._seq, time.perf_counter()))
+                stats.bytes_sent += len(request)
         for worker, hint in hints.items():  # a hint alone gets no reply
             self.cluster.links[worker].send(
                 EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)))
@@ -252,8 +287,9 @@ class Dispatcher:
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
         parts = []  # each worker's outputs, in the order of `pending`
-        slowest = 0.0
-        critical = (0.0, None)  # (round trip, reply) of the worker with the longest round trip
+        computing: Counter[int] = Counter()  # seconds, by worker, over its pieces
+        spans: dict[int, tuple[float, float]] = {}  # by worker: (first sent, last received)
+        timings: dict[int, list[shoal_pb2.WorkerTiming]] = {}
         parse_scatter = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, pairs, seq, sent) in enumerate(pending):
@@ -269,9 +305,10 @@ class Dispatcher:
                 raise _WorkerFailed(worker, e) from None
             received = time.perf_counter()
             reply, tensors = EXPERT_REPLY.read(data, f"reply of {link.address}")
-            pace.observe(received - sent, pairs.size)
-            if received - sent > critical[0]:
-                critical = (received - sent, reply)
+            # a piece waits for its worker's pieces before it: time it from the last one's reply
+            pace.observe(received - max(sent, spans.get(worker, (0.0, 0.0))[1]), pairs.size)
+            spans[worker] = (spans.get(worker, (sent,))[0], received)
+            timings.setdefault(worker, []).append(reply.timing)
             known = link.inventory.inventory_version if link.inventory is not None else 0
             if reply.inventory_version and known and reply.inventory_version != known:
                 changed.append(link)
@@ -288,10 +325,10 @@ class Dispatcher:
             out_dtype = mlx_dtype(output.dtype)
             stats.bytes_received += len(data)
             stats.worker_compute_seconds += reply.compute_seconds
-            slowest = max(slowest, reply.compute_seconds)
+            computing[worker] += reply.compute_seconds
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
-        if len(parts) == 1:  # one worker computed every pair, in order
+        if len(pieces) == 1:  # one worker computed every pair, its pieces in order
             (result,) = to_mlx((parts, out_dtype))
         else:  # the replies as they came, then each pair put back in its place by one gather
             order = np.concatenate([pairs for _, pairs, *_ in pending])
@@ -301,14 +338,15 @@ class Dispatcher:
         result = result.reshape(*lead, k, width)
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before
-        round_trip, reply = critical
-        if reply is not None:
-            stats.wire_seconds += round_trip - reply.compute_seconds
-            stats.worker_parse_seconds += reply.timing.parse
-            stats.worker_matrix_seconds += reply.timing.matrix
-            stats.worker_bookkeeping_seconds += reply.timing.bookkeeping
-            stats.worker_reply_seconds += reply.timing.reply
-        stats.slowest_compute_seconds += slowest
+        # The critical worker: the longest from its first request sent to its last reply read.
+        critical = max(spans, key=lambda w: spans[w][1] - spans[w][0])
+        stats.wire_seconds += spans[critical][1] - spans[critical][0] - computing[critical]
+        for timing in timings[critical]:
+            stats.worker_parse_seconds += timing.parse
+            stats.worker_matrix_seconds += timing.matrix
+            stats.worker_bookkeeping_seconds += timing.bookkeeping
+            stats.worker_reply_seconds += timing.reply
+        stats.slowest_compute_seconds += max(computing.values())
         stats.calls += 1
         stats.requests += len(pending)
         stats.seconds += done - started

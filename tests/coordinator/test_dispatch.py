@@ -1,5 +1,6 @@
 """The remote switch's parts that need no network: the shared expert computed ahead (once,
-same result), where install() puts it, and where prefetch hints go when experts have copies."""
+same result), where install() puts it, where prefetch hints go when experts have copies,
+and a prompt pass cut into pieces and put back together in place."""
 
 from dataclasses import dataclass
 
@@ -152,3 +153,52 @@ def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
     # one pair per call (decode): successive calls go round the copies
     single = [int(spread(routes, np.array([0]), turn)[0]) for turn in range(6)]
     assert sorted(single) == [0, 0, 1, 1, 2, 2]
+
+
+class _Scaling(_Link):
+    """Answers pair i with its hidden row times (its expert + 1): where each output lands in
+    the result shows whether the dispatcher put it back in its place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows_sent = 0
+
+    def send(self, data: bytes) -> None:
+        request, tensors = EXPERT_REQUEST.read(data, "request")
+        hidden = np.frombuffer(tensors["hidden"].data, np.float32).reshape(
+            tensors["hidden"].shape)
+        rows = np.frombuffer(tensors["rows"].data, np.int32)
+        experts = np.frombuffer(tensors["experts"].data, np.int32)
+        self.rows_sent += hidden.shape[0]
+        self.experts += experts.tolist()
+        self.replies.append(EXPERT_REPLY.write(
+            shoal_pb2.ExpertReply(seq=request.seq),
+            output=((hidden[rows] * (experts[:, None] + 1)).astype(np.float32), "float32")))
+
+
+def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
+    # Even experts on worker 0, odd on worker 1; 9 tokens of 3 experts each: 27 pairs.
+    copies = (np.arange(8, dtype=np.int32) % 2)[:, None]
+    routes = {0: LayerRoutes(copies=copies, counts=np.ones(8, dtype=np.int32))}
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.normal(size=(1, 9, 4)).astype(np.float32))
+    inds = np.stack([rng.permutation(8)[:3] for _ in range(9)]).astype(np.int32)[None]
+    expected = (np.asarray(x)[..., None, :] * (inds[..., None] + 1)).astype(np.float32)
+    requests = {}
+    for piece_pairs in (0, 4, 1):  # whole, pieces of about 4 pairs, one token a piece
+        links = [_Scaling(), _Scaling()]
+        dispatcher = Dispatcher(_Cluster(links, routes))
+        dispatcher.piece_pairs = piece_pairs
+        out = dispatcher(0, x, mx.array(inds))
+        assert np.array_equal(np.asarray(out), expected), piece_pairs
+        owners = [inds.reshape(9, 3) % 2 == w for w in range(2)]
+        # every token a worker needs is sent to it once, whatever the pieces
+        assert [link.rows_sent for link in links] == [int(o.any(axis=1).sum()) for o in owners]
+        requests[piece_pairs] = dispatcher.stats.prefill.requests
+    assert requests[0] == 2 and 2 < requests[4] < requests[1] <= 18, requests
+    # a decode step's few pairs always go whole
+    links = [_Scaling(), _Scaling()]
+    dispatcher = Dispatcher(_Cluster(links, routes))
+    dispatcher.piece_pairs = 1
+    dispatcher(0, x[:, :1], mx.array(inds[:, :1]))
+    assert dispatcher.stats.decode.requests <= 2

@@ -1,0 +1,60 @@
+"""A prompt pass goes to each worker as pieces (coordinator/dispatch.py: PIECE_PAIRS); a
+worker killed after answering some of its pieces is routed around like any lost worker, and
+the pass's output is the one every worker up gives, bit for bit."""
+
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from coordinator.generate import open_remote_model
+from coordinator.local import start_workers, stop_workers
+from engine.auth import load_secret
+from engine.sharding import shard
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 42, 99, 7, 250, 33, 64, 128, 12, 3, 77]
+
+
+def test_a_worker_lost_between_the_pieces_of_a_prompt_pass_is_routed_around(
+        tiny_checkpoint, secret_file, tmp_path):
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
+    whole = tmp_path / "whole"  # every expert: a copy of worker-1's share as well
+    shutil.copytree(sharded / "worker-0", whole)
+    shutil.copytree(sharded / "worker-1", whole, dirs_exist_ok=True)
+    workers = start_workers([[whole], [sharded / "worker-1"]], secret_file, tmp_path / "logs")
+    remote = None
+    try:
+        remote = open_remote_model(sharded, [w.address for w in workers],
+                                   load_secret(secret_file))
+        dispatcher = remote.dispatcher
+        dispatcher.piece_pairs = 2
+        expected = remote.model(mx.array([PROMPT]))
+        mx.eval(expected)
+        assert dispatcher.stats.worker_requests[workers[1].address] > 0, "worker 1 unused"
+
+        link = dispatcher.cluster.links[1]
+        receive, replies = link.receive, []
+
+        def receive_then_die(timeout: float) -> bytes:
+            data = receive(timeout)
+            replies.append(data)
+            if len(replies) == 1:  # its first piece answered: the others never will be
+                workers[1].proc.kill()
+                workers[1].proc.wait(10)
+            return data
+
+        link.receive = receive_then_die
+        dispatcher.stats.reset()
+        again = remote.model(mx.array([PROMPT]))
+        assert len(replies) >= 1 and workers[1].proc.poll() is not None
+        assert mx.array_equal(again, expected)
+        dispatcher.stats.reset()  # worker 1 holds nothing now: every piece goes to worker 0
+        assert mx.array_equal(remote.model(mx.array([PROMPT])), expected)
+        assert set(dispatcher.stats.worker_requests) == {workers[0].address}
+    finally:
+        if remote is not None:
+            remote.close()
+        stop_workers(workers)
