@@ -194,12 +194,14 @@ class Dispatcher:
         once (a decode step): where a prefetch hint for them should go."""
         return spread(self.cluster.routes[layer], experts, self._turns[layer] + 1)
 
-    def _pieces(self, pairs: np.ndarray, k: int) -> list[tuple[np.ndarray, slice | np.ndarray,
-                                                                np.ndarray]]:
+    def _pieces(self, pairs: np.ndarray, k: int, worker: int
+                ) -> list[tuple[np.ndarray, slice | np.ndarray, np.ndarray]]:
         """One worker's pairs of a call (ascending) as requests: (pairs, the tokens whose
         hidden rows it needs, each pair's row among them). A prompt pass's go as pieces of
         about `piece_pairs` pairs, whole tokens each, so that the worker computes one piece
-        while the next arrives and the reply of the last leaves; a decode step's go whole."""
+        while the next arrives and the reply of the last leaves; a decode step's go whole,
+        and so does everything for a worker that streams experts from its drives (each piece
+        would read again what its cache could not keep)."""
         tokens = pairs // k  # ascending, as pairs are
         first = np.empty(tokens.size, dtype=bool)
         first[0] = True
@@ -207,6 +209,9 @@ class Dispatcher:
         needed = tokens[first]  # the tokens this worker needs, each sent once
         rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
         count = min(needed.size, pairs.size // self.piece_pairs) if self.piece_pairs else 1
+        if count > 1 and self.lookahead is not None \
+                and self.lookahead.streams(self.cluster.links[worker]):
+            count = 1
         if count <= 1:
             return [(pairs, _rows_of(needed), rows)]
         cuts = np.searchsorted(rows, np.arange(1, count) * needed.size // count).tolist()
@@ -258,7 +263,7 @@ class Dispatcher:
             hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
         stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
-        pieces = {worker: self._pieces(np.flatnonzero(owner == worker), k)
+        pieces = {worker: self._pieces(np.flatnonzero(owner == worker), k, worker)
                   for worker in np.unique(owner).tolist()}  # ascending: the fixed order
         pending = []
         for round_ in range(max(len(p) for p in pieces.values())):

@@ -71,7 +71,8 @@ class Lookahead:
         self._next: dict[int, _Next] = {}
         self._guess: dict[int, np.ndarray] = {}  # layer -> distinct experts guessed for it
         self._sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
-        self._streaming: dict[object, bool] = {}  # link -> its worker reads experts from disk
+        # link -> (the inventory judged, whether that worker reads experts from its drives)
+        self._streaming: dict[object, tuple[object, bool]] = {}
         layers = list(manifest.layers)
         for this, nxt in zip(layers, layers[1:], strict=False):
             block = get_module(model, nxt.path.rsplit(".", 1)[0])
@@ -130,7 +131,7 @@ class Lookahead:
         """Per worker index, the hint for the next layer's experts it will be sent, for
         streaming workers only. `owner_of(layer, experts)` names the copy that will compute
         each expert (with replicas, not always its first owner)."""
-        if not any(self._is_streaming(link) for link in links):
+        if not any(self.streams(link) for link in links):
             return {}  # every expert is in memory somewhere: guessing would only cost time
         predicted = self.predict(layer, x, k)
         if predicted is None:
@@ -139,21 +140,24 @@ class Lookahead:
         owner = owner_of(nxt, guess)
         out = {}
         for worker in np.unique(owner).tolist():
-            if worker < 0 or not self._is_streaming(links[worker]):
+            if worker < 0 or not self.streams(links[worker]):
                 continue
             mine = guess[owner == worker]
             out[worker] = shoal_pb2.PrefetchHint(layer=nxt, experts=mine.tolist())
         self.stats.hints_sent += len(out)
         return out
 
-    def _is_streaming(self, link) -> bool:
-        known = self._streaming.get(link)
-        if known is None:
-            inventory = link.inventory
-            if inventory is None or not inventory.memory_budget:
-                known = True  # a worker that does not say: hints are harmless
-            else:
-                held = sum(self._sizes.get((h.layer, h.expert), 0) for h in inventory.experts)
-                known = inventory.memory_budget < held
-            self._streaming[link] = known
+    def streams(self, link) -> bool:
+        """Whether the link's worker reads some of its experts from its drives (its memory
+        budget is below what it holds), by its inventory; judged again when that changes."""
+        inventory = link.inventory
+        judged = self._streaming.get(link)
+        if judged is not None and judged[0] is inventory:
+            return judged[1]
+        if inventory is None or not inventory.memory_budget:
+            known = True  # a worker that does not say: hints are harmless
+        else:
+            held = sum(self._sizes.get((h.layer, h.expert), 0) for h in inventory.experts)
+            known = inventory.memory_budget < held
+        self._streaming[link] = (inventory, known)
         return known

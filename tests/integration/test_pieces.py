@@ -1,6 +1,7 @@
 """A prompt pass goes to each worker as pieces (coordinator/dispatch.py: PIECE_PAIRS); a
 worker killed after answering some of its pieces is routed around like any lost worker, and
-the pass's output is the one every worker up gives, bit for bit."""
+the pass's output is the one every worker up gives, bit for bit. A worker that streams experts
+from its drives gets its share whole."""
 
 import shutil
 
@@ -58,3 +59,28 @@ def test_a_worker_lost_between_the_pieces_of_a_prompt_pass_is_routed_around(
         if remote is not None:
             remote.close()
         stop_workers(workers)
+
+
+def test_a_worker_that_streams_from_its_drives_gets_its_share_whole(
+        tiny_checkpoint, secret_file, tmp_path, start_worker):
+    # Each piece would read again from the drives what a small cache could not keep.
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
+    workers = [start_worker([sharded / "worker-0"]),
+               start_worker([sharded / "worker-1"], "--memory-budget", "10%")]
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        dispatcher = remote.dispatcher
+        dispatcher.piece_pairs = 0
+        whole = remote.model(mx.array([PROMPT]))
+        mx.eval(whole)
+        dispatcher.piece_pairs = 2
+        dispatcher.stats.reset()
+        pieced = remote.model(mx.array([PROMPT]))
+        assert mx.array_equal(pieced, whole)
+        calls = dispatcher.stats.prefill.calls
+        requests = dispatcher.stats.worker_requests
+        assert requests[workers[0].address] > calls  # in memory: in pieces
+        assert 0 < requests[workers[1].address] <= calls  # streams: one request a call
+    finally:
+        remote.close()
