@@ -1,6 +1,7 @@
 """Fixtures shared by the whole test suite: tiny random checkpoints built once per session,
 the cluster secret, and real shoal-worker processes that are killed by PID at teardown."""
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from builders.synthetic import build_checkpoint
 from coordinator.local import LocalWorker
 from coordinator.local import start_worker as launch_worker
 from engine.auth import create_secret
+from engine.sharding import shard
 
 TinyCheckpoint = Callable[..., Path]
 
@@ -37,6 +39,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def replicated_stores(tiny_checkpoint: TinyCheckpoint, tmp_path: Path) -> tuple[Path, list[Path]]:
+    """qwen3_moe sharded for two workers, where the first holds every expert (a copy of the
+    second's share as well): (the sharded folder, the two workers' stores). The second can be
+    lost and its experts routed around."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
+    whole = tmp_path / "whole"
+    shutil.copytree(sharded / "worker-0", whole)
+    shutil.copytree(sharded / "worker-1", whole, dirs_exist_ok=True)
+    return sharded, [whole, sharded / "worker-1"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,8 +3,6 @@ worker killed after answering some of its pieces is routed around like any lost 
 the pass's output is the one every worker up gives, bit for bit. A worker that streams experts
 from its drives gets its share whole."""
 
-import shutil
-
 import mlx.core as mx
 import pytest
 
@@ -19,13 +17,9 @@ PROMPT = [5, 17, 42, 99, 7, 250, 33, 64, 128, 12, 3, 77]
 
 
 def test_a_worker_lost_between_the_pieces_of_a_prompt_pass_is_routed_around(
-        tiny_checkpoint, secret_file, tmp_path):
-    sharded = tmp_path / "sharded"
-    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
-    whole = tmp_path / "whole"  # every expert: a copy of worker-1's share as well
-    shutil.copytree(sharded / "worker-0", whole)
-    shutil.copytree(sharded / "worker-1", whole, dirs_exist_ok=True)
-    workers = start_workers([[whole], [sharded / "worker-1"]], secret_file, tmp_path / "logs")
+        replicated_stores, secret_file, tmp_path):
+    sharded, stores = replicated_stores
+    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs")
     remote = None
     try:
         remote = open_remote_model(sharded, [w.address for w in workers],

@@ -1,26 +1,19 @@
 """`shoal serve` while a worker is lost whose experts have another copy: the answer in
 flight goes on and is the one it gets with every worker up."""
 
-import shutil
-
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 
 from coordinator.local import start_server, start_workers, stop_workers
-from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_lost_worker_with_copies_elsewhere_is_routed_around(tiny_checkpoint, secret_file,
+def test_a_lost_worker_with_copies_elsewhere_is_routed_around(replicated_stores, secret_file,
                                                                tmp_path):
-    sharded = tmp_path / "sharded"
-    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
-    whole = tmp_path / "whole"  # every expert: a copy of worker-1's share as well
-    shutil.copytree(sharded / "worker-0", whole)
-    shutil.copytree(sharded / "worker-1", whole, dirs_exist_ok=True)
-    workers = start_workers([[whole], [sharded / "worker-1"]], secret_file, tmp_path / "logs")
+    sharded, stores = replicated_stores
+    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs")
     server = None
     try:
         server = start_server(sharded, [w.address for w in workers], secret_file,
