@@ -2,7 +2,8 @@
 
 Per layer call: group the (token, expert) pairs by the worker that serves the expert (the
 pairs of an expert with several copies are dealt over them), send one request to every
-involved worker before waiting for any, then place each worker's outputs back into the
+involved worker before waiting for any (a prompt pass's share as a few pieces, so that
+transfer and compute overlap), then place each worker's outputs back into the
 (..., k, hidden) result in a fixed order, so the result never depends on which worker
 answered first. A worker lost in the middle of a call is routed around when other workers
 hold its experts (the call is redone; experts keep no state), else the call fails naming the
@@ -291,7 +292,7 @@ class Dispatcher:
             before = time.perf_counter()
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
-        parts = []  # each worker's outputs, in the order of `pending`
+        parts = []  # each reply's outputs, in the order of `pending`
         computing: Counter[int] = Counter()  # seconds, by worker, over its pieces
         spans: dict[int, tuple[float, float]] = {}  # by worker: (first sent, last received)
         timings: dict[int, list[shoal_pb2.WorkerTiming]] = {}
