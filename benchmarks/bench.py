@@ -198,6 +198,8 @@ def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dic
         "breakdown": d.breakdown(),
         "prefill_length": prefill_length,
         "prefill_breakdown": stats.prefill.breakdown(),  # the prompt's pass, not its last token
+        # requests a prompt pass's layer call sends: a worker's share may go as pieces
+        "prefill_requests_per_call": stats.prefill.requests / max(stats.prefill.calls, 1),
     }
 
 
@@ -420,7 +422,8 @@ def table(report: dict) -> str:
     ]
     lines += ["", "per-layer decode breakdown (us per MoE layer call):",
               breakdown_table(d["breakdown"]),
-              f"per-layer prefill breakdown, {d['prefill_length']}-token prompt (us per call):",
+              f"per-layer prefill breakdown, {d['prefill_length']}-token prompt (us per call, "
+              f"{d['prefill_requests_per_call']:.1f} requests a call):",
               breakdown_table(d["prefill_breakdown"])]
     for shape, us in report["shoal"]["serialization_us"].items():
         lines.append(f"serialization, {shape}: request {us['request']:.0f} us, reply "

@@ -37,6 +37,7 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
         assert set(report[system]["prefill_tps"]) == {"16", "64"}
     dispatch = report["shoal"]["dispatch"]
     assert 1 <= dispatch["rpcs_per_token_per_layer"] <= 2  # one request per involved worker
+    assert dispatch["prefill_requests_per_call"] >= 1  # pieces, for long enough prompts
     assert dispatch["bytes_sent_per_token"] > 0 and report["shoal"]["echo"]["round_trip_ms"] > 0
     assert report["shoal"]["echo"]["plaintext_ms"] > 0  # TLS's cost is measured beside it
     assert report["decode_ratio_vs_mlx_lm_single"] > 0
