@@ -29,6 +29,7 @@ from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import load_secret
+from engine.manifest import read_manifest
 
 BATCHES = (2, 4, 7, 8, 16, 32)
 PROMPT_LENGTHS = (16, 9, 23, 4, 16, 12, 5, 30)
@@ -115,7 +116,9 @@ def compare(runs, reference) -> dict:
 def models(quick: bool, tokens: int) -> dict:
     settings = QUICK if quick else FULL
     source, sharded, secret, logs = bench_files(quick)
-    prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+    vocab = read_manifest(sharded).config["vocab_size"]  # ids past it read outside the table
+    prompts = [[(7 * i + 3 * j) % (vocab - 10) + 10 for j in range(n)]
+               for i, n in enumerate(PROMPT_LENGTHS)]
     single, _ = load_model(source)
     log("mlx-lm in one process: each prompt alone, then all together")
     alone = [generate(single, [p], tokens)[0] for p in prompts]

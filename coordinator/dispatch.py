@@ -293,8 +293,11 @@ class Dispatcher:
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
         parts = []  # each reply's outputs, in the order of `pending`
-        computing: Counter[int] = Counter()  # seconds, by worker, over its pieces
-        spans: dict[int, tuple[float, float]] = {}  # by worker: (first sent, last received)
+        # by worker, over its pieces: first request sent, last reply read, seconds computing,
+        # and each reply's timing
+        first_sent: dict[int, float] = {}
+        last_read: dict[int, float] = {}
+        computing: Counter[int] = Counter()
         timings: dict[int, list[shoal_pb2.WorkerTiming]] = {}
         parse_scatter = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
@@ -312,8 +315,9 @@ class Dispatcher:
             received = time.perf_counter()
             reply, tensors = EXPERT_REPLY.read(data, f"reply of {link.address}")
             # a piece waits for its worker's pieces before it: time it from the last one's reply
-            pace.observe(received - max(sent, spans.get(worker, (0.0, 0.0))[1]), pairs.size)
-            spans[worker] = (spans.get(worker, (sent,))[0], received)
+            pace.observe(received - max(sent, last_read.get(worker, sent)), pairs.size)
+            first_sent.setdefault(worker, sent)
+            last_read[worker] = received
             timings.setdefault(worker, []).append(reply.timing)
             known = link.inventory.inventory_version if link.inventory is not None else 0
             if reply.inventory_version and known and reply.inventory_version != known:
@@ -345,8 +349,8 @@ class Dispatcher:
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before
         # The critical worker: the longest from its first request sent to its last reply read.
-        critical = max(spans, key=lambda w: spans[w][1] - spans[w][0])
-        stats.wire_seconds += spans[critical][1] - spans[critical][0] - computing[critical]
+        critical = max(first_sent, key=lambda w: last_read[w] - first_sent[w])
+        stats.wire_seconds += last_read[critical] - first_sent[critical] - computing[critical]
         for timing in timings[critical]:
             stats.worker_parse_seconds += timing.parse
             stats.worker_matrix_seconds += timing.matrix

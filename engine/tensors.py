@@ -193,10 +193,10 @@ def _tensor_view(data: bytes, view: memoryview, at: int, end: int, what: str) ->
                 shape.append(d)
         elif number == _TENSOR_SHAPE and kind == _VARINT:  # one at a time: also valid
             shape.append(_read_varint(data, value, at, what)[0])
-        if len(shape) > MAX_DIMS:
-            raise InvalidInput(f"{what}: a tensor has more than {MAX_DIMS} dimensions")
         elif number == _TENSOR_DATA and kind == _LEN:
             body = view[value:at]
+        if len(shape) > MAX_DIMS:
+            raise InvalidInput(f"{what}: a tensor has more than {MAX_DIMS} dimensions")
     try:
         name = dtype.decode()
     except UnicodeDecodeError:
