@@ -59,12 +59,12 @@ class _Watchdog:
     iterator takes no timeout). One thread for every link; arming costs a dict write."""
 
     def __init__(self) -> None:
-        self._due: dict[WorkerLink, float] = {}
+        self._due: dict[_Stream, float] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def arm(self, link: WorkerLink, deadline: float) -> None:
+    def arm(self, link: _Stream, deadline: float) -> None:
         self._due[link] = deadline
         if self._thread is None:
             with self._lock:
@@ -74,7 +74,7 @@ class _Watchdog:
                     self._thread.start()
         self._wake.set()
 
-    def disarm(self, link: WorkerLink) -> None:
+    def disarm(self, link: _Stream) -> None:
         self._due.pop(link, None)
 
     def _run(self) -> None:
@@ -171,17 +171,12 @@ def handshake(
                                       inventory.fingerprint, manifest)
 
 
-class WorkerLink:
-    """One worker: its channel, its inventory, and the Compute stream to it."""
+class _Stream:
+    """One Compute stream of a link: requests queued onto it, replies read in order, and
+    what the watchdog needs to cancel it when a reply is overdue."""
 
-    def __init__(self, address: str, secret: Secret) -> None:
-        self.address = address
-        self._secret = secret
-        self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
-        self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        # bytes both ways: messages are written and read by proto.EXPERT_REQUEST / EXPERT_REPLY
-        self._compute = self._channel.stream_stream(COMPUTE, _registered_method=True)
+    def __init__(self, link: WorkerLink, lane: int) -> None:
+        self.link, self.lane = link, lane
         self._requests: queue.SimpleQueue | None = None
         self._replies: Iterator[bytes] | None = None
         # receive() and the watchdog agree under this lock on whether a reply is awaited
@@ -189,7 +184,83 @@ class WorkerLink:
         self._waiting = None
         self._timeout = 0.0
         self._late: float | None = None
+
+    def send(self, request: bytes) -> None:
+        if self._requests is None:
+            self._requests = queue.SimpleQueue()
+            self._replies = self.link._compute(self.lane)(
+                iter(self._requests.get, _CLOSE), metadata=self.link._metadata("Compute"))
+        self._requests.put(request)
+
+    def receive(self, timeout: float) -> bytes:
+        address = self.link.address
+        replies = self._replies
+        if replies is None:
+            raise Unavailable(f"worker {address}: no request is awaiting a reply")
+        with self._waiting_lock:
+            self._waiting, self._timeout, self._late = replies, timeout, None
+        _WATCHDOG.arm(self, time.monotonic() + timeout)
+        try:
+            reply = next(replies)
+            with self._waiting_lock:
+                self._waiting = None
+            return reply
+        except grpc.RpcError as e:
+            self.link.reset()
+            if self._late is not None:
+                raise Unavailable(f"worker {address} did not answer within "
+                                  f"{self._late:.1f} s") from None
+            raise error_for(e, address, STREAM) from None
+        except StopIteration:
+            self.link.reset()
+            raise Unavailable(f"worker {address} closed its stream") from None
+        finally:
+            with self._waiting_lock:
+                self._waiting = None
+            _WATCHDOG.disarm(self)
+
+    def overdue(self) -> None:
+        """Called by the watchdog when a reply is late: give up the stream, unless the reply
+        came meanwhile."""
+        with self._waiting_lock:
+            if self._waiting is None:
+                return
+            self._late = self._timeout
+            self._waiting.cancel()
+
+    def reset(self) -> None:
+        if self._requests is not None:
+            self._requests.put(_CLOSE)
+        self._requests = self._replies = None
+
+
+class WorkerLink:
+    """One worker: its channel, its inventory, and the Compute streams to it: lane 0 on the
+    link's own channel, and for a prompt pass's pieces further lanes, each on a connection of
+    its own."""
+
+    def __init__(self, address: str, secret: Secret) -> None:
+        self.address = address
+        self._secret = secret
+        self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
+        self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lane_channels: list[grpc.Channel] = [self._channel]
+        # bytes both ways: messages are written and read by proto.EXPERT_REQUEST / EXPERT_REPLY
+        self._streams: list[_Stream] = []
         self.inventory: shoal_pb2.Inventory | None = None
+
+    @property
+    def connections(self) -> int:
+        """Connections open to the worker: the link's own, and one per further lane."""
+        return len(self._lane_channels)
+
+    def _compute(self, lane: int):
+        while len(self._lane_channels) <= lane:  # a connection of its own for each lane
+            self._lane_channels.append(secure_channel(
+                self.address, self._secret.require_identity(),
+                [*_LINK_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]))
+        return self._lane_channels[lane].stream_stream(COMPUTE, _registered_method=True)
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
         return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
@@ -241,59 +312,30 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is shutting down")
         return time.perf_counter() - started
 
-    def send(self, request: bytes) -> None:
-        """Queue one ExpertRequest's bytes (proto.EXPERT_REQUEST.write) on the Compute stream."""
+    def _stream(self, lane: int) -> _Stream:
+        while len(self._streams) <= lane:
+            self._streams.append(_Stream(self, len(self._streams)))
+        return self._streams[lane]
+
+    def send(self, request: bytes, lane: int = 0) -> None:
+        """Queue one ExpertRequest's bytes (proto.EXPERT_REQUEST.write) on a Compute stream."""
         if not isinstance(request, bytes):  # gRPC's thread would fail on it, out of sight
             raise TypeError(f"a Compute request is bytes, not {type(request).__name__}")
-        if self._requests is None:
-            self._requests = queue.SimpleQueue()
-            self._replies = self._compute(iter(self._requests.get, _CLOSE),
-                                          metadata=self._metadata("Compute"))
-        self._requests.put(request)
+        self._stream(lane).send(request)
 
-    def receive(self, timeout: float) -> bytes:
-        """The next reply's bytes on the Compute stream (proto.EXPERT_REPLY.read); Unavailable
-        if none came within `timeout` seconds (the stream is then abandoned: a worker that hung
-        is treated as lost)."""
-        replies = self._replies
-        with self._waiting_lock:
-            self._waiting, self._timeout, self._late = replies, timeout, None
-        _WATCHDOG.arm(self, time.monotonic() + timeout)
-        try:
-            reply = next(replies)
-            with self._waiting_lock:
-                self._waiting = None
-            return reply
-        except grpc.RpcError as e:
-            self.reset()
-            if self._late is not None:
-                raise Unavailable(f"worker {self.address} did not answer within "
-                                  f"{self._late:.1f} s") from None
-            raise error_for(e, self.address, STREAM) from None
-        except StopIteration:
-            self.reset()
-            raise Unavailable(f"worker {self.address} closed its stream") from None
-        finally:
-            with self._waiting_lock:
-                self._waiting = None
-            _WATCHDOG.disarm(self)
-
-    def overdue(self) -> None:
-        """Called by the watchdog when a reply is late: give up the stream, unless the reply
-        came meanwhile."""
-        with self._waiting_lock:
-            if self._waiting is None:
-                return
-            self._late = self._timeout
-            self._waiting.cancel()
+    def receive(self, timeout: float, lane: int = 0) -> bytes:
+        """The next reply's bytes on a Compute stream (proto.EXPERT_REPLY.read); Unavailable
+        if none came within `timeout` seconds (the streams are then abandoned: a worker that
+        hung is treated as lost)."""
+        return self._stream(lane).receive(timeout)
 
     def reset(self) -> None:
-        """Abandon the Compute stream (and any reply still owed on it); the next send opens
-        a new one."""
-        if self._requests is not None:
-            self._requests.put(_CLOSE)
-        self._requests = self._replies = None
+        """Abandon the Compute streams (and any reply still owed on them); the next send opens
+        new ones."""
+        for stream in self._streams:
+            stream.reset()
 
     def close(self) -> None:
         self.reset()
-        self._channel.close()
+        for channel in self._lane_channels:
+            channel.close()

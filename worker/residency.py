@@ -10,9 +10,10 @@ tensors: the budget changes the speed, never the result.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,11 @@ class Request:
 
 @dataclass
 class Timing:
-    """Seconds of one request spent in MLX evaluation of the experts (the matrix work)."""
+    """Seconds of one request spent in MLX evaluation of the experts (the matrix work), and
+    waiting while another request's ran (a prompt pass's pieces come over several streams)."""
 
     matrix: float = 0.0
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,14 @@ class Residency:
         self.holdings.asked(request.layer, request.experts)
         return out
 
+    @contextlib.contextmanager
+    def _turn(self, timing: Timing) -> Iterator[None]:
+        """This request's turn at MLX: one at a time (MLX work is not thread-safe here)."""
+        before = time.perf_counter()
+        with self._lock:
+            timing.waited += time.perf_counter() - before
+            yield
+
     def _gathered(
         self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing
     ) -> mx.array:
@@ -286,7 +297,7 @@ class Residency:
         distinct = int(np.count_nonzero(np.bincount(request.experts)))
         self.cache.count_resident(request.layer, distinct, request.experts.size)
         positions = stack.positions[request.experts]
-        with self._lock:
+        with self._turn(timing):
             out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
                                   request.rows, positions, request.call_pairs)
             before = time.perf_counter()
@@ -326,7 +337,7 @@ class Residency:
         parts: list[mx.array | None] = [None] * counts.size
         remaining = counts.size
         while True:
-            with self._lock:
+            with self._turn(timing):
                 outs = [runner(tensors, hidden[mx.array(rows_of[pos])]) for pos, tensors in ready]
                 before = time.perf_counter()
                 mx.eval(outs)

@@ -98,11 +98,12 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             yield EXPERT_REPLY.write(
                 shoal_pb2.ExpertReply(
                     seq=message.seq,
-                    compute_seconds=done - started,
+                    compute_seconds=done - started - timing.waited,
                     inventory_version=self.residency.holdings.version,
                     timing=shoal_pb2.WorkerTiming(
                         parse=parsed - started, matrix=timing.matrix,
-                        bookkeeping=computed - parsed - timing.matrix, reply=done - computed),
+                        bookkeeping=computed - parsed - timing.matrix - timing.waited,
+                        reply=done - computed, waited=timing.waited),
                 ),
                 output=(output, dtype_name(out.dtype)),
             )

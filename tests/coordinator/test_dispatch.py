@@ -95,22 +95,22 @@ class _Link:
     def __init__(self) -> None:
         self.inventory = None
         self.address = "in-process"
-        self.replies: list = []
+        self.replies: dict[int, list] = {}  # by stream (lane): each answers in order
         self.experts: list[int] = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, lane: int = 0) -> None:
         request, tensors = EXPERT_REQUEST.read(data, "request")
         if "hidden" not in tensors:
             return  # a hint alone
         experts = np.frombuffer(tensors["experts"].data, np.int32)
         self.experts += experts.tolist()
         width = tensors["hidden"].shape[1]
-        self.replies.append(EXPERT_REPLY.write(
+        self.replies.setdefault(lane, []).append(EXPERT_REPLY.write(
             shoal_pb2.ExpertReply(seq=request.seq),
             output=(np.zeros((experts.size, width), np.float32), "float32")))
 
-    def receive(self, timeout: float):
-        return self.replies.pop(0)
+    def receive(self, timeout: float, lane: int = 0):
+        return self.replies[lane].pop(0)
 
 
 @dataclass
@@ -162,16 +162,18 @@ class _Scaling(_Link):
     def __init__(self) -> None:
         super().__init__()
         self.rows_sent = 0
+        self.lanes: set[int] = set()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, lane: int = 0) -> None:
         request, tensors = EXPERT_REQUEST.read(data, "request")
+        self.lanes.add(lane)
         hidden = np.frombuffer(tensors["hidden"].data, np.float32).reshape(
             tensors["hidden"].shape)
         rows = np.frombuffer(tensors["rows"].data, np.int32)
         experts = np.frombuffer(tensors["experts"].data, np.int32)
         self.rows_sent += hidden.shape[0]
         self.experts += experts.tolist()
-        self.replies.append(EXPERT_REPLY.write(
+        self.replies.setdefault(lane, []).append(EXPERT_REPLY.write(
             shoal_pb2.ExpertReply(seq=request.seq),
             output=((hidden[rows] * (experts[:, None] + 1)).astype(np.float32), "float32")))
 
@@ -185,15 +187,19 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
     inds = np.stack([rng.permutation(8)[:3] for _ in range(9)]).astype(np.int32)[None]
     expected = (np.asarray(x)[..., None, :] * (inds[..., None] + 1)).astype(np.float32)
     requests = {}
-    for piece_pairs in (0, 4, 1):  # whole, pieces of about 4 pairs, one token a piece
+    # whole, pieces of about 4 pairs, one token a piece; over 4 streams a worker, then one
+    for piece_pairs, lanes in ((0, 4), (4, 4), (1, 4), (1, 1)):
         links = [_Scaling(), _Scaling()]
         dispatcher = Dispatcher(_Cluster(links, routes))
-        dispatcher.piece_pairs = piece_pairs
+        dispatcher.piece_pairs, dispatcher.lanes = piece_pairs, lanes
         out = dispatcher(0, x, mx.array(inds))
         assert np.array_equal(np.asarray(out), expected), piece_pairs
         owners = [inds.reshape(9, 3) % 2 == w for w in range(2)]
         # every token a worker needs is sent to it once, whatever the pieces
         assert [link.rows_sent for link in links] == [int(o.any(axis=1).sum()) for o in owners]
+        # pieces are dealt over the streams, each reply read from its own (_Link.receive)
+        used = {0: {0}, 1: set(range(lanes))}.get(piece_pairs)  # whole: one; a token each: all
+        assert used is None or all(link.lanes == used for link in links), piece_pairs
         requests[piece_pairs] = dispatcher.stats.prefill.requests
     assert requests[0] == 2 and 2 < requests[4] < requests[1] <= 18, requests
     # a decode step's few pairs always go whole

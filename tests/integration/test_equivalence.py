@@ -102,13 +102,15 @@ def test_cluster_matches_single_process(
             tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
             assert tokens == expected_tokens, f"{workers} workers"
             # a prompt pass sent as pieces of a few pairs (the workers compute one while the
-            # next arrives) gives the same bits as the whole call
+            # next arrives), over several connections a worker, gives the same bits as the
+            # whole call
             remote.dispatcher.piece_pairs = 4
             remote.dispatcher.stats.reset()
             pieced = remote.model(mx.array([PROMPT]))
             assert mx.array_equal(pieced, logits), f"{workers} workers, in pieces"
             prompt_pass = remote.dispatcher.stats.prefill
             assert prompt_pass.requests > workers * prompt_pass.calls, "no call went in pieces"
+            assert max(link.connections for link in remote.dispatcher.cluster.links) > 1
             served = remote.dispatcher.stats.worker_requests
             assert all(served[w.address] > 0 for w in running), served
         finally:

@@ -33,8 +33,8 @@ def test_a_worker_lost_between_the_pieces_of_a_prompt_pass_is_routed_around(
         link = dispatcher.cluster.links[1]
         receive, replies = link.receive, []
 
-        def receive_then_die(timeout: float) -> bytes:
-            data = receive(timeout)
+        def receive_then_die(timeout: float, lane: int = 0) -> bytes:
+            data = receive(timeout, lane)
             replies.append(data)
             if len(replies) == 1:  # its first piece answered: the others never will be
                 workers[1].proc.kill()
