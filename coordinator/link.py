@@ -1,7 +1,8 @@
 """One worker as the coordinator reaches it: a `WorkerLink` owns the gRPC channel and a
-long-lived bidirectional Compute stream, queues requests onto it and reads the replies in
-order; the handshake that says whether a worker can serve this model; and how a failed call
-reads for the user (`error_for`, one table for every call on a link).
+long-lived bidirectional Compute stream (and, for a prompt pass's pieces, a few more, each on
+a connection of its own), queues requests onto them and reads each one's replies in order;
+the handshake that says whether a worker can serve this model; and how a failed call reads
+for the user (`error_for`, one table for every call on a link).
 """
 
 from __future__ import annotations
