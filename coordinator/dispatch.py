@@ -369,6 +369,9 @@ class Dispatcher:
         stats.seconds += done - started
         self.stats.layer(layer).add(stats)
         (self.stats.decode if not lead or lead[-1] == 1 else self.stats.prefill).add(stats)
+        if len(pending) == len(pieces):  # one request a worker (decode): the pass is over
+            for worker in pieces:
+                self.cluster.links[worker].close_lanes()
         for link in changed:  # route the next call by what the workers hold now
             if link in self.cluster.links:
                 self.cluster.reload(self.cluster.links.index(link))

@@ -229,6 +229,10 @@ class _Stream:
             self._late = self._timeout
             self._waiting.cancel()
 
+    @property
+    def open(self) -> bool:
+        return self._requests is not None
+
     def reset(self) -> None:
         if self._requests is not None:
             self._requests.put(_CLOSE)
@@ -329,6 +333,17 @@ class WorkerLink:
         if none came within `timeout` seconds (the streams are then abandoned: a worker that
         hung is treated as lost)."""
         return self._stream(lane).receive(timeout)
+
+    def close_lanes(self) -> None:
+        """End the streams beyond the first, none of whose replies is awaited: a stream holds
+        one of the worker's threads (and of its calls from this host, worker/service.py:
+        PeerLimit), so an idle coordinator keeps one. Their connections stay open."""
+        for stream in self._streams[1:]:
+            stream.reset()
+
+    @property
+    def open_streams(self) -> int:
+        return sum(stream.open for stream in self._streams)
 
     def reset(self) -> None:
         """Abandon the Compute streams (and any reply still owed on them); the next send opens

@@ -112,6 +112,10 @@ class _Link:
     def receive(self, timeout: float, lane: int = 0):
         return self.replies[lane].pop(0)
 
+    def close_lanes(self) -> None:
+        assert not any(self.replies.get(lane) for lane in self.replies if lane), "replies owed"
+        self.closed_lanes = True
+
 
 @dataclass
 class _Cluster:
@@ -200,6 +204,8 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
         # pieces are dealt over the streams, each reply read from its own (_Link.receive)
         used = {0: {0}, 1: set(range(lanes))}.get(piece_pairs)  # whole: one; a token each: all
         assert used is None or all(link.lanes == used for link in links), piece_pairs
+        # streams beyond the first are ended once a call goes whole, not while in pieces
+        assert all(hasattr(link, "closed_lanes") == (piece_pairs == 0) for link in links)
         requests[piece_pairs] = dispatcher.stats.prefill.requests
     assert requests[0] == 2 and 2 < requests[4] < requests[1] <= 18, requests
     # a decode step's few pairs always go whole
@@ -208,3 +214,4 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
     dispatcher.piece_pairs = 1
     dispatcher(0, x[:, :1], mx.array(inds[:, :1]))
     assert dispatcher.stats.decode.requests <= 2
+    assert any(hasattr(link, "closed_lanes") for link in links)

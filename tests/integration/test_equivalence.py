@@ -110,7 +110,10 @@ def test_cluster_matches_single_process(
             assert mx.array_equal(pieced, logits), f"{workers} workers, in pieces"
             prompt_pass = remote.dispatcher.stats.prefill
             assert prompt_pass.requests > workers * prompt_pass.calls, "no call went in pieces"
-            assert max(link.connections for link in remote.dispatcher.cluster.links) > 1
+            links = remote.dispatcher.cluster.links
+            assert max(link.connections for link in links) > 1
+            mx.eval(remote.model(mx.array([PROMPT[:1]])))  # a decode-sized call ends the rest
+            assert [link.open_streams for link in links] == [1] * len(links)
             served = remote.dispatcher.stats.worker_requests
             assert all(served[w.address] > 0 for w in running), served
         finally:
