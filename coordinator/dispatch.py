@@ -124,8 +124,9 @@ LARGE_CALL = 64  # (token, expert) pairs from which a call's time is mostly per 
 PIECE_PAIRS = 512
 # and those pieces are dealt over this many streams per worker, each on a connection of its
 # own (the first: the link's own), which gRPC then moves in parallel: on the H200 machine a
-# bare echo of a prompt pass's pieces took 15-16 ms over 4 connections a worker against 22-23
-# over one, and 512-token prompt passes ran 899-909 tok/s against 830-846 (docs/benchmarks.md).
+# bare echo of a prompt pass's pieces took 11.7-16.2 ms over 4 connections a worker against
+# 20.6-23.5 over one; 512-token prompt passes ran 876-922 tok/s against 819-945, about 5%
+# faster on average (docs/benchmarks.md, the "lanes" run).
 LANES = 4
 
 

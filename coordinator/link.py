@@ -65,8 +65,8 @@ class _Watchdog:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def arm(self, link: _Stream, deadline: float) -> None:
-        self._due[link] = deadline
+    def arm(self, stream: _Stream, deadline: float) -> None:
+        self._due[stream] = deadline
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -75,8 +75,8 @@ class _Watchdog:
                     self._thread.start()
         self._wake.set()
 
-    def disarm(self, link: _Stream) -> None:
-        self._due.pop(link, None)
+    def disarm(self, stream: _Stream) -> None:
+        self._due.pop(stream, None)
 
     def _run(self) -> None:
         while True:
@@ -85,10 +85,10 @@ class _Watchdog:
                 self._wake.clear()
                 continue
             now = time.monotonic()
-            for link, deadline in list(self._due.items()):
-                if now >= deadline and self._due.get(link) == deadline:
-                    self._due.pop(link, None)
-                    link.overdue()
+            for stream, deadline in list(self._due.items()):
+                if now >= deadline and self._due.get(stream) == deadline:
+                    self._due.pop(stream, None)
+                    stream.overdue()
             time.sleep(0.02)
 
 
