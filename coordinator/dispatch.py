@@ -53,6 +53,9 @@ class LayerStats:
     worker_matrix_seconds: float = 0.0
     worker_bookkeeping_seconds: float = 0.0
     worker_reply_seconds: float = 0.0
+    # waiting while it computed its other streams' requests (a prompt pass's pieces): overlaps
+    # those requests' own parts, so not in the round trip's sum
+    worker_waited_seconds: float = 0.0
     parse_scatter_seconds: float = 0.0  # replies -> the (..., k, width) MLX array
 
     def add(self, other: LayerStats) -> None:
@@ -64,7 +67,8 @@ class LayerStats:
         """Microseconds per call, one number per part (see the fields' comments)."""
         calls = max(self.calls, 1)
         parts = ("sync", "send", "wire", "worker_parse", "worker_matrix",
-                 "worker_bookkeeping", "worker_reply", "parse_scatter", "shared")
+                 "worker_bookkeeping", "worker_reply", "worker_waited", "parse_scatter",
+                 "shared")
         out = {f"{p}_us": 1e6 * getattr(self, f"{p}_seconds") / calls for p in parts}
         out["round_trip_us"] = 1e6 * self.seconds / calls
         return out
@@ -364,6 +368,7 @@ class Dispatcher:
             stats.worker_matrix_seconds += timing.matrix
             stats.worker_bookkeeping_seconds += timing.bookkeeping
             stats.worker_reply_seconds += timing.reply
+            stats.worker_waited_seconds += timing.waited
         stats.slowest_compute_seconds += max(computing.values())
         stats.calls += 1
         stats.requests += len(pending)

@@ -234,6 +234,7 @@ BREAKDOWN_PARTS = (
     ("worker_matrix", "worker: matrix work (MLX evaluation alone)"),
     ("worker_bookkeeping", "worker: validation, cache, heat, graph building"),
     ("worker_reply", "worker: build the reply"),
+    ("worker_waited", "worker: waiting for its other streams' pieces (overlaps them)"),
     ("parse_scatter", "coordinator: parse replies, scatter into the result"),
     ("shared", "coordinator: shared expert (overlaps the workers)"),
     ("round_trip", "round trip: send to result, all of the above but sync"),

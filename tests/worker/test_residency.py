@@ -2,6 +2,8 @@
 fill the cache without pushing out hot experts; a bad copy is found by its checksum."""
 
 import dataclasses
+import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import engine.experts as experts_module
 from engine.errors import ShoalError
 from engine.sharding import shard
-from worker.residency import Request, Residency
+from worker.residency import Request, Residency, Timing
 from worker.store import scan_stores
 
 
@@ -225,5 +227,28 @@ def test_a_call_padded_to_the_callers_pair_count_gives_the_same_outputs(store, m
             assert padded.shape == expected.shape
             assert np.array_equal(padded, expected)
         assert sizes[:3] == [8, 8, 8]  # the decode-shaped ones were padded to the caller's 8
+    finally:
+        residency.close()
+
+
+def test_a_request_waiting_for_anothers_mlx_work_reports_the_wait_apart(store):
+    """Requests from several streams (a prompt pass's pieces) compute one at a time; the time
+    one waits for another's turn is `Timing.waited`, not its matrix work."""
+    residency = Residency(scan_stores([store]))
+    request = random_request(np.random.default_rng(4), layer=0)
+    try:
+        alone = Timing()
+        expected = np.array(residency.compute(request, alone))
+        assert alone.waited < 0.05
+        timing, outputs = Timing(), []
+        with residency._lock:  # another request's turn, 0.2 s long
+            thread = threading.Thread(
+                target=lambda: outputs.append(np.array(residency.compute(request, timing))))
+            thread.start()
+            time.sleep(0.2)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert np.array_equal(outputs[0], expected)
+        assert timing.waited >= 0.15 and timing.matrix < timing.waited
     finally:
         residency.close()
