@@ -173,11 +173,12 @@ def handshake(
 
 
 class _Stream:
-    """One Compute stream of a link: requests queued onto it, replies read in order, and
-    what the watchdog needs to cancel it when a reply is overdue."""
+    """One Compute stream of a link, on its own channel: requests queued onto it, replies
+    read in order, and what the watchdog needs to cancel it when a reply is overdue."""
 
-    def __init__(self, link: WorkerLink, lane: int) -> None:
-        self.link, self.lane = link, lane
+    def __init__(self, link: WorkerLink, channel: grpc.Channel) -> None:
+        self.link, self.channel = link, channel
+        self._compute = channel.stream_stream(COMPUTE, _registered_method=True)
         self._requests: queue.SimpleQueue | None = None
         self._replies: Iterator[bytes] | None = None
         # receive() and the watchdog agree under this lock on whether a reply is awaited
@@ -189,8 +190,8 @@ class _Stream:
     def send(self, request: bytes) -> None:
         if self._requests is None:
             self._requests = queue.SimpleQueue()
-            self._replies = self.link._compute(self.lane)(
-                iter(self._requests.get, _CLOSE), metadata=self.link._metadata("Compute"))
+            self._replies = self._compute(iter(self._requests.get, _CLOSE),
+                                          metadata=self.link._metadata("Compute"))
         self._requests.put(request)
 
     def receive(self, timeout: float) -> bytes:
@@ -250,22 +251,14 @@ class WorkerLink:
         self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
         self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._lane_channels: list[grpc.Channel] = [self._channel]
         # bytes both ways: messages are written and read by proto.EXPERT_REQUEST / EXPERT_REPLY
-        self._streams: list[_Stream] = []
+        self._streams = [_Stream(self, self._channel)]
         self.inventory: shoal_pb2.Inventory | None = None
 
     @property
     def connections(self) -> int:
         """Connections open to the worker: the link's own, and one per further lane."""
-        return len(self._lane_channels)
-
-    def _compute(self, lane: int):
-        while len(self._lane_channels) <= lane:  # a connection of its own for each lane
-            self._lane_channels.append(secure_channel(
-                self.address, self._secret.require_identity(),
-                [*_LINK_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]))
-        return self._lane_channels[lane].stream_stream(COMPUTE, _registered_method=True)
+        return len(self._streams)
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
         return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
@@ -318,8 +311,10 @@ class WorkerLink:
         return time.perf_counter() - started
 
     def _stream(self, lane: int) -> _Stream:
-        while len(self._streams) <= lane:
-            self._streams.append(_Stream(self, len(self._streams)))
+        while len(self._streams) <= lane:  # a connection of its own for each further lane
+            self._streams.append(_Stream(self, secure_channel(
+                self.address, self._secret.require_identity(),
+                [*_LINK_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])))
         return self._streams[lane]
 
     def send(self, request: bytes, lane: int = 0) -> None:
@@ -353,5 +348,5 @@ class WorkerLink:
 
     def close(self) -> None:
         self.reset()
-        for channel in self._lane_channels:
-            channel.close()
+        for stream in self._streams:
+            stream.channel.close()
