@@ -3,7 +3,11 @@ validation, the heat count, building the gathered call's graph (the request's ar
 and mlx-lm's switch module), its evaluation, and recording the request. What the worker's
 "bookkeeping" in `shoal bench`'s breakdown is made of, on this machine's backend.
 
-    python -m benchmarks.worker_parts [--quick] [--requests N]
+    python -m benchmarks.worker_parts [--quick] [--requests N] [--gap US]
+
+With --gap the worker idles that long before each timed request, as in a cluster, where it
+waits for the coordinator's next layer between requests: what an idle gap costs the parts
+that follow it (cold caches, a sleeping core) shows against a run without.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def requests(residency: Residency, count: int, experts_per_row: int = 4) -> list
     return out
 
 
-def run(quick: bool, count: int) -> dict:
+def idle(seconds: float) -> None:
+    if seconds:
+        time.sleep(seconds)
+
+
+def run(quick: bool, count: int, gap: float = 0.0) -> dict:
     _, sharded = bench_checkpoint(quick)
     residency = Residency(scan_stores([sharded / "worker-0"], verify=False))
     warm, timed = requests(residency, 100), requests(residency, count)
@@ -54,6 +63,7 @@ def run(quick: bool, count: int) -> dict:
         residency.compute(request)
     seconds = dict.fromkeys(PARTS, 0.0)
     for r in timed:
+        idle(gap)
         t0 = time.perf_counter()
         runner = residency.validate(r)
         stack = residency._stack(r.layer)
@@ -73,10 +83,12 @@ def run(quick: bool, count: int) -> dict:
         for part, took in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
                               strict=True):
             seconds[part] += took
-    started = time.perf_counter()
+    whole = 0.0
     for r in timed:
+        idle(gap)
+        started = time.perf_counter()
         residency.compute(r)
-    whole = (time.perf_counter() - started) / count
+        whole += (time.perf_counter() - started) / count
     build = dict.fromkeys(BUILD_PARTS, 0.0)
     advise = tensors.to_gpu_reader
 
@@ -90,6 +102,7 @@ def run(quick: bool, count: int) -> dict:
         for r in timed:  # as ExpertRunner.gathered builds a decode request's call
             runner, stack = residency.runners[r.layer], residency._stack(r.layer)
             positions = stack.positions[r.experts].reshape(1, -1)
+            idle(gap)
             t0 = time.perf_counter()
             x, inds = to_mlx(([r.hidden], mlx_dtype(r.dtype)), ([positions], mx.int32))
             t1 = time.perf_counter()
@@ -101,7 +114,7 @@ def run(quick: bool, count: int) -> dict:
     finally:
         tensors.to_gpu_reader = advise
     residency.close()
-    return {"device": str(mx.default_device()), "requests": count,
+    return {"device": str(mx.default_device()), "requests": count, "gap_us": 1e6 * gap,
             "parts_us": {p: 1e6 * s / count for p, s in seconds.items()},
             "build_parts_us": {p: 1e6 * s / count for p, s in build.items()},
             "compute_us": 1e6 * whole}
@@ -113,9 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     parser.add_argument("--requests", type=int, default=2000, metavar="N",
                         help="timed decode requests (default 2000)")
+    parser.add_argument("--gap", type=float, default=0.0, metavar="US",
+                        help="idle this many microseconds before each timed request "
+                             "(default 0: back to back)")
     args = parser.parse_args(argv)
     launch_directly()  # as shoal-worker does, before any kernel (engine/process.py)
-    print(json.dumps(run(args.quick, args.requests), indent=1))
+    print(json.dumps(run(args.quick, args.requests, args.gap / 1e6), indent=1))
 
 
 if __name__ == "__main__":
