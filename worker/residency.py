@@ -349,7 +349,7 @@ class Residency:
             if not remaining:
                 break
             ready = lease.take()
-        with self._lock:
+        with self._turn(timing):
             out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
             before = time.perf_counter()
             mx.eval(out)
