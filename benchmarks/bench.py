@@ -21,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.echo import round_trips
+from benchmarks.echo import lane_round_trips, round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
 from builders.synthetic import build_checkpoint
 from coordinator.demo import build_once, cache_root
 from coordinator.generate import breakdown_table, open_remote_model
+from coordinator.link import LANE, Transport
 from coordinator.local import start_workers, stop_workers
 from engine.auth import ensure_secret, load_secret
 from engine.errors import ShoalError
@@ -131,7 +132,7 @@ def measure_single_here(source: Path, settings: dict) -> dict:
 
 
 def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Path,
-                  net: ThunderboltNetwork | None) -> dict:
+                  net: ThunderboltNetwork | None, transport: Transport = LANE) -> dict:
     """Decode/prefill figures, then per-layer dispatch figures of decode alone (a prefill-only
     generation's counters subtracted from a prefill+decode one), then the echo floor over the
     same network. With `net`, each worker runs in its namespace behind a delay relay."""
@@ -140,8 +141,13 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
                             log_dir, places)
     try:
         addresses = [net.relay(w.address) if net else w.address for w in workers]
-        remote = open_remote_model(sharded, addresses, load_secret(secret_file))
+        remote = open_remote_model(sharded, addresses, load_secret(secret_file),
+                                   transport=transport)
         try:
+            if net:  # each expert lane through a relay of its own too
+                for link, worker in zip(remote.cluster.links, workers, strict=True):
+                    if worker.lane_address:
+                        link.lane_address = net.relay(worker.lane_address)
             vocab = remote.manifest.config["vocab_size"]
             figures = decode_and_prefill(remote.model, remote.tokenizer, vocab,
                                          lengths=settings["lengths"],
@@ -242,28 +248,37 @@ def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwor
     identity = load_secret(secret_file).require_identity()
     servers = []
     try:
-        for k in range(2 * fan_out):  # the first fan_out serve TLS, the others plaintext
+        # the first fan_out serve gRPC over TLS, the next plaintext, the last expert lanes
+        for k in range(3 * fan_out):
             prefix, host = net.places()[k % fan_out] if net else ([], "127.0.0.1")
-            tls = ["--secret-file", str(secret_file)] if k < fan_out else []
+            tls = ["--secret-file", str(secret_file)] if k < fan_out or k >= 2 * fan_out else []
+            lane = ["--lane"] if k >= 2 * fan_out else []
             log_file = open(log_dir / f"echo-{k}.log", "w")  # noqa: SIM115 (kept for the process)
             servers.append(subprocess.Popen(
                 [*prefix, sys.executable, "-m", "benchmarks.echo", "serve", "--host", host,
-                 "--reply-bytes", str(int(dispatch["reply_bytes"])), *tls],
+                 "--reply-bytes", str(int(dispatch["reply_bytes"])), *tls, *lane],
                 stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
             ))
         addresses = [wait_for_line(log_dir / f"echo-{k}.log", r"on (\S+:\d+)") for k in
-                     range(2 * fan_out)]
-        secure, plain = addresses[:fan_out], addresses[fan_out:]
+                     range(3 * fan_out)]
+        secure, plain = addresses[:fan_out], addresses[fan_out:2 * fan_out]
+        lanes = addresses[2 * fan_out:]
 
         def floor(targets: list[str], tls: bool = True) -> float:
             return 1e3 * round_trips(targets, int(dispatch["request_bytes"]), count,
                                      identity=identity if tls else None)
 
+        def lane_floor(targets: list[str]) -> float:
+            return 1e3 * lane_round_trips(targets, int(dispatch["request_bytes"]), count,
+                                          identity)
+
         if net is None:
             return {"streams": fan_out, "round_trip_ms": floor(secure),
-                    "plaintext_ms": floor(plain, tls=False)}
+                    "plaintext_ms": floor(plain, tls=False),
+                    "lane_round_trip_ms": lane_floor(lanes)}
         return {"streams": fan_out,
                 "round_trip_ms": floor([net.relay(a) for a in secure]),
+                "lane_round_trip_ms": lane_floor([net.relay(a) for a in lanes]),
                 "plaintext_ms": floor([net.relay(a) for a in plain], tls=False),
                 "without_relay_ms": floor(secure),
                 "relay_without_delay_ms": floor([net.relay(a, delay=0.0) for a in secure])}
@@ -296,12 +311,12 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
 
 
 def measure_shoal_on(network: str, sharded: Path, settings: dict, secret_file: Path,
-                     log_dir: Path) -> dict:
+                     log_dir: Path, transport: Transport) -> dict:
     if network == "loopback":
-        return measure_shoal(sharded, settings, secret_file, log_dir, None)
+        return measure_shoal(sharded, settings, secret_file, log_dir, None, transport)
     net = ThunderboltNetwork.build(WORKERS)
     try:
-        return measure_shoal(sharded, settings, secret_file, log_dir, net)
+        return measure_shoal(sharded, settings, secret_file, log_dir, net, transport)
     finally:
         net.close()
 
@@ -311,7 +326,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopback",
-        **overrides: int | None) -> dict:
+        transport: Transport = LANE, **overrides: int | None) -> dict:
     """The whole comparison; `overrides` (runs, long_runs, decode_tokens) replace the
     preset's values. `network` "thunderbolt" puts Shoal's workers (and the echo servers)
     behind a Thunderbolt-like link (benchmarks/network.py); mlx-lm's baselines stay on
@@ -319,12 +334,14 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
     if network not in NETWORKS:
         raise ShoalError(f"unknown network {network!r}; choose {' or '.join(NETWORKS)}")
     settings = {**(QUICK if quick else FULL),
-                **{k: v for k, v in overrides.items() if v is not None}, "network": network}
+                **{k: v for k, v in overrides.items() if v is not None}, "network": network,
+                "transport": transport.kind, "spin_us": round(transport.spin * 1e6)}
     source, sharded, secret_file, log_dir = bench_files(quick, settings=settings)
 
     steps: list[tuple[str, Callable[[], dict]]] = [
         ("mlx_lm_single", lambda: measure_single(source, settings)),
-        ("shoal", lambda: measure_shoal_on(network, sharded, settings, secret_file, log_dir)),
+        ("shoal", lambda: measure_shoal_on(network, sharded, settings, secret_file, log_dir,
+                                           transport)),
         ("mlx_lm_tensor_parallel", lambda: measure_mlx_distributed(source, "tensor", settings)),
         ("mlx_lm_pipeline_parallel",
          lambda: measure_mlx_distributed(source, "pipeline", settings)),
@@ -358,6 +375,8 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
                                                         tp.get("decode_tps")),
         "layer_overhead_ratio_vs_grpc_echo": ratio(overhead_ms,
                                                    shoal["echo"]["round_trip_ms"]),
+        "layer_overhead_ratio_vs_lane_echo": ratio(overhead_ms,
+                                                   shoal["echo"]["lane_round_trip_ms"]),
     }
     if "prefill512_ratio_vs_mlx_lm_single" not in report:
         report["prefill512_ratio_vs_mlx_lm_single"] = None  # --quick does not reach 512
@@ -415,8 +434,9 @@ def table(report: dict) -> str:
         "",
         f"per-layer round trip {d['layer_ms']:.2f} ms (slowest worker's compute "
         f"{d['slowest_worker_compute_ms']:.2f} ms, overhead {report['layer_overhead_ms']:.2f}"
-        f" ms); bare gRPC echo {e['round_trip_ms']:.2f} ms over {e['streams']} TLS streams "
-        f"({e['plaintext_ms']:.2f} ms in plaintext)",
+        f" ms) over the {report['settings']['transport']} transport; bare echoes over "
+        f"{e['streams']} connections: expert lane {e['lane_round_trip_ms']:.2f} ms, gRPC "
+        f"over TLS {e['round_trip_ms']:.2f} ms ({e['plaintext_ms']:.2f} ms in plaintext)",
         f"RPCs per token per layer {d['rpcs_per_token_per_layer']:.2f}; bytes per token sent "
         f"{d['bytes_sent_per_token']:.0f}, received {d['bytes_received_per_token']:.0f}",
     ]
@@ -432,7 +452,8 @@ def table(report: dict) -> str:
         lines.append(f"network thunderbolt: echo {e['without_relay_ms']:.2f} ms without the "
                      f"relay, {e['relay_without_delay_ms']:.2f} ms through it with no delay")
     for key in ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
-                "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo"):
+                "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo",
+                "layer_overhead_ratio_vs_lane_echo"):
         value = report.get(key)
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.2f}'}")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
-"""The transport's floor: a bare gRPC bidirectional-stream echo with Shoal's message sizes.
+"""The transport's floor: a bare echo with Shoal's message sizes, over a gRPC bidirectional
+stream or over an expert lane's framing (proto/lane.py) on a TLS socket.
 
 `python -m benchmarks.echo serve --reply-bytes N` answers every message on a stream with N
-bytes; `round_trips()` times messages over W such streams at once, the way the dispatcher
-addresses W workers per layer. Raw bytes, no protobuf parsing: this is the floor.
+bytes (`--lane`: every MESSAGE frame on a lane, whose HELLO it takes unchecked);
+`round_trips()` / `lane_round_trips()` time messages to W such servers at once, the way the
+dispatcher addresses W workers per layer. Raw bytes, no protobuf parsing: this is the floor.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import queue
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -55,6 +58,68 @@ def serve(host: str, port: int, reply_bytes: int, identity: Identity | None = No
     server.stop(0)
 
 
+def serve_lanes(host: str, port: int, reply_bytes: int, identity: Identity) -> None:
+    """The lane's echo: one thread per connection reads a frame and writes the reply, as a
+    worker's lane thread does, without the credential check or any compute."""
+    from proto import lane
+
+    context = lane.server_context(identity)
+    listener = socket.create_server((host, port))
+    reply = b"\0" * reply_bytes
+    limits = {lane.HELLO: 4096, lane.MESSAGE: 1 << 30}
+
+    def answer(connection: socket.socket) -> None:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with context.wrap_socket(connection, server_side=True) as sock:
+            try:
+                lane.read_frame(sock, limits)  # HELLO
+                lane.write_frame(sock, lane.READY, b"")
+                while True:
+                    lane.read_frame(sock, limits)
+                    lane.write_frame(sock, lane.MESSAGE, reply)
+            except (OSError, lane.LaneClosed):
+                return
+
+    print(f"echo serving on {host}:{listener.getsockname()[1]}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: listener.close())
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+
+def lane_round_trips(addresses: list[str], request_bytes: int, count: int, identity: Identity,
+                     warmup: int = 20) -> float:
+    """Median seconds for one frame out to every lane echo and every reply back, written and
+    read by this thread as the dispatcher does."""
+    from proto import lane
+
+    context = lane.client_context(identity)
+    socks = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        sock = lane.connect(host, int(port), context, 10)
+        lane.write_frame(sock, lane.HELLO, b"echo")
+        lane.read_frame(sock, {lane.READY: 0})
+        socks.append(sock)
+    payload = b"\1" * request_bytes
+    limits = {lane.MESSAGE: 1 << 30}
+    times = []
+    for i in range(warmup + count):
+        started = time.perf_counter()
+        for sock in socks:
+            lane.write_frame(sock, lane.MESSAGE, payload)
+        for sock in socks:
+            lane.read_frame(sock, limits)
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    for sock in socks:
+        sock.close()
+    return statistics.median(times)
+
+
 def round_trips(addresses: list[str], request_bytes: int, count: int, warmup: int = 20,
                 identity: Identity | None = None) -> float:
     """Median seconds for one message out to every address and every reply back; over TLS
@@ -92,9 +157,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reply-bytes", type=int, required=True)
     parser.add_argument("--secret-file", type=Path, help="serve TLS with this cluster's identity")
+    parser.add_argument("--lane", action="store_true",
+                        help="echo expert-lane frames on a TLS socket (needs --secret-file)")
     args = parser.parse_args()
     identity = load_secret(args.secret_file).require_identity() if args.secret_file else None
-    serve(args.host, args.port, args.reply_bytes, identity)
+    if args.lane:
+        serve_lanes(args.host, args.port, args.reply_bytes, identity)
+    else:
+        serve(args.host, args.port, args.reply_bytes, identity)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ coordinator only (its workers then run without VAR):
 
     python -m benchmarks.variants both: coordinator:coordinator.MLX_USE_CUDA_GRAPHS=0
 
+Two settings of the coordinator's links are read here too: SHOAL_TRANSPORT (lane or grpc)
+and SHOAL_SPIN_US (--transport and --spin-us of `shoal generate`), so an A/B of transports is
+
+    python -m benchmarks.variants --prefill 512 lane: grpc:SHOAL_TRANSPORT=grpc \
+        lane: grpc:SHOAL_TRANSPORT=grpc
+
 Run them alternately (a b a b) on a noisy machine: the spread between runs of one variant is
 the error bar.
 """
@@ -37,6 +43,7 @@ def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
     from benchmarks.bench import bench_files, decode_dispatch
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
+    from coordinator.link import Transport
     from coordinator.local import start_workers, stop_workers
     from engine.auth import load_secret
 
@@ -44,7 +51,10 @@ def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
                             places=[(worker_prefix(), "127.0.0.1")] * 2)
     try:
-        remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret))
+        transport = Transport(os.environ.get("SHOAL_TRANSPORT", "lane"),
+                              float(os.environ.get("SHOAL_SPIN_US", "0")) / 1e6)
+        remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret),
+                                   transport=transport)
         try:
             vocab = remote.manifest.config["vocab_size"]
             prompt = bench_prompt(vocab, 16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.link import CONNECT_TIMEOUT, WorkerLink, handshake, held
+from coordinator.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake, held
 from engine.auth import Secret
 from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
@@ -110,8 +110,9 @@ class FixedMembers:
     good; one that fails holds nothing from then on, and one whose inventory changed holds
     what it now lists."""
 
-    def __init__(self, addresses: list[str], secret: Secret) -> None:
-        self.links = [WorkerLink(address, secret) for address in addresses]
+    def __init__(self, addresses: list[str], secret: Secret,
+                 transport: Transport = LANE) -> None:
+        self.links = [transport.link(address, secret) for address in addresses]
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
 

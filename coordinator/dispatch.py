@@ -292,13 +292,16 @@ class Dispatcher:
                     experts=(experts[pairs], "int32"),
                 )
                 lane = round_ % self.lanes
-                self.cluster.links[worker].send(request, lane)
+                link = self.cluster.links[worker]
+                pace = self._pace.setdefault(link.address, Pace())
+                link.send(request, lane, timeout=pace.deadline(pairs.size))
                 self.stats.worker_requests[self.cluster.links[worker].address] += 1
                 pending.append((worker, lane, pairs, self._seq, time.perf_counter()))
                 stats.bytes_sent += len(request)
         for worker, hint in hints.items():  # a hint alone gets no reply
             self.cluster.links[worker].send(
-                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)))
+                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)),
+                reply=False)
         stats.send_seconds += time.perf_counter() - started
         if shared is not None:
             before = time.perf_counter()

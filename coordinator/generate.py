@@ -22,6 +22,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster import Cluster, FixedMembers
 from coordinator.dispatch import Dispatcher, DispatchStats, install
+from coordinator.link import LANE, Transport
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
@@ -85,6 +86,7 @@ def open_remote_model(
     membership: Membership | None = None,
     wait: float = 30.0,
     on_wait: Callable[[str], None] | None = None,
+    transport: Transport = LANE,
 ) -> RemoteModel:
     """The dense model here, the experts on the workers at `addresses`, or, with a
     `membership`, on whichever of its workers are healthy (waiting up to `wait` seconds
@@ -93,7 +95,7 @@ def open_remote_model(
     model, tokenizer = load_dense(model_dir, manifest)
     owned = None
     if membership is None:
-        owned = FixedMembers(addresses, secret)
+        owned = FixedMembers(addresses, secret, transport)
         cluster = owned.join(manifest)
     else:
         cluster = membership.join(manifest, wait=wait, on_wait=on_wait)

@@ -7,7 +7,11 @@ for the user (`error_for`, one table for every call on a link).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import queue
+import select
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -19,10 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.auth import METADATA_KEY, Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.manifest import ExpertKey, Manifest
+from engine.tls import Identity
 from proto import (
     COMPUTE,
     ERROR_CODES,
     GRPC_OPTIONS,
+    MESSAGE_LIMIT,
     PROTOCOL_VERSION,
     SERVICE,
     error_class_for,
@@ -30,6 +36,7 @@ from proto import (
     shoal_pb2,
     shoal_pb2_grpc,
 )
+from proto import lane as lane_wire
 
 CONNECT_TIMEOUT = 10.0
 # Until a link has measured its round trips, a reply may take this long (a first prefill
@@ -52,6 +59,13 @@ _LINK_OPTIONS = [
     *KEEPALIVE,
 ]
 _CLOSE = object()
+_HELLO_REPLIES = {lane_wire.READY: 0, lane_wire.ERROR: 1 << 16}
+_REPLIES = {lane_wire.MESSAGE: MESSAGE_LIMIT, lane_wire.ERROR: 1 << 16}
+
+
+@functools.lru_cache(maxsize=4)
+def _lane_context(identity: Identity) -> ssl.SSLContext:
+    return lane_wire.client_context(identity)
 
 
 class _Watchdog:
@@ -152,7 +166,12 @@ STREAM = Reading(frozenset({grpc.StatusCode.ABORTED}),
 
 def error_for(error: grpc.RpcError, address: str, reading: Reading = CALL) -> ShoalError:
     """A failed call to the worker at `address` as the ShoalError the user is shown."""
-    code, details = error.code(), error.details() or error.code().name
+    return error_for_code(error.code(), error.details() or error.code().name, address, reading)
+
+
+def error_for_code(code: grpc.StatusCode, details: str, address: str,
+                   reading: Reading = CALL) -> ShoalError:
+    """The same, from a status code and its details (an expert lane's ERROR frame)."""
     if code in reading.refusals:
         return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     if reading.identity and "handshake failed" in details.lower():
@@ -240,25 +259,241 @@ class _Stream:
         self._requests = self._replies = None
 
 
-class WorkerLink:
-    """One worker: its channel, its inventory, and the Compute streams to it: lane 0 on the
-    link's own channel, and for a prompt pass's pieces further lanes, each on a connection of
-    its own."""
+class _Lane:
+    """One expert lane of a link (proto/lane.py): a TLS socket of its own to the worker's lane
+    port, opened at the first request. Requests are written and replies read by the calling
+    thread itself. A request sent while replies are still owed on this lane is written
+    without blocking, reading whatever replies arrive meanwhile into `_inbox`, so that the
+    worker, blocked writing a large reply, never blocks our write (no reader thread needed)."""
 
-    def __init__(self, address: str, secret: Secret) -> None:
+    def __init__(self, link: WorkerLink) -> None:
+        self.link = link
+        self._sock: ssl.SSLSocket | None = None
+        self._owed = 0  # replies not read yet
+        self._inbox = bytearray()  # reply bytes read while writing
+
+    def _connect(self, timeout: float) -> ssl.SSLSocket:
+        link = self.link
+        host, port = link.lane_endpoint()
+        try:
+            sock = lane_wire.connect(host, port, _lane_context(link._secret.require_identity()),
+                                     timeout)
+            lane_wire.write_frame(sock, lane_wire.HELLO,
+                                  make_credential(link._secret, lane_wire.LANE_METHOD).encode())
+            kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)
+        except ssl.SSLError as e:
+            raise Unauthenticated(_OTHER_IDENTITY.format(address=link.address)
+                                  + f" (expert lane: {e.reason or e})") from None
+        except (OSError, ShoalError) as e:
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise Unavailable(f"worker {link.address}: cannot open its expert lane on port "
+                              f"{port}: {reason}") from None
+        if kind == lane_wire.ERROR:
+            sock.close()
+            code, details = lane_wire.read_error(payload)
+            raise error_for_code(code, f"expert lane: {details}", link.address, HEALTH)
+        return sock
+
+    def send(self, request: bytes, timeout: float) -> None:
+        if self._sock is None:
+            self._sock = self._connect(min(timeout, CONNECT_TIMEOUT))
+            self._owed = 0
+            self._inbox.clear()
+        sock = self._sock
+        try:
+            if not self._owed:  # nothing can be in the way: write it all, blocking
+                sock.settimeout(timeout)
+                lane_wire.write_frame(sock, lane_wire.MESSAGE, request)
+            else:
+                self._write_reading(lane_wire.HEADER.pack(len(request), lane_wire.MESSAGE),
+                                    request, time.monotonic() + timeout)
+        except (OSError, ShoalError) as e:
+            self.link.reset()
+            raise self._failed(e) from None
+
+    def owe(self) -> None:
+        """The request just sent has a reply to read."""
+        self._owed += 1
+
+    def _write_reading(self, header: bytes, payload: bytes, deadline: float) -> None:
+        sock = self._sock
+        for part in (header, payload):
+            view = memoryview(part)
+            while view:
+                try:
+                    sock.settimeout(0.0)
+                    view = view[sock.send(view):]
+                    continue
+                except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                    pass
+                self._read_available()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the worker stopped reading")
+                select.select([sock], [sock], [], left)
+
+    def _read_available(self) -> None:
+        sock = self._sock
+        sock.settimeout(0.0)
+        chunk = bytearray(1 << 18)
+        while True:
+            try:
+                count = sock.recv_into(chunk)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                return
+            if count == 0:
+                raise lane_wire.LaneClosed("the lane was closed")
+            self._inbox += memoryview(chunk)[:count]
+
+    def receive(self, timeout: float, spin: float = 0.0) -> bytes:
+        address = self.link.address
+        sock = self._sock
+        if sock is None or not self._owed:
+            raise Unavailable(f"worker {address}: no request is awaiting a reply")
+        try:
+            kind, payload = self._read_frame(sock, timeout, spin)
+        except TimeoutError:
+            self.link.reset()
+            raise Unavailable(f"worker {address} did not answer within {timeout:.1f} s") \
+                from None
+        except (OSError, ShoalError) as e:
+            self.link.reset()
+            raise self._failed(e) from None
+        self._owed -= 1
+        if kind == lane_wire.ERROR:
+            self.link.reset()
+            code, details = lane_wire.read_error(payload)
+            raise error_for_code(code, details, address, STREAM)
+        return payload
+
+    def _read_frame(self, sock: ssl.SSLSocket, timeout: float, spin: float
+                    ) -> tuple[int, bytearray]:
+        if self._inbox:  # replies read while writing come first
+            sock.settimeout(timeout)
+            reader = _Buffered(self._inbox, sock)
+            kind, payload = lane_wire.read_frame(reader, _REPLIES)
+            self._inbox = reader.rest()
+            return kind, payload
+        if spin > 0:  # watch the socket busily for a while: no sleep, no wake-up
+            until = time.perf_counter() + spin
+            while time.perf_counter() < until:
+                if sock.pending() or select.select([sock], [], [], 0)[0]:
+                    break
+        sock.settimeout(timeout)
+        return lane_wire.read_frame(sock, _REPLIES)
+
+    def _failed(self, error: Exception) -> ShoalError:
+        """A broken lane, worded as a failed gRPC stream is (STREAM)."""
+        if isinstance(error, lane_wire.LaneClosed):
+            why = "it closed its expert lane"
+        elif isinstance(error, TimeoutError):
+            why = f"it did not take a request in time ({error})"
+        elif isinstance(error, ssl.SSLError):
+            why = f"its expert lane broke: {error.reason or error}"
+        elif isinstance(error, ShoalError):
+            why = f"expert lane: {error}"
+        else:
+            why = f"its expert lane broke: {error.strerror or error}"
+        return Unavailable(f"worker {self.link.address} failed: {why}")
+
+    @property
+    def open(self) -> bool:
+        return self._sock is not None
+
+    def reset(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock, self._owed = None, 0
+        self._inbox = bytearray()
+
+
+class _Buffered:
+    """Reads from `head` first, then from `sock` (what lane_wire.read_frame needs)."""
+
+    def __init__(self, head: bytearray, sock: ssl.SSLSocket) -> None:
+        self._head, self._at, self._sock = head, 0, sock
+
+    def recv_into(self, view: memoryview) -> int:
+        if self._at < len(self._head):
+            count = min(len(view), len(self._head) - self._at)
+            view[:count] = self._head[self._at:self._at + count]
+            self._at += count
+            return count
+        return self._sock.recv_into(view)
+
+    def rest(self) -> bytearray:
+        return self._head[self._at:]
+
+
+TRANSPORTS = ("lane", "grpc")  # how Compute's messages travel: docs/protocol.md
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How a coordinator's links carry Compute: `kind` one of TRANSPORTS; `spin` seconds an
+    expert lane watches its socket busily for a reply before it blocks (0: it blocks at once)."""
+
+    kind: str = "lane"
+    spin: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRANSPORTS:
+            raise ShoalError(f"unknown transport {self.kind!r}: one of {', '.join(TRANSPORTS)}")
+        if not 0 <= self.spin <= 0.01:
+            raise ShoalError(f"a spin of {self.spin * 1e6:.0f} us is not 0-10000 us")
+
+    def link(self, address: str, secret: Secret) -> WorkerLink:
+        return WorkerLink(address, secret, self.kind, self.spin)
+
+
+LANE = Transport()  # the default: expert lanes, no spin
+
+
+class WorkerLink:
+    """One worker: its gRPC channel (the control plane), its inventory, and the Compute lanes
+    to it. With the `lane` transport (the default) each lane is an expert lane, a TLS socket
+    of its own (`_Lane`); with `grpc`, or to a worker that serves no lane, a Compute stream
+    (`_Stream`: lane 0 on the link's own channel, further lanes each on a channel of its own).
+    Lanes beyond the first carry a prompt pass's pieces."""
+
+    def __init__(self, address: str, secret: Secret, transport: str = "lane",
+                 spin: float = 0.0) -> None:
+        if transport not in TRANSPORTS:
+            raise ShoalError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.address = address
+        self.transport = transport
+        self.spin = spin  # seconds a lane watches its socket busily before blocking on a reply
         self._secret = secret
         self._channel = secure_channel(address, secret.require_identity(), _LINK_OPTIONS)
         self._stub = shoal_pb2_grpc.ExpertServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         # bytes both ways: messages are written and read by proto.EXPERT_REQUEST / EXPERT_REPLY
-        self._streams = [_Stream(self, self._channel)]
+        self._streams: list[_Stream | _Lane] = []
         self.inventory: shoal_pb2.Inventory | None = None
+        # where the expert lane is reached when not at the worker's own host and the port its
+        # inventory names (a relay between: benchmarks/network.py)
+        self.lane_address: str | None = None
+
+    @property
+    def uses_lane(self) -> bool:
+        """Whether Compute's messages go on expert lanes: asked for, and the worker has one."""
+        return (self.transport == "lane" and self.inventory is not None
+                and self.inventory.lane_port > 0)
+
+    def lane_endpoint(self) -> tuple[str, int]:
+        """The worker's expert lane: its gRPC host, the port its inventory names."""
+        if self.lane_address is not None:
+            host, _, port = self.lane_address.rpartition(":")
+            return host.strip("[]"), int(port)
+        host = self.address.rpartition(":")[0].strip("[]")
+        return host, self.inventory.lane_port
 
     @property
     def connections(self) -> int:
-        """Connections open to the worker: the link's own, and one per further lane."""
-        return len(self._streams)
+        """Connections opened to the worker for Compute: the link's own channel (gRPC's lane
+        0), and one per further lane (each expert lane is one)."""
+        return max(len(self._streams), 1)
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
         return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
@@ -310,24 +545,44 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is shutting down")
         return time.perf_counter() - started
 
-    def _stream(self, lane: int) -> _Stream:
-        while len(self._streams) <= lane:  # a connection of its own for each further lane
-            self._streams.append(_Stream(self, secure_channel(
-                self.address, self._secret.require_identity(),
-                [*_LINK_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])))
+    def _stream(self, lane: int) -> _Stream | _Lane:
+        if self._streams and isinstance(self._streams[0], _Lane) != self.uses_lane:
+            self.reset()  # the worker's inventory changed its lane: start over
+            self._streams.clear()
+        while len(self._streams) <= lane:
+            if self.uses_lane:
+                self._streams.append(_Lane(self))
+            elif not self._streams:
+                self._streams.append(_Stream(self, self._channel))
+            else:  # a connection of its own for each further gRPC lane
+                self._streams.append(_Stream(self, secure_channel(
+                    self.address, self._secret.require_identity(),
+                    [*_LINK_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])))
         return self._streams[lane]
 
-    def send(self, request: bytes, lane: int = 0) -> None:
-        """Queue one ExpertRequest's bytes (proto.EXPERT_REQUEST.write) on a Compute stream."""
+    def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
+             timeout: float = FIRST_REPLY_TIMEOUT) -> None:
+        """Send one ExpertRequest's bytes (proto.EXPERT_REQUEST.write) on lane `lane`;
+        `reply`: whether it asks for one (a prefetch hint alone does not). An expert lane
+        waits at most `timeout` seconds for the worker to take it."""
         if not isinstance(request, bytes):  # gRPC's thread would fail on it, out of sight
             raise TypeError(f"a Compute request is bytes, not {type(request).__name__}")
-        self._stream(lane).send(request)
+        stream = self._stream(lane)
+        if isinstance(stream, _Lane):
+            stream.send(request, timeout)
+            if reply:
+                stream.owe()
+        else:
+            stream.send(request)
 
     def receive(self, timeout: float, lane: int = 0) -> bytes:
-        """The next reply's bytes on a Compute stream (proto.EXPERT_REPLY.read); Unavailable
-        if none came within `timeout` seconds (the streams are then abandoned: a worker that
-        hung is treated as lost)."""
-        return self._stream(lane).receive(timeout)
+        """The next reply's bytes on a lane (proto.EXPERT_REPLY.read); Unavailable if none
+        came within `timeout` seconds (the lanes are then abandoned: a worker that hung is
+        treated as lost)."""
+        stream = self._stream(lane)
+        if isinstance(stream, _Lane):
+            return stream.receive(timeout, self.spin)
+        return stream.receive(timeout)
 
     def close_lanes(self) -> None:
         """End the streams beyond the first, none of whose replies is awaited: a stream holds
@@ -349,4 +604,6 @@ class WorkerLink:
     def close(self) -> None:
         self.reset()
         for stream in self._streams:
-            stream.channel.close()
+            if isinstance(stream, _Stream) and stream.channel is not self._channel:
+                stream.channel.close()
+        self._channel.close()

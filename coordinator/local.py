@@ -22,6 +22,7 @@ from engine.errors import ShoalError
 
 START_TIMEOUT = 120.0
 _READY = re.compile(r"serving .* on (\S+:\d+)$", re.MULTILINE)
+_LANE = re.compile(r"expert lane on port (\d+)$", re.MULTILINE)
 
 
 class ForkedWorker:
@@ -96,6 +97,12 @@ class LocalWorker:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    @property
+    def lane_address(self) -> str | None:
+        """host:port of its expert lane, as its start-up lines say; None without one."""
+        match = _LANE.search(self.output())
+        return f"{self.address.rpartition(':')[0]}:{match.group(1)}" if match else None
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.cluster import Cluster, layer_sizes
 from coordinator.discovery import Browser, Candidate
-from coordinator.link import WorkerLink, handshake, held, incompatibility
+from coordinator.link import LANE, Transport, WorkerLink, handshake, held, incompatibility
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
@@ -152,8 +152,10 @@ class Membership:
         interface: str | None = None,
         local: Sequence[Interface] | None = None,
         log: Callable[[str], None] | None = None,
+        transport: Transport = LANE,
     ) -> None:
         self.cluster = cluster
+        self.transport = transport
         self.manifest = manifest
         self._secret = secret
         self._local = list(local_interfaces() if local is None else local)
@@ -202,7 +204,7 @@ class Membership:
             if member.state == "incompatible":
                 self._say(f"ignoring worker {member.node_id}: {member.detail}")
                 return
-            link = WorkerLink(member.address, self._secret)
+            link = self.transport.link(member.address, self._secret)
             stop = threading.Event()
             self._links[member.key], self._stops[member.key] = link, stop
             threading.Thread(target=self._probe, args=(member.key, link, stop),

@@ -40,7 +40,9 @@ from proto import (
     add_expert_service,
     server_credentials,
 )
+from proto.lane import server_context
 from worker.advertise import Advertiser, load_node_id, node_id_path
+from worker.lane import LaneServer
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
@@ -72,6 +74,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
         help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one and prints it)",
+    )
+    parser.add_argument(
+        "--lane-port", type=int, default=None, metavar="PORT",
+        help="TCP port of the expert lane, where each MoE layer's requests arrive on a bare "
+        "TLS socket (docs/protocol.md; default: --port + 1, or a free port with --port 0)",
+    )
+    parser.add_argument(
+        "--no-lane", action="store_true",
+        help="serve no expert lane: coordinators then send every request on the gRPC stream "
+        "(slower; for networks where a second port cannot pass)",
     )
     parser.add_argument(
         "--secret-file", metavar="PATH",
@@ -163,6 +175,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ShoalError(f"--readers must be at least 1, got {args.readers}")
     if not 0 <= args.port < 65536:
         raise ShoalError(f"--port must be 0-65535, got {args.port}")
+    if args.lane_port is not None and not 0 <= args.lane_port < 65536:
+        raise ShoalError(f"--lane-port must be 0-65535, got {args.lane_port}")
+    if args.lane_port is not None and args.no_lane:
+        raise ShoalError("--lane-port and --no-lane contradict each other: give one")
     if args.memory_budget:
         parse_budget(args.memory_budget)
     if args.scrub:
@@ -170,7 +186,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def bind(
-    host: str, port: int, executor: futures.Executor, secret: bytes, identity: Identity
+    host: str, port: int, executor: futures.Executor, checker: CredentialChecker,
+    identity: Identity,
 ) -> tuple[grpc.Server, int]:
     """A gRPC server that owns host:port alone, bound before any expert is loaded, serving
     TLS only (docs/security.md).
@@ -180,7 +197,7 @@ def bind(
     """
     server = grpc.server(
         executor,
-        interceptors=[BoundedErrors(), AuthInterceptor(CredentialChecker(secret)), PeerLimit()],
+        interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit()],
         options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=MAX_CALLS,
     )
@@ -221,12 +238,22 @@ def serve(args: argparse.Namespace) -> None:
     # the pool has room beyond the server's cap, so liveness checks always find a thread, and
     # PeerLimit keeps one host from taking the whole cap.
     executor = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8, thread_name_prefix="rpc")
-    server, port = bind(args.host, args.port, executor, secret, identity)
+    checker = CredentialChecker(secret)  # one memory of used nonces for both listeners
+    server, port = bind(args.host, args.port, executor, checker, identity)
+    lane = None
     residency = None
     try:
+        if not args.no_lane:
+            lane_port = args.lane_port if args.lane_port is not None else \
+                port + 1 if args.port else 0
+            lane = LaneServer(args.host, lane_port, server_context(identity), checker,
+                              log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr,
+                                                  flush=True))
         residency = load(args)
-        run(args, server, port, residency, addresses)
+        run(args, server, port, residency, addresses, lane)
     finally:
+        if lane is not None:
+            lane.close()
         server.stop(grace=None).wait(5)
         # The calls still running were cancelled by stop(); give their threads a bounded while.
         joiner = threading.Thread(target=executor.shutdown, kwargs={"cancel_futures": True},
@@ -268,7 +295,7 @@ def load(args: argparse.Namespace) -> Residency:
 
 def run(
     args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
-    addresses: list[str],
+    addresses: list[str], lane: LaneServer | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""
     scan = residency.scan
@@ -278,7 +305,8 @@ def run(
 
     node_id = args.node_id or load_node_id(node_id_path(), log=note)
     memory_budget = residency.budget
-    add_expert_service(ExpertServicer(residency, node_id, memory_budget), server)
+    servicer = ExpertServicer(residency, node_id, memory_budget, lane.port if lane else 0)
+    add_expert_service(servicer, server)
     liveness = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(liveness, server)
     for service in ("", SERVICE.full_name):
@@ -287,6 +315,8 @@ def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
+    if lane is not None:
+        lane.start(servicer.answers)
     layers = len(residency.layers)
     print(
         f"shoal-worker {node_id}: serving {len(scan.held)} experts of {layers} layers "
@@ -294,6 +324,8 @@ def run(
         f"on {args.host}:{port}",
         flush=True,
     )
+    note(f"expert lane on port {lane.port}" if lane else
+         "no expert lane (--no-lane): coordinators send every request on the gRPC stream")
     if args.host.startswith("127."):
         note("listening on loopback only (this Mac); to serve other Macs give --interface "
              "bridge0 (Thunderbolt Bridge) or --host ADDRESS")
@@ -326,6 +358,8 @@ def run(
         advertiser.close()
     if scrubber is not None:
         scrubber.close()
+    if lane is not None:
+        lane.close()
     server.stop(grace=2).wait(5)
     print(f"shoal-worker {node_id}: stopped", flush=True)
 

@@ -50,11 +50,69 @@ def decode_request(message: shoal_pb2.ExpertRequest, tensors: dict[str, WireView
                    message.call_pairs)
 
 
+class Refused(ShoalError):
+    """A Compute message refused: the status code and message both transports answer with
+    (the gRPC stream aborts with them, the expert lane sends them in an ERROR frame)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ComputeAnswers:
+    """What a worker does with each Compute message, whichever transport brought it: the
+    request's bytes in, its reply's bytes out (None for a prefetch hint alone)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+
+    def answer(self, data: bytes | bytearray) -> bytes | None:
+        """Raises Refused with the code and message to answer a bad request with."""
+        started = time.perf_counter()
+        try:
+            message, tensors = EXPERT_REQUEST.read(data, "request")
+        except ShoalError as e:
+            raise Refused(status_for(e), str(e)) from None
+        if message.HasField("prefetch"):
+            self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
+        if "hidden" not in tensors:
+            return None
+        timing = Timing()
+        try:
+            request = decode_request(message, tensors)
+            parsed = time.perf_counter()
+            out = self.residency.compute(request, timing)
+        except ShoalError as e:
+            raise Refused(status_for(e), f"request {message.seq}: {e}") from None
+        computed = time.perf_counter()
+        output = to_numpy(out)
+        done = time.perf_counter()  # the copy into the reply's bytes follows: in the wire
+        return EXPERT_REPLY.write(
+            shoal_pb2.ExpertReply(
+                seq=message.seq,
+                compute_seconds=done - started - timing.waited,
+                inventory_version=self.residency.holdings.version,
+                timing=shoal_pb2.WorkerTiming(
+                    parse=parsed - started, matrix=timing.matrix,
+                    bookkeeping=computed - parsed - timing.matrix - timing.waited,
+                    reply=done - computed, waited=timing.waited),
+            ),
+            output=(output, dtype_name(out.dtype)),
+        )
+
+    def sent(self) -> None:
+        """A reply was sent: its tokens count as served now (Holdings.asked)."""
+        self.residency.holdings.settle()
+
+
 class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, residency: Residency, node_id: str, memory_budget: int = 0) -> None:
+    def __init__(self, residency: Residency, node_id: str, memory_budget: int = 0,
+                 lane_port: int = 0) -> None:
         self.residency = residency
         self.node_id = node_id
         self.memory_budget = memory_budget
+        self.lane_port = lane_port
+        self.answers = ComputeAnswers(residency)
         self.files = ExpertFiles(residency, residency.scan.folders, residency.scan.manifest)
 
     def GetInventory(self, request, context):  # noqa: N802 (gRPC's name)
@@ -71,44 +129,19 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             inventory_version=self.residency.holdings.version,
             draining=[shoal_pb2.HeldExpert(layer=lay, expert=e)
                       for lay, e in self.residency.holdings.draining()],
+            lane_port=self.lane_port,
         )
 
     def Compute(self, request_iterator, context) -> Iterator[bytes]:  # noqa: N802
         # Messages arrive and leave as bytes (proto.add_expert_service): see EXPERT_REQUEST.
         for data in request_iterator:
-            started = time.perf_counter()
             try:
-                message, tensors = EXPERT_REQUEST.read(data, "request")
-            except ShoalError as e:
-                context.abort(status_for(e), str(e))
-            if message.HasField("prefetch"):
-                self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
-            if "hidden" not in tensors:
-                continue  # a hint alone: no reply
-            timing = Timing()
-            try:
-                request = decode_request(message, tensors)
-                parsed = time.perf_counter()
-                out = self.residency.compute(request, timing)
-            except ShoalError as e:
-                context.abort(status_for(e), f"request {message.seq}: {e}")
-            computed = time.perf_counter()
-            output = to_numpy(out)
-            done = time.perf_counter()  # the copy into the reply's bytes follows: in the wire
-            yield EXPERT_REPLY.write(
-                shoal_pb2.ExpertReply(
-                    seq=message.seq,
-                    compute_seconds=done - started - timing.waited,
-                    inventory_version=self.residency.holdings.version,
-                    timing=shoal_pb2.WorkerTiming(
-                        parse=parsed - started, matrix=timing.matrix,
-                        bookkeeping=computed - parsed - timing.matrix - timing.waited,
-                        reply=done - computed, waited=timing.waited),
-                ),
-                output=(output, dtype_name(out.dtype)),
-            )
-            self.residency.holdings.settle()  # the reply is sent: count it now (Holdings.asked)
-
+                reply = self.answers.answer(data)
+            except Refused as e:
+                context.abort(e.code, str(e))
+            if reply is not None:
+                yield reply
+                self.answers.sent()
 
     def GetStats(self, request, context):  # noqa: N802
         snap = self.residency.snapshot()

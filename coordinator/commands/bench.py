@@ -1,4 +1,4 @@
-"""`shoal bench`: Shoal against mlx-lm and a bare gRPC echo (the harness is benchmarks/bench.py)."""
+"""`shoal bench`: Shoal against mlx-lm and bare echoes (the harness is benchmarks/bench.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from coordinator.commands.options import AddParser
+from coordinator.commands.options import AddParser, transport_of, transport_options
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -31,6 +31,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "Macs (needs root and iproute2); mlx-lm's baselines stay on loopback")
     p.add_argument("--decode-tokens", type=int, metavar="N",
                    help="tokens generated per timed run (default 32)")
+    transport_options(p)
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="draw decode speed against prompt length (needs matplotlib)")
@@ -41,5 +42,6 @@ def main(args: argparse.Namespace) -> None:
     from benchmarks.bench import run, table
 
     report = run(quick=args.quick, plot=args.plot, network=args.network, runs=args.runs,
-                 long_runs=args.long_runs, decode_tokens=args.decode_tokens)
+                 long_runs=args.long_runs, decode_tokens=args.decode_tokens,
+                 transport=transport_of(args))
     print(json.dumps(report, indent=1) if args.json else table(report))

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.commands.options import browse_seconds, check_one_worker_source
+from coordinator.commands.options import browse_seconds, check_one_worker_source, transport_of
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
@@ -44,12 +44,15 @@ def open_membership(
     that follows --workers too (`shoal serve`), those addresses, watched like a config's."""
     from coordinator.cluster import parse_addresses
     from coordinator.discovery import Candidate, read_cluster_config
+    from coordinator.link import LANE
     from coordinator.membership import Membership
     from engine.advert import DEFAULT_CLUSTER, check_name
 
+    # a command that computes (generate, serve) says how its Compute requests travel
+    transport = transport_of(args) if hasattr(args, "transport") else LANE
     if getattr(args, "workers", None):
         membership = Membership(secret, cluster=DEFAULT_CLUSTER, manifest=manifest,
-                                interface=args.interface, log=log)
+                                interface=args.interface, log=log, transport=transport)
         candidates = []
         for address in parse_addresses(args.workers):
             host, _, port = address.rpartition(":")
@@ -62,7 +65,7 @@ def open_membership(
                            f"not {args.cluster!r}")
     name = config.name if config else check_name(args.cluster or DEFAULT_CLUSTER, "cluster")
     membership = Membership(secret, cluster=name, manifest=manifest,
-                            interface=args.interface, log=log)
+                            interface=args.interface, log=log, transport=transport)
     if config:
         membership.add_static(config.workers)
     else:

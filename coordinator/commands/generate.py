@@ -17,6 +17,8 @@ from coordinator.commands.options import (
     cluster_secret,
     discovery_options,
     secret_option,
+    transport_of,
+    transport_options,
 )
 from engine.errors import InvalidInput
 
@@ -40,6 +42,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "workers of --cluster on the local network with Bonjour)")
     discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
                       "expert (default 30)")
+    transport_options(p)
     p.add_argument("--max-tokens", type=int, default=100, metavar="N",
                    help="stop after N generated tokens, or earlier at the end of the answer "
                    "(default 100)")
@@ -152,7 +155,7 @@ def generate_with_workers(
     remote = None
     try:
         remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=say)
+                                   wait=args.wait, on_wait=say, transport=transport_of(args))
         return decode(args, remote, policy, out)
     finally:
         out.end_line()  # an error or warning after partial output starts on its own line

@@ -64,3 +64,22 @@ def check_one_worker_source(args: argparse.Namespace) -> None:
 def browse_seconds(args: argparse.Namespace, *, static: bool = False) -> float:
     """How long to listen for Bonjour answers at least: not at all for listed workers."""
     return 0.0 if static or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+
+
+def transport_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", choices=["lane", "grpc"], default="lane",
+                   help="how each MoE layer's requests travel to the workers: lane (default) on "
+                   "each worker's expert lane, a bare TLS socket; grpc on the gRPC Compute "
+                   "stream, slower, for networks where the lane's port cannot pass "
+                   "(docs/protocol.md)")
+    p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
+                   help="microseconds an expert lane watches its socket busily for a reply "
+                   "before it sleeps (default 0: it sleeps at once; spinning burns a core to "
+                   "save a wake-up, see docs/benchmarks.md)")
+
+
+def transport_of(args: argparse.Namespace):
+    """--transport and --spin-us as a coordinator.link.Transport."""
+    from coordinator.link import Transport
+
+    return Transport(args.transport, args.spin_us / 1e6)

@@ -15,6 +15,7 @@ from coordinator.commands.options import (
     cluster_secret,
     discovery_options,
     secret_option,
+    transport_options,
 )
 from engine.errors import InvalidInput
 
@@ -37,6 +38,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "local network with Bonjour)")
     discovery_options(p, wait=60.0, wait_help="how long to wait at start for workers to hold "
                       "every expert (default 60)")
+    transport_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 "
                    "for every interface, then set --api-key-file)")

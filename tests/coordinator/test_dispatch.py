@@ -98,7 +98,8 @@ class _Link:
         self.replies: dict[int, list] = {}  # by stream (lane): each answers in order
         self.experts: list[int] = []
 
-    def send(self, data: bytes, lane: int = 0) -> None:
+    def send(self, data: bytes, lane: int = 0, *, reply: bool = True,
+             timeout: float = 0.0) -> None:
         request, tensors = EXPERT_REQUEST.read(data, "request")
         if "hidden" not in tensors:
             return  # a hint alone
@@ -168,7 +169,8 @@ class _Scaling(_Link):
         self.rows_sent = 0
         self.lanes: set[int] = set()
 
-    def send(self, data: bytes, lane: int = 0) -> None:
+    def send(self, data: bytes, lane: int = 0, *, reply: bool = True,
+             timeout: float = 0.0) -> None:
         request, tensors = EXPERT_REQUEST.read(data, "request")
         self.lanes.add(lane)
         hidden = np.frombuffer(tensors["hidden"].data, np.float32).reshape(

@@ -1,0 +1,137 @@
+"""The expert lane's wire: Compute's messages (EXPERT_REQUEST / EXPERT_REPLY, the same bytes
+as on the gRPC stream) in length-prefixed frames on a TLS socket, both ends presenting the
+cluster's certificate (engine/tls.py) exactly as the gRPC links do.
+
+A frame is a 5-byte header, the payload's length (uint32, little-endian) and its kind, then
+the payload. A lane opens with HELLO (coordinator -> worker: a `shoal-auth` credential for
+LANE_METHOD, engine/auth.py) answered by READY; then each MESSAGE the coordinator sends is one
+ExpertRequest, and the worker answers each that carries hidden rows with one ExpertReply
+MESSAGE, in order. A refusal is an ERROR frame (a gRPC status code's number, then its UTF-8
+message: proto.ERROR_CODES reads it back) after which the worker closes the lane.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from engine.errors import MAX_MESSAGE, InvalidInput, Unavailable, clip
+from engine.tls import NAME, Identity
+
+HEADER = struct.Struct("<IB")
+HELLO, READY, MESSAGE, ERROR = 1, 2, 3, 4
+KINDS = {HELLO: "hello", READY: "ready", MESSAGE: "message", ERROR: "error"}
+LANE_METHOD = "/shoal.v1.ExpertService/Lane"  # what a lane's credential is made for
+HELLO_LIMIT = 1024  # a credential is about 110 bytes
+# Larger writes go as two sendall calls (header, payload) rather than one joined copy.
+_JOIN_BELOW = 1 << 16
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LaneClosed(Unavailable):
+    """The peer closed the lane (or it broke) where a frame was expected."""
+
+
+def _context(identity: Identity, purpose: ssl.Purpose) -> ssl.SSLContext:
+    """A TLS 1.3 context presenting the cluster's certificate and trusting only its authority.
+    Python's ssl loads a certificate and key from a file only: they pass through a private
+    temporary file (mode 0600, removed at once)."""
+    context = ssl.create_default_context(purpose, cadata=identity.authority.decode())
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    with tempfile.TemporaryDirectory(prefix="shoal-tls-") as folder:
+        path = Path(folder) / "identity.pem"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.certificate + identity.key)
+        context.load_cert_chain(path)
+    return context
+
+
+def client_context(identity: Identity) -> ssl.SSLContext:
+    """For a coordinator: checks that the worker's certificate names NAME (workers are
+    reached by address, so the name is the cluster's, as TLS_CHANNEL_OPTIONS says for gRPC)."""
+    context = _context(identity, ssl.Purpose.SERVER_AUTH)
+    context.check_hostname = True
+    return context
+
+
+def server_context(identity: Identity) -> ssl.SSLContext:
+    """For a worker: a client must present a certificate the cluster's authority signed."""
+    return _context(identity, ssl.Purpose.CLIENT_AUTH)
+
+
+def connect(host: str, port: int, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
+    """A TLS lane to host:port, handshake done, with Nagle off (frames are latency-bound)."""
+    raw = socket.create_connection((host, port), timeout=timeout)
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(raw)
+        return context.wrap_socket(raw, server_hostname=NAME)
+    except BaseException:
+        raw.close()
+        raise
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive probes on an idle lane, so that a peer that vanished (a Mac unplugged)
+    is noticed in about 20 s; each platform names the idle time its own way."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPALIVE", 10), ("TCP_KEEPINTVL", 5),
+                        ("TCP_KEEPCNT", 2)):
+        if hasattr(socket, name):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            except OSError:
+                pass
+
+
+def write_frame(sock: socket.socket, kind: int, payload: bytes | bytearray | memoryview) -> None:
+    header = HEADER.pack(len(payload), kind)
+    if len(payload) < _JOIN_BELOW:
+        sock.sendall(header + payload)
+    else:
+        sock.sendall(header)
+        sock.sendall(payload)
+
+
+def write_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    text = clip(message, MAX_MESSAGE).encode("utf-8", "replace")
+    write_frame(sock, ERROR, bytes([code.value[0]]) + text)
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        count = sock.recv_into(view)
+        if count == 0:
+            raise LaneClosed("the lane was closed")
+        view = view[count:]
+
+
+def read_frame(sock: socket.socket, limits: dict[int, int]) -> tuple[int, bytearray]:
+    """The next frame's kind and payload. `limits` gives the largest payload accepted for each
+    kind expected here; any other kind, or a larger payload, is refused before its body is
+    read (InvalidInput)."""
+    header = bytearray(HEADER.size)
+    _read_into(sock, memoryview(header))
+    size, kind = HEADER.unpack(header)
+    if kind not in limits:
+        raise InvalidInput(f"unexpected lane frame kind {kind}")
+    if size > limits[kind]:
+        raise InvalidInput(f"a lane {KINDS.get(kind, kind)} frame of {size} bytes is over the "
+                           f"limit of {limits[kind]}")
+    payload = bytearray(size)
+    _read_into(sock, memoryview(payload))
+    return kind, payload
+
+
+def read_error(payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """An ERROR frame's status code and message."""
+    code = _CODES.get(payload[0], grpc.StatusCode.UNKNOWN) if payload else grpc.StatusCode.UNKNOWN
+    return code, bytes(payload[1:]).decode("utf-8", "replace")

@@ -1,0 +1,246 @@
+"""The expert lane against real workers: Compute's messages on it give the same bits as on
+the gRPC stream (the fallback, kept), and its listener lets nobody in, or lock anyone out,
+without the cluster's identity and a fresh credential."""
+
+import os
+import socket
+import ssl
+import time
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from coordinator.generate import open_remote_model
+from coordinator.link import Transport, WorkerLink
+from engine.auth import create_secret, load_secret, make_credential
+from engine.errors import Unauthenticated
+from engine.manifest import read_manifest
+from engine.sharding import shard
+from proto import EXPERT_REPLY, EXPERT_REQUEST, REQUEST_LIMIT, shoal_pb2
+from proto import lane as wire
+from tests.integration.test_equivalence import PROMPT, greedy_tokens
+from tests.wire import tensor_fields
+
+REPLIES = {wire.MESSAGE: 1 << 30, wire.ERROR: 1 << 16, wire.READY: 0}
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lane") / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False, workers=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint):
+    reference, _ = load_model(tiny_checkpoint("qwen3_moe"))
+    return greedy_tokens(reference, PROMPT, 8)
+
+
+def lane_of(worker, secret_file) -> tuple[str, int, WorkerLink]:
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    inventory = link.fetch_inventory(timeout=10)
+    assert inventory.lane_port > 0
+    host = worker.address.rpartition(":")[0]
+    return host, inventory.lane_port, link
+
+
+def open_lane(host: str, port: int, secret, credential: str | None = None) -> ssl.SSLSocket:
+    sock = wire.connect(host, port, wire.client_context(secret.identity), 5)
+    sock.settimeout(10)
+    wire.write_frame(sock, wire.HELLO,
+                     (credential or make_credential(secret, wire.LANE_METHOD)).encode())
+    return sock
+
+
+def answer_of(sock: socket.socket) -> bytes:
+    """What the worker sends next: b"" when it closed the connection (or reset it)."""
+    try:
+        return sock.recv(1024)
+    except (ConnectionResetError, ssl.SSLEOFError):
+        return b""
+
+
+def request_bytes(manifest, inventory, seq: int = 1) -> bytes:
+    """A right request for two experts the worker holds."""
+    width = manifest.config["hidden_size"]
+    held = sorted((e.layer, e.expert) for e in inventory.experts)
+    layer = held[0][0]
+    experts = [e for lay, e in held if lay == layer][:2]
+    return EXPERT_REQUEST.write(
+        shoal_pb2.ExpertRequest(seq=seq, layer=layer),
+        hidden=(np.ones((1, width), np.float32), "float32"),
+        rows=(np.zeros(2, np.int32), "int32"),
+        experts=(np.array(experts, np.int32), "int32"))
+
+
+@pytest.mark.slow
+def test_the_lane_and_the_grpc_fallback_give_mlx_lms_tokens(
+    sharded, expected, start_worker, secret_file
+):
+    workers = [start_worker([sharded / "worker-0"], "--no-advertise"),
+               start_worker([sharded / "worker-1"], "--no-advertise", "--no-lane")]
+    secret = load_secret(secret_file)
+    for transport, lanes in ((Transport("lane"), [True, False]),
+                             (Transport("lane", spin=50e-6), [True, False]),
+                             (Transport("grpc"), [False, False])):
+        remote = open_remote_model(sharded, [w.address for w in workers], secret,
+                                   transport=transport)
+        try:
+            assert greedy_tokens(remote.model, PROMPT, 8) == expected, transport
+            assert [link.uses_lane for link in remote.cluster.links] == lanes, transport
+            served = remote.dispatcher.stats.worker_requests
+            assert all(served[w.address] > 0 for w in workers), served
+        finally:
+            remote.close()
+
+
+def test_a_lane_refuses_strangers_before_reading_their_requests(
+    sharded, start_worker, secret_file, tmp_path
+):
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    host, port, link = lane_of(worker, secret_file)
+    secret = load_secret(secret_file)
+    manifest = read_manifest(sharded)
+    try:
+        # plaintext: the TLS handshake fails, nothing is answered
+        with socket.create_connection((host, port), timeout=5) as plain:
+            plain.sendall(wire.HEADER.pack(16, wire.MESSAGE) + b"x" * 16)
+            plain.settimeout(10)
+            assert answer_of(plain)[:1] in (b"", b"\x15")  # closed, or a TLS alert
+        # another cluster's identity: refused by the handshake, on either side
+        other = load_secret(create_secret(tmp_path / "other"))
+        with pytest.raises((ssl.SSLError, OSError)):
+            sock = open_lane(host, port, other)
+            wire.read_frame(sock, REPLIES)
+        # this cluster's certificate, but a forged or a replayed credential
+        credential = make_credential(secret, wire.LANE_METHOD)
+        for forged in ("1.2.3.4", make_credential(secret, "/other/Method"), credential):
+            sock = open_lane(host, port, secret, forged)
+            kind, payload = wire.read_frame(sock, REPLIES)
+            if forged is credential and kind == wire.READY:  # its first use is fine
+                sock.close()
+                sock = open_lane(host, port, secret, forged)
+                kind, payload = wire.read_frame(sock, REPLIES)
+            assert kind == wire.ERROR, forged
+            code, message = wire.read_error(payload)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, message
+            sock.close()
+        # a HELLO frame larger than any credential is refused before its body is read
+        sock = wire.connect(host, port, wire.client_context(secret.identity), 5)
+        sock.sendall(wire.HEADER.pack(1 << 30, wire.HELLO))
+        sock.settimeout(10)
+        assert answer_of(sock) == b""
+        # a request frame over the limit, once authenticated: refused, named, lane closed
+        sock = open_lane(host, port, secret)
+        assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+        sock.sendall(wire.HEADER.pack(REQUEST_LIMIT + 1, wire.MESSAGE))
+        kind, payload = wire.read_frame(sock, REPLIES)
+        assert kind == wire.ERROR and "over the limit" in wire.read_error(payload)[1]
+        # and the worker still serves a right request on a new lane
+        sock = open_lane(host, port, secret)
+        assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+        wire.write_frame(sock, wire.MESSAGE, request_bytes(manifest, link.inventory, seq=9))
+        kind, payload = wire.read_frame(sock, REPLIES)
+        reply, tensors = EXPERT_REPLY.read(bytes(payload), "reply")
+        width = manifest.config["hidden_size"]
+        assert kind == wire.MESSAGE and reply.seq == 9
+        assert tuple(tensors["output"].shape) == (2, width)
+        sock.close()
+    finally:
+        link.close()
+
+
+def test_malformed_requests_on_a_lane_are_refused_clearly_and_the_worker_serves_on(
+    sharded, start_worker, secret_file
+):
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    host, port, link = lane_of(worker, secret_file)
+    secret = load_secret(secret_file)
+    manifest = read_manifest(sharded)
+    rng = np.random.default_rng(7)
+    good = request_bytes(manifest, link.inventory)
+    width = manifest.config["hidden_size"]
+    cases = [rng.bytes(int(rng.integers(1, 200))) for _ in range(20)]
+    cases += [good[:cut] for cut in (1, 5, len(good) // 2, len(good) - 1)]
+    cases += [shoal_pb2.ExpertRequest(seq=3, layer=manifest.layers[0].layer,
+                                      hidden=tensor_fields(np.ones((1, width), np.float32),
+                                                           dtype),
+                                      rows=tensor_fields(np.zeros(2, np.int32), "int32"),
+                                      experts=tensor_fields(np.array([0, 99], np.int32),
+                                                            "int32")).SerializeToString()
+              for dtype in ("float32", "int64", "x" * 300)]
+    try:
+        for case in cases:
+            sock = open_lane(host, port, secret)
+            assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+            wire.write_frame(sock, wire.MESSAGE, case)
+            kind, payload = wire.read_frame(sock, REPLIES)
+            assert kind == wire.ERROR, case[:40]
+            code, message = wire.read_error(payload)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), message
+            assert len(message) < 2000
+            assert answer_of(sock) == b""  # the lane ends after a refusal
+            sock.close()
+        assert link.fetch_inventory(timeout=5).experts  # still serving
+    finally:
+        link.close()
+
+
+def test_idle_connections_cannot_lock_a_coordinator_out_of_the_lane(
+    sharded, start_worker, secret_file
+):
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    host, port, link = lane_of(worker, secret_file)
+    manifest = read_manifest(sharded)
+    idle = []
+    try:
+        for _ in range(400):  # never a byte: as many as a flood from this host holds
+            idle.append(socket.create_connection((host, port), timeout=5))
+        started = time.monotonic()
+        link.send(request_bytes(manifest, link.inventory, seq=5), timeout=5)
+        reply, _ = EXPERT_REPLY.read(link.receive(timeout=5), "reply")
+        assert reply.seq == 5 and link.uses_lane
+        assert time.monotonic() - started < 2
+        fds = f"/proc/{worker.proc.pid}/fd"
+        if os.path.isdir(fds):  # the worker holds no descriptor per idle connection
+            assert len(os.listdir(fds)) < 200, len(os.listdir(fds))
+    finally:
+        for sock in idle:
+            sock.close()
+        link.close()
+
+
+def test_a_coordinator_of_another_cluster_is_told_so_at_the_lane(
+    sharded, start_worker, secret_file, tmp_path
+):
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    _, _, ours = lane_of(worker, secret_file)
+    theirs = WorkerLink(worker.address, load_secret(create_secret(tmp_path / "other")))
+    theirs.inventory = ours.inventory  # as if its handshake had got through
+    try:
+        with pytest.raises(Unauthenticated, match="TLS identity"):
+            theirs.send(request_bytes(read_manifest(sharded), ours.inventory), timeout=5)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_prompt_pass_in_pieces_on_lanes_equals_the_whole_call(
+    sharded, start_worker, secret_file
+):
+    workers = [start_worker([sharded / f"worker-{i}"], "--no-advertise") for i in range(2)]
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        prompt = mx.array([PROMPT * 8])
+        whole = remote.model(prompt)
+        remote.dispatcher.piece_pairs = 2  # many pieces a lane: replies owed while writing
+        pieced = remote.model(prompt)
+        assert mx.array_equal(whole, pieced)
+        assert all(link.uses_lane for link in remote.cluster.links)
+        assert remote.dispatcher.stats.prefill.requests > 8 * remote.dispatcher.stats.prefill.calls
+    finally:
+        remote.close()

@@ -1,0 +1,219 @@
+"""The worker's end of the expert lane (proto/lane.py): a listener beside the gRPC server,
+and one thread per lane that reads a request, computes it and writes its reply, with no
+hand-off between threads on the way.
+
+Nothing is read from a connection before its TLS handshake proved the cluster's certificate
+and its HELLO frame a fresh credential; both must come within HELLO_SECONDS. Connections
+still in that state are few per host (the oldest is closed for a newer one), lanes past it a
+bounded number per host and in all, so that nobody can hold the worker's threads or file
+descriptors by opening connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import grpc
+
+from engine.auth import CredentialChecker
+from engine.errors import ShoalError, Unauthenticated
+from proto import REQUEST_LIMIT
+from proto.lane import (
+    HELLO,
+    HELLO_LIMIT,
+    LANE_METHOD,
+    MESSAGE,
+    READY,
+    LaneClosed,
+    keep_alive,
+    read_frame,
+    write_error,
+    write_frame,
+)
+from worker.service import ComputeAnswers, Refused
+
+HELLO_SECONDS = 5.0  # from accept to a checked credential
+MAX_OPENING_PER_HOST = 8  # connections not yet past their credential, from one host
+MAX_OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
+MAX_LANES_PER_HOST = 16  # a coordinator opens one per worker, four in a prompt pass
+MAX_LANES = 64
+_QUIET_SECONDS = 60.0  # one log line per cause at most this often
+
+
+class _Held:
+    """One accepted connection: its socket, then the TLS socket that took its descriptor."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def shutdown(self) -> None:
+        """Wake its thread, wherever it waits (handshake, credential, request)."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+
+class LaneServer:
+    """The expert lane's listener on `host:port` (0: a free port; see `port`)."""
+
+    def __init__(
+        self, host: str, port: int, context: ssl.SSLContext, checker: CredentialChecker,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as e:
+            raise ShoalError(f"cannot listen for the expert lane on {host}:{port}: {e.strerror}"
+                             " (give another --lane-port, or --no-lane)") from None
+        self.port = self._listener.getsockname()[1]
+        self._context, self._checker = context, checker
+        self._answers: ComputeAnswers | None = None
+        self._log = log or (lambda message: None)
+        self._opening: dict[str, list[_Held]] = {}  # by host, oldest first
+        self._lanes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._connections: set[_Held] = set()
+        self._said: dict[str, float] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="lane-accept", daemon=True)
+
+    def start(self, answers: ComputeAnswers) -> None:
+        """Accept lanes (the listener is bound already: connections wait in its backlog)."""
+        self._answers = answers
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and end every lane (a coordinator reading a reply sees it closed)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for held in connections:
+            held.shutdown()
+        if self._thread.is_alive():
+            self._thread.join(2)
+
+    @property
+    def lanes(self) -> int:
+        """Lanes past their credential now, every host together."""
+        with self._lock:
+            return sum(self._lanes.values())
+
+    def _say(self, cause: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._said.get(cause, -_QUIET_SECONDS) >= _QUIET_SECONDS:
+            self._said[cause] = now
+            self._log(message)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                connection, peer = self._listener.accept()
+            except OSError as e:
+                if self._closed:
+                    return
+                # out of file descriptors (or another passing failure): keep serving the
+                # lanes open, try again shortly
+                self._say("accept", f"expert lane: cannot accept a connection: {e.strerror}")
+                time.sleep(0.05)
+                continue
+            host = peer[0]
+            held = _Held(connection)
+            with self._lock:
+                self._connections.add(held)
+                opening = self._opening.setdefault(host, [])
+                opening.append(held)
+                evicted = opening.pop(0) if len(opening) > MAX_OPENING_PER_HOST else None
+                if evicted is None and sum(map(len, self._opening.values())) > MAX_OPENING:
+                    oldest = max(self._opening, key=lambda h: len(self._opening[h]))
+                    evicted = self._opening[oldest].pop(0)
+            if evicted is not None:
+                # the oldest, not the newest: a client that is slow to prove itself gives way,
+                # so that idle connections cannot keep a coordinator out
+                evicted.shutdown()
+                self._say(f"opening {host}", "expert lane: too many connections opening at "
+                          f"once (the latest from {host}); closing the oldest")
+            threading.Thread(target=self._serve, args=(held, host), name=f"lane {host}",
+                             daemon=True).start()
+
+    def _opened(self, held: _Held, host: str) -> None:
+        """`held` is past its credential, or gone: no longer counted as opening."""
+        with self._lock:
+            opening = self._opening.get(host, [])
+            if held in opening:
+                opening.remove(held)
+            if not opening:
+                self._opening.pop(host, None)
+
+    def _serve(self, held: _Held, host: str) -> None:
+        try:
+            connection = held.sock
+            connection.settimeout(HELLO_SECONDS)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(connection)
+            with self._lock:  # wrapping takes the descriptor over: shutdown() must see it
+                lane = held.sock = self._context.wrap_socket(
+                    connection, server_side=True, do_handshake_on_connect=False)
+            lane.do_handshake()
+            _, hello = read_frame(lane, {HELLO: HELLO_LIMIT})
+            try:
+                self._checker.check(hello.decode("ascii", "replace"), LANE_METHOD)
+            except Unauthenticated as e:
+                write_error(lane, grpc.StatusCode.UNAUTHENTICATED, str(e))
+                return
+            self._opened(held, host)
+            with self._lock:
+                admitted = (self._lanes[host] < MAX_LANES_PER_HOST
+                            and self._lanes.total() < MAX_LANES)
+                if admitted:
+                    self._lanes[host] += 1
+            if not admitted:
+                write_error(lane, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{MAX_LANES_PER_HOST} expert lanes from {host} (or {MAX_LANES} in "
+                            "all) are open already")
+                return
+            try:
+                write_frame(lane, READY, b"")
+                lane.settimeout(None)  # an idle coordinator's lane waits as long as it likes
+                self._answer(lane)
+            finally:
+                with self._lock:
+                    self._lanes[host] -= 1
+        except (OSError, ShoalError):
+            pass  # a handshake that failed, a peer that left: nothing to answer
+        finally:
+            self._opened(held, host)
+            with self._lock:
+                self._connections.discard(held)
+            with contextlib.suppress(OSError):
+                held.sock.close()
+
+    def _answer(self, lane: ssl.SSLSocket) -> None:
+        """Requests in, replies out, in order, until the coordinator closes the lane or a
+        request is refused (its ERROR frame ends the lane, as an abort ends a gRPC stream)."""
+        answers = self._answers
+        while True:
+            try:
+                _, data = read_frame(lane, {MESSAGE: REQUEST_LIMIT})
+                reply = answers.answer(data)
+            except LaneClosed:
+                return
+            except Refused as e:
+                write_error(lane, e.code, str(e))
+                return
+            except ShoalError as e:  # a frame over the limit or of a kind not expected here
+                write_error(lane, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return
+            if reply is not None:
+                write_frame(lane, MESSAGE, reply)
+                answers.sent()
