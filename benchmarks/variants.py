@@ -12,8 +12,9 @@ coordinator only (its workers then run without VAR):
 
     python -m benchmarks.variants both: coordinator:coordinator.MLX_USE_CUDA_GRAPHS=0
 
-Two settings of the coordinator's links are read here too: SHOAL_TRANSPORT (lane or grpc)
-and SHOAL_SPIN_US (--transport and --spin-us of `shoal generate`), so an A/B of transports is
+Three settings are read here too: SHOAL_TRANSPORT (lane or grpc) and SHOAL_SPIN_US, the
+coordinator's --transport and --spin-us, and SHOAL_WORKER_ARGS, more shoal-worker arguments
+(e.g. `--spin-us 2000`), so an A/B of transports is
 
     python -m benchmarks.variants --prefill 512 lane: grpc:SHOAL_TRANSPORT=grpc \
         lane: grpc:SHOAL_TRANSPORT=grpc
@@ -49,7 +50,8 @@ def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
 
     _, sharded, secret, logs = bench_files(quick, "variant-logs")
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
-                            places=[(worker_prefix(), "127.0.0.1")] * 2)
+                            places=[(worker_prefix(), "127.0.0.1")] * 2,
+                            extra=os.environ.get("SHOAL_WORKER_ARGS", "").split())
     try:
         transport = Transport(os.environ.get("SHOAL_TRANSPORT", "lane"),
                               float(os.environ.get("SHOAL_SPIN_US", "0")) / 1e6)

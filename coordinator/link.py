@@ -374,11 +374,8 @@ class _Lane:
             kind, payload = lane_wire.read_frame(reader, _REPLIES)
             self._inbox = reader.rest()
             return kind, payload
-        if spin > 0:  # watch the socket busily for a while: no sleep, no wake-up
-            until = time.perf_counter() + spin
-            while time.perf_counter() < until:
-                if sock.pending() or select.select([sock], [], [], 0)[0]:
-                    break
+        if spin > 0:
+            lane_wire.watch(sock, spin)
         sock.settimeout(timeout)
         return lane_wire.read_frame(sock, _REPLIES)
 
@@ -440,8 +437,8 @@ class Transport:
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORTS:
             raise ShoalError(f"unknown transport {self.kind!r}: one of {', '.join(TRANSPORTS)}")
-        if not 0 <= self.spin <= 0.01:
-            raise ShoalError(f"a spin of {self.spin * 1e6:.0f} us is not 0-10000 us")
+        if not 0 <= self.spin <= 0.1:
+            raise ShoalError(f"--spin-us must be 0-100000, got {self.spin * 1e6:g}")
 
     def link(self, address: str, secret: Secret) -> WorkerLink:
         return WorkerLink(address, secret, self.kind, self.spin)

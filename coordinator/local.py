@@ -176,10 +176,12 @@ def start_workers(
     log_dir: Path,
     places: Sequence[tuple[Sequence[str], str]] = (),
     on_ready: Callable[[int, LocalWorker, float], None] | None = None,
+    extra: Sequence[str] = (),
 ) -> list[LocalWorker]:
     """Start one worker per group of stores; if any fails, stop those already started.
     `places` gives each worker a (command prefix, host) other than loopback; `on_ready` hears
-    of each as it serves (index, worker, seconds since the start), for progress."""
+    of each as it serves (index, worker, seconds since the start), for progress; `extra`
+    are more shoal-worker arguments for each."""
     workers: list[LocalWorker] = []
     started = time.monotonic()
     try:
@@ -188,7 +190,8 @@ def start_workers(
             # Found by address, not by Bonjour: advertising would only announce several
             # workers that share this machine's node id.
             workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log",
-                                        ("--no-advertise",), host=host, prefix=prefix))
+                                        ("--no-advertise", *extra), host=host,
+                                        prefix=prefix))
             if on_ready is not None:
                 on_ready(index, workers[-1], time.monotonic() - started)
     except BaseException:

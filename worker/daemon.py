@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "TLS socket (docs/protocol.md; default: --port + 1, or a free port with --port 0)",
     )
     parser.add_argument(
+        "--spin-us", type=float, default=0.0, metavar="US",
+        help="microseconds a lane watches its socket busily for the next request before it "
+        "sleeps (default 0: it sleeps at once; spinning burns a core to save a wake-up)",
+    )
+    parser.add_argument(
         "--no-lane", action="store_true",
         help="serve no expert lane: coordinators then send every request on the gRPC stream "
         "(slower; for networks where a second port cannot pass)",
@@ -177,6 +182,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ShoalError(f"--port must be 0-65535, got {args.port}")
     if args.lane_port is not None and not 0 <= args.lane_port < 65536:
         raise ShoalError(f"--lane-port must be 0-65535, got {args.lane_port}")
+    if not 0 <= args.spin_us <= 100_000:
+        raise ShoalError(f"--spin-us must be 0-100000, got {args.spin_us:g}")
     if args.lane_port is not None and args.no_lane:
         raise ShoalError("--lane-port and --no-lane contradict each other: give one")
     if args.memory_budget:
@@ -248,7 +255,7 @@ def serve(args: argparse.Namespace) -> None:
                 port + 1 if args.port else 0
             lane = LaneServer(args.host, lane_port, server_context(identity), checker,
                               log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr,
-                                                  flush=True))
+                                                  flush=True), spin=args.spin_us / 1e6)
         residency = load(args)
         run(args, server, port, residency, addresses, lane)
     finally:

@@ -33,6 +33,7 @@ from proto.lane import (
     LaneClosed,
     keep_alive,
     read_frame,
+    watch,
     write_error,
     write_frame,
 )
@@ -63,7 +64,7 @@ class LaneServer:
 
     def __init__(
         self, host: str, port: int, context: ssl.SSLContext, checker: CredentialChecker,
-        log: Callable[[str], None] | None = None,
+        log: Callable[[str], None] | None = None, spin: float = 0.0,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -73,6 +74,7 @@ class LaneServer:
                              " (give another --lane-port, or --no-lane)") from None
         self.port = self._listener.getsockname()[1]
         self._context, self._checker = context, checker
+        self.spin = spin  # seconds a lane watches its socket busily before it blocks
         self._answers: ComputeAnswers | None = None
         self._log = log or (lambda message: None)
         self._opening: dict[str, list[_Held]] = {}  # by host, oldest first
@@ -201,8 +203,10 @@ class LaneServer:
     def _answer(self, lane: ssl.SSLSocket) -> None:
         """Requests in, replies out, in order, until the coordinator closes the lane or a
         request is refused (its ERROR frame ends the lane, as an abort ends a gRPC stream)."""
-        answers = self._answers
+        answers, spin = self._answers, self.spin
         while True:
+            if spin > 0:
+                watch(lane, spin)
             try:
                 _, data = read_frame(lane, {MESSAGE: REQUEST_LIMIT})
                 reply = answers.answer(data)

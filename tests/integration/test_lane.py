@@ -81,7 +81,7 @@ def request_bytes(manifest, inventory, seq: int = 1) -> bytes:
 def test_the_lane_and_the_grpc_fallback_give_mlx_lms_tokens(
     sharded, expected, start_worker, secret_file
 ):
-    workers = [start_worker([sharded / "worker-0"], "--no-advertise"),
+    workers = [start_worker([sharded / "worker-0"], "--no-advertise", "--spin-us", "300"),
                start_worker([sharded / "worker-1"], "--no-advertise", "--no-lane")]
     secret = load_secret(secret_file)
     for transport, lanes in ((Transport("lane"), [True, False]),
