@@ -31,7 +31,9 @@ from engine.interfaces import (
     local_interfaces,
     select_interface,
 )
+from engine.manifest import MANIFEST_NAME
 from engine.process import launch_directly
+from engine.store_lock import hold_for_serving
 from engine.tls import Identity
 from proto import (
     PROTOCOL_VERSION,
@@ -167,6 +169,20 @@ def check_args(args: argparse.Namespace) -> None:
         parse_budget(args.memory_budget)
     if args.scrub:
         parse_rate(args.scrub)
+    for folder in args.store:
+        check_store_folder(folder)
+
+
+def check_store_folder(folder: Path) -> None:
+    """Refuse the folder `shoal shard` wrote (OUT) given for one of its stores (OUT/worker-K),
+    which would start and serve nothing."""
+    stores = sorted(p for p in folder.glob("*/" + MANIFEST_NAME) if p.parent.name != "dense")
+    if stores and not any(folder.glob("L*/E*.safetensors")):
+        names = ", ".join(str(p.parent) for p in stores)
+        raise ShoalError(
+            f"{folder} is the folder `shoal shard` wrote, not a store folder: its stores are "
+            f"{names}. Give --store {stores[0].parent} (the one meant for this machine)"
+        )
 
 
 def bind(
@@ -239,6 +255,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def load(args: argparse.Namespace) -> Residency:
     """Scan (and verify) the stores and set up the memory budget."""
+    hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
