@@ -55,9 +55,18 @@ def check_secret(path: Path) -> Check:
 
 
 def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
-    """The interfaces of this Mac, ranked as Shoal ranks paths, and the addresses a worker
-    started here would announce (with --interface, only that one's)."""
-    from engine.interfaces import advertised_addresses, kind_of, local_interfaces, rank
+    """The interfaces of this Mac, ranked as Shoal ranks paths; where a worker started here
+    would listen and what it would announce (the same functions shoal-worker calls); and the
+    addresses to probe Bonjour on (--interface's, else every physical one, where workers on
+    other machines are found)."""
+    from engine.interfaces import (
+        advertised_addresses,
+        announced_addresses,
+        kind_of,
+        listen_host,
+        local_interfaces,
+        rank,
+    )
 
     local = local_interfaces()
     ranked = sorted(local, key=lambda i: (rank(kind_of(i)), i.name))
@@ -67,10 +76,12 @@ def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
     )
     checks = [Check("network", "ok", f"interfaces: {listing or 'none'}")]
     try:
-        addresses = advertised_addresses("0.0.0.0", interface, local)
+        probe = advertised_addresses("0.0.0.0", interface, local)
+        host = listen_host(None, interface, local)
+        announced = announced_addresses(host, interface, local)
     except ShoalError as e:
         return [*checks, Check("network", "fail", str(e))], []
-    kinds = {kind_of(i) for i in local if i.address in addresses}
+    kinds = {kind_of(i) for i in local if i.address in probe}
     if "thunderbolt" in kinds:
         checks.append(Check("network", "ok", "Thunderbolt Bridge is up: workers on it are "
                             "reached through it first"))
@@ -80,10 +91,13 @@ def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
                             "Bridge active (a self-assigned 169.254.x.x address is fine)"))
     if kinds <= {"local"}:
         checks.append(Check("network", "warn", "only loopback: workers here are reachable "
-                            "from this Mac only"))
-    checks.append(Check("network", "ok", f"a worker started here announces "
-                        f"{', '.join(addresses) or 'nothing'}"))
-    return checks, addresses
+                            "from this machine only"))
+    option = f"shoal-worker --interface {interface}" if interface else "shoal-worker"
+    hint = ("" if interface else "; it serves this machine only: give --interface (e.g. "
+            "bridge0, Thunderbolt Bridge) to serve others")
+    checks.append(Check("network", "ok", f"`{option}` started here listens on {host} and "
+                        f"announces {', '.join(announced) or 'nothing'}{hint}"))
+    return checks, probe
 
 
 def check_mdns(addresses: list[str], timeout: float = MDNS_TIMEOUT) -> Check:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
 from concurrent import futures
@@ -25,12 +24,7 @@ from engine.cache_policy import (
     resolve_budget,
 )
 from engine.errors import ShoalError
-from engine.interfaces import (
-    advertised_addresses,
-    is_wildcard,
-    local_interfaces,
-    select_interface,
-)
+from engine.interfaces import announced_addresses, listen_host
 from engine.manifest import MANIFEST_NAME
 from engine.process import launch_directly
 from engine.store_lock import hold_for_serving
@@ -69,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host", default=None,
         help="address to listen on (default: --interface's address if given, else 127.0.0.1, "
-        "this Mac only; 0.0.0.0 for every interface: see docs/security.md)",
+        "this machine only; 0.0.0.0 for every interface: see docs/security.md). `shoal "
+        "doctor` says where a worker started here would listen and what it would announce",
     )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
@@ -91,8 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--interface", metavar="NAME",
-        help="announce only this interface's address (e.g. bridge0 for Thunderbolt Bridge); "
-        "default: every physical interface",
+        help="listen on and announce only this interface's address (e.g. bridge0 for "
+        "Thunderbolt Bridge). Without it the worker listens on --host, else on loopback only, "
+        "and announces that address; with --host 0.0.0.0 it announces every physical "
+        "interface's",
     )
     parser.add_argument(
         "--no-advertise", action="store_true",
@@ -217,16 +214,6 @@ def format_rate(rate: int) -> str:
     return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
 
 
-def listen_host(host: str | None, interface: str | None) -> str:
-    """Where to listen: as given; else on the named interface only (bridge0: Thunderbolt
-    Bridge); else on loopback, so that a worker is never reachable from a network by default."""
-    if host:
-        return host
-    if interface:
-        return select_interface(interface, local_interfaces())[0].address
-    return "127.0.0.1"
-
-
 def serve(args: argparse.Namespace) -> None:
     args.host = listen_host(args.host, args.interface)
     check_args(args)
@@ -312,7 +299,7 @@ def run(
         flush=True,
     )
     if args.host.startswith("127."):
-        note("listening on loopback only (this Mac); to serve other Macs give --interface "
+        note("listening on loopback only (this machine); to serve other machines give --interface "
              "bridge0 (Thunderbolt Bridge) or --host ADDRESS")
     advertiser = None
     if addresses:
@@ -345,16 +332,6 @@ def run(
         scrubber.close()
     server.stop(grace=2).wait(5)
     print(f"shoal-worker {node_id}: stopped", flush=True)
-
-
-def announced_addresses(host: str, interface: str | None) -> list[str]:
-    """The IPv4 addresses to announce: --interface's, else --host's, else every physical one."""
-    if not interface and not is_wildcard(host):
-        try:
-            return [socket.gethostbyname(host)]
-        except OSError as e:
-            raise ShoalError(f"cannot resolve --host {host!r}: {e}") from None
-    return advertised_addresses(host, interface, local_interfaces())
 
 
 def main(argv: list[str] | None = None) -> None:
