@@ -7,6 +7,7 @@ Expected failures (ShoalError) are printed as one line without a traceback, exit
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 
@@ -19,15 +20,17 @@ from coordinator.commands import (
     heat,
     migrate,
     plan,
+    pull,
     serve,
     shard,
     workers,
 )
+from coordinator.hub import hub_may_be_reached
 from engine.errors import ShoalError
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
-COMMANDS = (cluster_init, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
+COMMANDS = (cluster_init, pull, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
             migrate)
 
 
@@ -64,11 +67,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class PipeSafe:
+    """sys.stdout or sys.stderr that, once the reader has gone (`shoal plan | head`), drops
+    the rest of the output instead of raising: the command runs to its end and keeps its
+    exit status, with no BrokenPipeError traceback."""
+
+    def __init__(self, stream: io.TextIOWrapper) -> None:
+        self._stream = stream
+
+    def _gone(self) -> None:
+        # Point the descriptor at /dev/null, so that what is still buffered goes there too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
-    # Everything Shoal reads is local; never let a library reach for a model hub.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.stdout, sys.stderr = PipeSafe(sys.stdout), PipeSafe(sys.stderr)
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
+    hub_may_be_reached(args.command)
     try:
         args.main(args)
     except ShoalError as e:
