@@ -55,8 +55,9 @@ def local_model(text: str) -> Path:
 
 def pull(repo_id: str, *, revision: str | None = None, progress: bool = True) -> Path:
     """Download a repository's checkpoint files into the Hugging Face cache; the snapshot
-    folder. Files already there are not fetched again, and a file cut short resumes where it
-    stopped (huggingface_hub keeps it as *.incomplete and asks for the rest)."""
+    folder. Files already there are not fetched again; a connection dropped mid-file resumes
+    from the bytes received (huggingface_hub asks for the rest), while a file cut short by
+    stopping the process starts over next time (huggingface_hub keeps no partial file)."""
     if not is_repo_id(repo_id):
         raise InvalidInput(f"{repo_id!r} is not a repository id like ORG/NAME")
     from huggingface_hub import constants, snapshot_download
@@ -94,7 +95,7 @@ def pull(repo_id: str, *, revision: str | None = None, progress: bool = True) ->
     except HfHubHTTPError as e:
         raise Unavailable(f"downloading {repo_id} from {where} failed: {e}") from None
     except OSError as e:
-        raise ShoalError(f"downloading {repo_id} failed: {e}; run this again to resume "
+        raise ShoalError(f"downloading {repo_id} failed: {e}; run this again for the rest "
                          "(files already fetched are kept)") from None
     return Path(folder)
 
