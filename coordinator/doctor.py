@@ -1,4 +1,5 @@
-"""`shoal doctor`: what this Mac and its cluster look like to Shoal, each finding with a verdict.
+"""`shoal doctor`: what this machine and its cluster look like to Shoal, each finding with a
+verdict.
 
 Every finding is a `Check` (plain data). Each `check_*` function does one piece of I/O, or
 none, and returns Checks; the command prints them and exits 1 when any failed. The cluster
@@ -39,7 +40,7 @@ def failed(checks: Sequence[Check]) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------
-# This Mac
+# This machine
 
 
 def check_secret(path: Path) -> Check:
@@ -55,7 +56,7 @@ def check_secret(path: Path) -> Check:
 
 
 def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
-    """The interfaces of this Mac, ranked as Shoal ranks paths; where a worker started here
+    """The interfaces of this machine, ranked as Shoal ranks paths; where a worker started here
     would listen and what it would announce (the same functions shoal-worker calls); and the
     addresses to probe Bonjour on (--interface's, else every physical one, where workers on
     other machines are found)."""
@@ -264,7 +265,7 @@ def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
         problems = []
         if r.get("protocol") not in (None, PROTOCOL_VERSION):
             problems.append(f"protocol {r['protocol']}, this coordinator speaks "
-                            f"{PROTOCOL_VERSION}: upgrade Shoal on every Mac")
+                            f"{PROTOCOL_VERSION}: upgrade Shoal on every machine")
         if fingerprint and r.get("fingerprint") and r["fingerprint"] != fingerprint:
             problems.append("serves another model than --model")
         elif len(models) > 1:

@@ -18,10 +18,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "(not the other formats some repositories also carry) into the Hugging Face cache "
         "($HF_HUB_CACHE, default ~/.cache/huggingface/hub), with a progress bar. A dropped "
         "connection resumes mid-file; after Ctrl-C (or any stop) run it again: the files "
-        "already downloaded are kept, the one that was cut short starts over. Then `shoal shard ORG/NAME OUT --workers N` reads it from the "
-        "cache. This is the only command that uses the network to reach a hub; gated or "
-        "private repositories need `hf auth login` or HF_TOKEN, another hub or mirror "
-        "HF_ENDPOINT.",
+        "already downloaded are kept, the one that was cut short starts over. Then `shoal "
+        "shard ORG/NAME OUT --workers N` reads it from the cache. This is the only command "
+        "that uses the network to reach a hub; gated or private repositories need `hf auth "
+        "login` or HF_TOKEN, another hub or mirror HF_ENDPOINT.",
     )
     p.add_argument("repo_id", metavar="ORG/NAME",
                    help="the repository, e.g. mlx-community/Qwen3-30B-A3B-4bit")

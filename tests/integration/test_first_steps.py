@@ -1,11 +1,13 @@
 """A new user's first commands, through the real `shoal` and `shoal-worker` with workers on
 loopback: `shoal workers --workers` as the README writes it, and its exit status; the shard
 folder given for a store; doctor and the worker agreeing on where it listens and what it
-announces; and `shoal generate` naming what it did find when it gives up waiting."""
+announces; `shoal generate` naming what it did find when it gives up waiting; and workers
+logging the copies and drops a deploy or rebalance makes."""
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -148,3 +150,56 @@ def test_generate_names_the_workers_and_clusters_it_saw_when_it_gives_up(
     # Other workers may share this loopback: those of cluster-x are named, in their group.
     assert "seen in other clusters: " in error
     assert f"'{cluster}-x': x at {x.address}" in error
+
+
+def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, start_worker,
+                                                     secret_file):
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)  # OUT/experts: the local copies
+    stores = [tmp_path / "a", tmp_path / "b"]
+    for store in stores:
+        store.mkdir()
+        shutil.copy(out / "manifest.json", store / "manifest.json")  # a Mac just added
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in stores]
+    run = shoal("deploy", "--model", str(out), "--workers",
+                ",".join(w.address for w in workers), "--secret-file", str(secret_file))
+    assert run.returncode == 0, run.stderr
+    received = [re.findall(r"received expert (\d+/\d+) \(\d+ bytes, checksum verified\) into "
+                           + re.escape(str(store)), w.output())
+                for w, store in zip(workers, stores, strict=True)]
+    on_disk = [sorted(store.glob("L*/E*.safetensors")) for store in stores]
+    assert [len(r) for r in received] == [len(files) for files in on_disk]
+    assert all(received)
+
+
+def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_path,
+                                                         start_worker, secret_file):
+    from coordinator.link import WorkerLink
+    from coordinator.rebalance import observe
+    from coordinator.transfer import Executor
+    from engine.auth import load_secret
+    from engine.manifest import read_manifest
+    from engine.migration import MigrationPlan, Step
+
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    stores = [tmp_path / "keep", tmp_path / "drop"]
+    for store in stores:
+        shutil.copytree(out / "experts", store)
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in stores]
+    links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
+    try:
+        key = (1, 5)
+        _, by_name = observe(links)
+        plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
+        Executor(read_manifest(out), by_name, {}, log=lambda m: None, quiet=0.2,
+                 progress=False).run(plan, "rebalance")
+    finally:
+        for link in links:
+            link.close()
+    log = workers[1].output()
+    assert "draining expert 1/5: no longer offered" in log
+    assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
+    assert "expert 1/5" not in workers[0].output()
