@@ -203,3 +203,4 @@ def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_pat
     assert "draining expert 1/5: no longer offered" in log
     assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
     assert "expert 1/5" not in workers[0].output()
+    assert "listening on loopback only (this machine)" in log and "this Mac" not in log
