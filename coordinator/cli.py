@@ -100,7 +100,9 @@ class PipeSafe:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.stdout, sys.stderr = PipeSafe(sys.stdout), PipeSafe(sys.stderr)
+    # Kept for the life of the process: its last flush, at exit, needs the guard too.
+    sys.stdout, sys.stderr = (s if isinstance(s, PipeSafe) else PipeSafe(s)
+                              for s in (sys.stdout, sys.stderr))
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
     hub_may_be_reached(args.command)
