@@ -49,6 +49,7 @@ from engine.placement import split_by_bytes
 from engine.store_lock import claim_for_writing, release
 
 SHARD_MARKER = ".shoal-shard.json"
+_NEARLY_FULL = 256 << 20  # free bytes below which a failed write is put down to a full drive
 # Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
 
@@ -169,15 +170,21 @@ def _writing(out_dir: Path) -> Iterator[None]:
         yield
     except OSError as e:
         try:
-            free = f"; {shutil.disk_usage(out_dir).free / 2**20:.1f} MiB free there"
+            free = shutil.disk_usage(out_dir).free
         except OSError:
-            free = ""
-        full = e.errno == errno.ENOSPC or "Unable to write" in str(e)
+            free = None
+        where = Path(e.filename) if e.filename else out_dir
+        if not where.is_relative_to(out_dir):
+            raise ShoalError(f"cannot read {where}: {e.strerror or e}") from None
+        # MLX reports a short write without its errno; a drive that is (nearly) full is why.
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (
+            "Unable to write" in str(e) and free is not None and free < _NEARLY_FULL)
         what = "the drive is full" if full else (e.strerror or str(e))
+        room = "" if free is None else f"; {free / 2**20:.1f} MiB free there"
         raise ShoalError(
-            f"cannot write {e.filename or out_dir}: {what}{free}. The source is unchanged and "
-            "the split is unfinished (no manifest, so no worker serves it): make room, or "
-            "choose another OUT_DIR, and run the same command again"
+            f"cannot write {where}: {what}{room}. The source is unchanged and the split is "
+            "unfinished (no manifest, so no worker serves it): make room, or choose another "
+            "OUT_DIR, and run the same command again"
         ) from None
 
 
