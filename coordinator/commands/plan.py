@@ -25,7 +25,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "in memory, 3 fits only by streaming experts from disk, 4 does not fit, 2 bad input.",
     )
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR_OR_CONFIG",
-                   help="a folder written by `shoal shard`, a model folder, or its config.json")
+                   help="a folder written by `shoal shard`, a model folder, its config.json, "
+                   "or a repository id ORG/NAME in the Hugging Face cache (`shoal pull`)")
     p.add_argument("--bits", type=int, metavar="BITS",
                    help="what if the experts and dense weights were quantized to BITS "
                    "(2, 3, 4, 5, 6 or 8) as `shoal shard --quantize BITS` does (config only)")
@@ -54,6 +55,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    from coordinator.hub import local_model
     from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, plan_report, print_plan
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
@@ -62,6 +64,7 @@ def main(args: argparse.Namespace) -> None:
     if args.bits is not None and args.bits not in QUANTIZE_BITS:
         raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")
     workers = [parse_worker_capacity(w) for w in args.worker]
+    args.model = local_model(str(args.model))
     sizes = read_sizes(args.model, bits=args.bits, group_size=args.group_size)
     if args.heat and args.uniform:
         raise InvalidInput("give --heat or --uniform, not both")

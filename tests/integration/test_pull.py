@@ -159,6 +159,12 @@ def test_pull_fills_the_cache_and_shard_reads_it_by_repository_id_offline(hub, t
     assert "Fetching 6 files: 100%" in pulled.stderr  # huggingface_hub's progress bar
     assert {p.name: p.read_bytes() for p in snapshot.iterdir()} == hub.files
 
+    planned = shoal(hub_env(tmp_path, dead_endpoint()), "plan", "--model", REPO_ID,
+                    "--worker", "a=1G", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["model"]["source_bytes"] == sum(
+        len(data) for name, data in hub.files.items() if name.endswith(".safetensors"))
+
     # No hub reachable now: shard reads the cache, and gives what sharding the source gives.
     out = tmp_path / "out"
     sharded = shoal(hub_env(tmp_path, dead_endpoint()), "shard", REPO_ID, str(out), "--quiet")
