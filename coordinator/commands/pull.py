@@ -61,5 +61,5 @@ def main(args: argparse.Namespace) -> None:
     if "error" in done:
         raise done["error"]
     folder = done["folder"]
-    print(f"{args.repo_id} -> {folder}\nnext: shoal plan --model {folder} --worker NAME=MEMORY "
-          f"..., then shoal shard {args.repo_id} OUT --workers N")
+    print(f"{args.repo_id} -> {folder}\nnext: shoal plan --model {args.repo_id} --worker "
+          f"NAME=MEMORY:DISK ..., then shoal shard {args.repo_id} OUT --workers N")
