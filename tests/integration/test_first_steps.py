@@ -42,6 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_workers_takes_the_readmes_worker_list_and_fails_when_none_answers(
     sharded, start_worker, secret_file
 ):
@@ -121,6 +122,7 @@ def doctor_says(*extra: str) -> tuple[str, list[str]]:
     return found.group(1), found.group(2).split(", ")
 
 
+@pytest.mark.slow
 def test_doctor_and_the_worker_agree_on_where_it_listens_and_what_it_announces(
     sharded, secret_file, tmp_path
 ):
@@ -135,6 +137,7 @@ def test_doctor_and_the_worker_agree_on_where_it_listens_and_what_it_announces(
     assert "else on loopback only" in " ".join(worker_help.split())
 
 
+@pytest.mark.slow
 def test_generate_names_the_workers_and_clusters_it_saw_when_it_gives_up(
     sharded, start_worker, secret_file
 ):
@@ -152,6 +155,7 @@ def test_generate_names_the_workers_and_clusters_it_saw_when_it_gives_up(
     assert f"'{cluster}-x': x at {x.address}" in error
 
 
+@pytest.mark.slow
 def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, start_worker,
                                                      secret_file):
     out = tmp_path / "out"
@@ -173,6 +177,7 @@ def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, s
     assert all(received)
 
 
+@pytest.mark.slow
 def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_path,
                                                          start_worker, secret_file):
     from coordinator.link import WorkerLink

@@ -57,6 +57,7 @@ def test_a_finished_split_is_refused_naming_its_stores_and_force_replaces_it(spl
     assert len(expert_files(out)) == len(manifest.experts)
 
 
+@pytest.mark.slow
 def test_shard_never_writes_into_a_store_a_live_worker_serves(split, start_worker):
     source, out = split
     worker = start_worker([out / "worker-0"], "--no-advertise")
