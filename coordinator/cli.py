@@ -7,8 +7,6 @@ Expected failures (ShoalError) are printed as one line without a traceback, exit
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import sys
 
 from coordinator.commands import (
@@ -27,6 +25,7 @@ from coordinator.commands import (
 )
 from coordinator.hub import hub_may_be_reached
 from engine.errors import ShoalError
+from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
@@ -67,42 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class PipeSafe:
-    """sys.stdout or sys.stderr that, once the reader has gone (`shoal plan | head`), drops
-    the rest of the output instead of raising: the command runs to its end and keeps its
-    exit status, with no BrokenPipeError traceback."""
-
-    def __init__(self, stream: io.TextIOWrapper) -> None:
-        self._stream = stream
-
-    def _gone(self) -> None:
-        # Point the descriptor at /dev/null, so that what is still buffered goes there too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._gone()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._gone()
-            self._stream.flush()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stream, name)
-
-
 def main(argv: list[str] | None = None) -> None:
-    # Kept for the life of the process: its last flush, at exit, needs the guard too.
-    sys.stdout, sys.stderr = (s if isinstance(s, PipeSafe) else PipeSafe(s)
-                              for s in (sys.stdout, sys.stderr))
+    guard_standard_streams()
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
     hub_may_be_reached(args.command)

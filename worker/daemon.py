@@ -26,6 +26,7 @@ from engine.cache_policy import (
 from engine.errors import ShoalError
 from engine.interfaces import announced_addresses, listen_host
 from engine.manifest import MANIFEST_NAME
+from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 from engine.store_lock import hold_for_serving
 from engine.tls import Identity
@@ -336,6 +337,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> None:
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
+    guard_standard_streams()  # `shoal-worker | head` must not end the worker
     args = parse_args(argv)
     try:
         serve(args)

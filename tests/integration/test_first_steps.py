@@ -209,3 +209,30 @@ def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_pat
     assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
     assert "expert 1/5" not in workers[0].output()
     assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+
+
+def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
+    sharded, secret_file
+):
+    """`shoal-worker ... | head -3`: the worker outlives the pipe, and SIGTERM still ends it
+    with status 0 and no traceback."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.daemon", "--store", str(sharded / "worker-0"),
+         "--no-advertise", "--port", "0", "--secret-file", str(secret_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while b"serving" not in proc.stdout.readline():
+            assert time.monotonic() < deadline and proc.poll() is None
+        proc.stdout.close()  # as `head` does
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
