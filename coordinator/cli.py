@@ -7,7 +7,6 @@ Expected failures (ShoalError) are printed as one line without a traceback, exit
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from coordinator.commands import (
@@ -19,15 +18,18 @@ from coordinator.commands import (
     heat,
     migrate,
     plan,
+    pull,
     serve,
     shard,
     workers,
 )
+from coordinator.hub import hub_may_be_reached
 from engine.errors import ShoalError
+from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
-COMMANDS = (cluster_init, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
+COMMANDS = (cluster_init, pull, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
             migrate)
 
 
@@ -65,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Everything Shoal reads is local; never let a library reach for a model hub.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    guard_standard_streams()
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
+    hub_may_be_reached(args.command)
     try:
         args.main(args)
     except ShoalError as e:

@@ -148,6 +148,8 @@ class Browser:
             interfaces=interfaces or InterfaceChoice.All, ip_version=IPVersion.V4Only
         )
         self._closed = False
+        # Workers of other clusters, seen and ignored: named when ours cannot be found.
+        self.elsewhere: dict[str, tuple[str, str]] = {}  # name -> (cluster, "NODE at ADDRESS")
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._changed])
 
     def _changed(
@@ -174,7 +176,11 @@ class Browser:
             self._log(f"shoal: ignoring {name}: {e}")
             return
         addresses = info.parsed_addresses(IPVersion.V4Only)
-        if not same_cluster(advert, self.cluster) or not addresses or not info.port:
+        if not same_cluster(advert, self.cluster):
+            at = ", ".join(f"{a}:{info.port}" for a in addresses)
+            self.elsewhere[name] = (advert.cluster, f"{advert.node_id} at {at}")
+            return
+        if not addresses or not info.port:
             return
         self._offer(Candidate(name, tuple((a, info.port) for a in addresses), advert))
 

@@ -1,4 +1,5 @@
-"""`shoal doctor`: what this Mac and its cluster look like to Shoal, each finding with a verdict.
+"""`shoal doctor`: what this machine and its cluster look like to Shoal, each finding with a
+verdict.
 
 Every finding is a `Check` (plain data). Each `check_*` function does one piece of I/O, or
 none, and returns Checks; the command prints them and exits 1 when any failed. The cluster
@@ -39,7 +40,7 @@ def failed(checks: Sequence[Check]) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------
-# This Mac
+# This machine
 
 
 def check_secret(path: Path) -> Check:
@@ -55,9 +56,18 @@ def check_secret(path: Path) -> Check:
 
 
 def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
-    """The interfaces of this Mac, ranked as Shoal ranks paths, and the addresses a worker
-    started here would announce (with --interface, only that one's)."""
-    from engine.interfaces import advertised_addresses, kind_of, local_interfaces, rank
+    """The interfaces of this machine, ranked as Shoal ranks paths; where a worker started here
+    would listen and what it would announce (the same functions shoal-worker calls); and the
+    addresses to probe Bonjour on (--interface's, else every physical one, where workers on
+    other machines are found)."""
+    from engine.interfaces import (
+        advertised_addresses,
+        announced_addresses,
+        kind_of,
+        listen_host,
+        local_interfaces,
+        rank,
+    )
 
     local = local_interfaces()
     ranked = sorted(local, key=lambda i: (rank(kind_of(i)), i.name))
@@ -67,10 +77,12 @@ def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
     )
     checks = [Check("network", "ok", f"interfaces: {listing or 'none'}")]
     try:
-        addresses = advertised_addresses("0.0.0.0", interface, local)
+        probe = advertised_addresses("0.0.0.0", interface, local)
+        host = listen_host(None, interface, local)
+        announced = announced_addresses(host, interface, local)
     except ShoalError as e:
         return [*checks, Check("network", "fail", str(e))], []
-    kinds = {kind_of(i) for i in local if i.address in addresses}
+    kinds = {kind_of(i) for i in local if i.address in probe}
     if "thunderbolt" in kinds:
         checks.append(Check("network", "ok", "Thunderbolt Bridge is up: workers on it are "
                             "reached through it first"))
@@ -80,10 +92,13 @@ def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
                             "Bridge active (a self-assigned 169.254.x.x address is fine)"))
     if kinds <= {"local"}:
         checks.append(Check("network", "warn", "only loopback: workers here are reachable "
-                            "from this Mac only"))
-    checks.append(Check("network", "ok", f"a worker started here announces "
-                        f"{', '.join(addresses) or 'nothing'}"))
-    return checks, addresses
+                            "from this machine only"))
+    option = f"shoal-worker --interface {interface}" if interface else "shoal-worker"
+    hint = ("" if interface else "; it serves this machine only: give --interface (e.g. "
+            "bridge0, Thunderbolt Bridge) to serve others")
+    checks.append(Check("network", "ok", f"`{option}` started here listens on {host} and "
+                        f"announces {', '.join(announced) or 'nothing'}{hint}"))
+    return checks, probe
 
 
 def check_mdns(addresses: list[str], timeout: float = MDNS_TIMEOUT) -> Check:
@@ -250,7 +265,7 @@ def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
         problems = []
         if r.get("protocol") not in (None, PROTOCOL_VERSION):
             problems.append(f"protocol {r['protocol']}, this coordinator speaks "
-                            f"{PROTOCOL_VERSION}: upgrade Shoal on every Mac")
+                            f"{PROTOCOL_VERSION}: upgrade Shoal on every machine")
         if fingerprint and r.get("fingerprint") and r["fingerprint"] != fingerprint:
             problems.append("serves another model than --model")
         elif len(models) > 1:

@@ -38,6 +38,7 @@ RETRY_AFTER = 5.0  # a refused handshake (other secret, other model) is tried ag
 # rebalance) are used even by a coordinator that sends it nothing; a worker that is sent work
 # says so in every reply (Cluster.reload).
 INVENTORY_REFRESH = 5.0
+SEEN_SHOWN = 3  # workers of another cluster named in an error, per cluster
 STATES = ("connecting", "healthy", "unreachable", "incompatible", "unauthenticated")
 
 
@@ -369,9 +370,10 @@ class Membership:
                 if remaining <= 0:
                     raise Unavailable(
                         f"waited {wait:.0f} s for the workers of cluster {self.cluster!r}: "
-                        f"{missing}{self._problems_locked()}. Is `shoal-worker --cluster "
-                        f"{self.cluster}` running on every Mac, and can multicast reach this "
-                        "one? `shoal workers` shows what is found (see docs/operations.md)"
+                        f"{missing}; {self._seen_locked()}. Is `shoal-worker --cluster "
+                        f"{self.cluster}` running on every machine, and can multicast reach "
+                        "this one? `shoal workers` shows what is found (see "
+                        "docs/operations.md)"
                     )
                 if on_wait and said != healthy:
                     said = healthy
@@ -379,10 +381,21 @@ class Membership:
                             f"{self.cluster!r} ({healthy} healthy; {missing})")
                 self._changed.wait(min(remaining, 1.0))
 
-    def _problems_locked(self) -> str:
-        bad = [m for m in self._members.values() if m.state != "healthy"]
-        return "".join(f"; {m.node_id} {m.state}" + (f" ({m.detail})" if m.detail else "")
-                       for m in bad)
+    def _seen_locked(self) -> str:
+        """Every worker found, healthy or not, and those of other clusters, in words."""
+        found = [f"{m.node_id} at {m.address} {m.state}"
+                 + (f" ({m.detail})" if m.detail else f", {m.experts_held} experts")
+                 for m in sorted(self._members.values(), key=lambda m: (m.node_id, m.key))]
+        text = f"found {'; '.join(found)}" if found else "found no worker of this cluster"
+        by_cluster: dict[str, list[str]] = {}
+        for cluster, worker in sorted(self._browser.elsewhere.values() if self._browser else ()):
+            by_cluster.setdefault(cluster, []).append(worker)
+        if by_cluster:
+            text += "; seen in other clusters: " + "; ".join(
+                f"{cluster!r}: {', '.join(workers[:SEEN_SHOWN])}"
+                + (f" and {len(workers) - SEEN_SHOWN} more" if len(workers) > SEEN_SHOWN else "")
+                for cluster, workers in by_cluster.items())
+        return text
 
     def _say(self, message: str) -> None:
         if self._log is not None:

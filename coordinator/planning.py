@@ -5,7 +5,9 @@ Its exit status is the verdict, so scripts can ask "does this model fit these Ma
 
 from __future__ import annotations
 
-from engine.cache_policy import parse_budget
+import re
+
+from engine.cache_policy import format_bytes, parse_budget
 from engine.errors import InvalidInput, ShoalError
 from engine.placement import SpeedAssumptions, WorkerCapacity, decode_bound, plan_placement
 from engine.sizes import ModelSizes
@@ -14,19 +16,43 @@ from engine.sizes import ModelSizes
 VERDICT_EXIT = {"fits": 0, "streams": 3, "does not fit": 4}
 
 
+# Sizes as drives are sold: decimal. G, T, GiB, TiB and the like stay binary, as everywhere
+# else in Shoal (--memory-budget).
+_DECIMAL = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT])B\s*$", re.IGNORECASE)
+_DECIMAL_UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of '192G' or '2T' (binary: GiB, TiB), '2TB' or '500GB' (decimal, as an SSD's
+    size is sold), '1.5TiB', or a plain number of bytes."""
+    if match := _DECIMAL.match(text):
+        return int(float(match.group(1)) * _DECIMAL_UNITS[match.group(2).upper()])
+    spec = parse_budget(text)
+    if spec.bytes is None:
+        raise InvalidInput(f"{text!r}: give a size, not a percentage")
+    return spec.bytes
+
+
 def parse_worker_capacity(text: str) -> WorkerCapacity:
-    """NAME=MEMORY[:DISK], sizes like 192G or 1.5T."""
+    """NAME=MEMORY[:DISK], sizes like 192G, 1.5T or 2TB (see parse_size)."""
     name, _, sizes = text.partition("=")
     memory, _, disk = sizes.partition(":")
     if not name or not memory:
-        raise InvalidInput(f"--worker {text!r} is not NAME=MEMORY[:DISK], e.g. studio=192G:2T")
+        raise InvalidInput(f"--worker {text!r} is not NAME=MEMORY[:DISK], e.g. studio=192G:2TB")
     try:
-        budget = [parse_budget(s).bytes for s in (memory, disk) if s]
+        budget = [parse_size(s) for s in (memory, disk) if s]
     except ShoalError:
-        raise InvalidInput(f"--worker {text!r}: sizes look like 64G, 512M or 2T") from None
-    if None in budget:
-        raise InvalidInput(f"--worker {text!r}: give sizes, not percentages")
+        raise InvalidInput(f"--worker {text!r}: sizes look like 64G, 512M, 2T (binary) or "
+                           "2TB (decimal)") from None
     return WorkerCapacity(name, budget[0], budget[1] if len(budget) > 1 else None)
+
+
+def both_units(count: int) -> str:
+    """A size in decimal and binary units, each named: '2.00 TB = 1.82 TiB'."""
+    for decimal, binary, unit in (("TB", "TiB", 4), ("GB", "GiB", 3), ("MB", "MiB", 2)):
+        if count >= 1000**unit or unit == 2:
+            return (f"{count / 1000**unit:.2f} {decimal} = {count / 1024**unit:.2f} {binary}")
+    return f"{count} B"
 
 
 def plan_report(
@@ -35,14 +61,19 @@ def plan_report(
     heat: dict | None,
     spare: float,
     assume: SpeedAssumptions,
+    *,
+    heat_origin: str = "",
 ) -> dict:
-    """Everything `shoal plan` says, as plain data (also its --json output)."""
+    """Everything `shoal plan` says, as plain data (also its --json output); `heat_origin`
+    says where the heat came from, in words."""
     report = {
         "model": {"model_type": sizes.model_type, "estimated_from_config": sizes.estimated,
                   "experts": len(sizes.experts), "expert_bytes": sum(sizes.experts.values()),
                   "dense_bytes": sizes.dense_bytes, "top_k": sizes.top_k,
-                  "precision": sizes.precision, "expert_bits_per_weight": sizes.expert_bits},
-        "heat": "uniform" if heat is None else "from file",
+                  "precision": sizes.precision, "expert_bits_per_weight": sizes.expert_bits,
+                  "source_bytes": sizes.source_bytes or None,
+                  "split_bytes": sum(sizes.experts.values()) + sizes.dense_bytes},
+        "heat": "uniform" if heat is None else heat_origin or "from file",
     }
     try:
         plan = plan_placement(workers, sizes.experts, heat, spare=spare)
@@ -80,15 +111,22 @@ def print_plan(report: dict) -> None:
         bits = m["expert_bits_per_weight"]
         per_weight = f" ({bits:.2f} bits per expert weight)" if bits else ""
         print(f"weights: {m['precision']}{per_weight}")
+    if m["source_bytes"]:
+        how = "estimated from its config" if m["estimated_from_config"] else "its weight files"
+        print(f"download: {both_units(m['source_bytes'])} ({how})")
+    if m["estimated_from_config"]:
+        print(f"the split `shoal shard` writes: {both_units(m['split_bytes'])} (dense part and "
+              "experts together; OUT_DIR's drive needs this much free)")
     if not report["fits"]:
         print(f"does not fit: {report['reason']}")
         return
     where = "in memory" if report["resident"] else "only by streaming experts from disk"
     print(f"fits {where}")
-    print(f"  {'worker':<16} {'memory':>9} {'disk':>9} {'experts':>8} {'GiB':>8} {'replicas':>9}")
+    print(f"  {'worker':<16} {'memory':>10} {'disk':>26} {'experts':>8} {'GiB':>8} "
+          f"{'replicas':>9}")
     for name, w in report["workers"].items():
-        disk = "-" if w["disk"] is None else f"{w['disk'] / gib:.0f}G"
-        print(f"  {name:<16} {w['memory'] / gib:>8.0f}G {disk:>9} {w['experts']:>8} "
+        disk = "-" if w["disk"] is None else both_units(w["disk"])
+        print(f"  {name:<16} {format_bytes(w['memory']):>10} {disk:>26} {w['experts']:>8} "
               f"{w['bytes'] / gib:>8.1f} {w['replica_copies']:>9}")
     print(f"predicted imbalance (busiest worker / mean, per layer): "
           f"{report['imbalance_before']:.2f} before, {report['imbalance_after']:.2f} after "

@@ -5,6 +5,7 @@ machine (ifaddr, plus the platform's own names for its ports where it has them).
 from __future__ import annotations
 
 import ipaddress
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -128,6 +129,33 @@ def advertised_addresses(
         return [host]
     physical = [i.address for i in local if kind_of(i) not in ("local", "virtual")]
     return physical or [i.address for i in local if kind_of(i) == "local"]
+
+
+def listen_host(
+    host: str | None, interface: str | None, local: Sequence[Interface] | None = None
+) -> str:
+    """Where a worker listens: --host as given; else on --interface's address only (bridge0:
+    Thunderbolt Bridge); else on loopback, so that a worker is never reachable from a network
+    by default. `shoal-worker` and `shoal doctor` both ask this."""
+    if host:
+        return host
+    if interface:
+        local = local_interfaces() if local is None else local
+        return select_interface(interface, local)[0].address
+    return "127.0.0.1"
+
+
+def announced_addresses(
+    host: str, interface: str | None, local: Sequence[Interface] | None = None
+) -> list[str]:
+    """The IPv4 addresses a worker listening on `host` announces with Bonjour: --interface's,
+    else --host's (resolved), else (a wildcard host) every physical interface's."""
+    if not interface and not is_wildcard(host):
+        try:
+            return [socket.gethostbyname(host)]
+        except OSError as e:
+            raise InvalidInput(f"cannot resolve --host {host!r}: {e}") from None
+    return advertised_addresses(host, interface, local_interfaces() if local is None else local)
 
 
 def select_interface(name_or_address: str, local: Sequence[Interface]) -> list[Interface]:

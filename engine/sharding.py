@@ -10,6 +10,7 @@ Layout written by `shard`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -45,8 +46,10 @@ from engine.moe_layers import (
     weight_files,
 )
 from engine.placement import split_by_bytes
+from engine.store_lock import claim_for_writing, release
 
 SHARD_MARKER = ".shoal-shard.json"
+_NEARLY_FULL = 256 << 20  # free bytes below which a failed write is put down to a full drive
 # Files of a source checkpoint that are weights (rewritten) rather than tokenizer/metadata (copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".h5", ".msgpack")
 
@@ -61,9 +64,16 @@ def source_id(model_dir: Path, options: dict) -> str:
     return digest.hexdigest()[:16]
 
 
-def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) -> None:
-    """Refuse a folder that holds anything but an earlier (maybe interrupted) split of this
-    model into these same store folders.
+def _check_out_dir(
+    out_dir: Path, sid: str, model_type: str, stores: list[str], *, force: bool = False
+) -> None:
+    """Refuse a folder that holds anything but an interrupted split of this model into these
+    same store folders; with `force`, replace an earlier split (never a folder `shoal shard`
+    did not write, never a store a running worker serves).
+
+    A finished split is refused too: the cluster changes its stores afterwards (`shoal
+    rebalance` and `deploy` copy experts in and drop others), and writing the split again
+    would leave those copies beside the new files, to be served by nobody's plan.
 
     A marker naming the source and the stores is written before anything else, so an
     interrupted run can be repeated into the same folder, while a different model, or the same
@@ -77,24 +87,52 @@ def _check_out_dir(out_dir: Path, sid: str, model_type: str, stores: list[str]) 
                 f"{out_dir} is not empty and was not written by `shoal shard`; "
                 "choose an empty folder"
             )
-        earlier = json.loads(marker.read_text())
-        if earlier.get("source_id") != sid:
-            raise ShoalError(
-                f"{out_dir} already holds a different model ({earlier.get('model_type')}, "
-                "or the same one with other --quantize options); choose another folder or "
-                "remove it first"
-            )
         present = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name != "dense")
-        # Markers of older versions do not name the stores: then the folders present tell.
-        earlier_stores = earlier.get("stores", present)
-        if sorted(earlier_stores) != sorted(stores) or not set(present) <= set(stores):
+        release(claim_for_writing(out_dir / name for name in present))
+        if force:
+            _clear_split(out_dir, present)
+        elif (out_dir / MANIFEST_NAME).exists():
             raise ShoalError(
-                f"{out_dir} holds a split into {_describe_stores(earlier_stores)}, not "
-                f"{_describe_stores(stores)}: its expert files would be left in the wrong "
-                "store folders. Choose another folder, or remove this one first"
+                f"{out_dir} already holds a finished split, with store folders "
+                f"{', '.join(f'{name}/' for name in present) or 'none'}; writing into it "
+                "again would leave the experts the cluster copied there since beside the new "
+                "files. Choose an empty folder, or give --force to replace that split"
             )
+        else:
+            _check_interrupted(out_dir, marker, sid, stores, present)
     body = {"source_id": sid, "model_type": model_type, "stores": stores}
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(marker, json.dumps(body).encode())
+
+
+def _check_interrupted(
+    out_dir: Path, marker: Path, sid: str, stores: list[str], present: list[str]
+) -> None:
+    earlier = json.loads(marker.read_text())
+    if earlier.get("source_id") != sid:
+        raise ShoalError(
+            f"{out_dir} already holds a different model ({earlier.get('model_type')}, "
+            "or the same one with other --quantize options); choose another folder or "
+            "remove it first"
+        )
+    # Markers of older versions do not name the stores: then the folders present tell.
+    earlier_stores = earlier.get("stores", present)
+    if sorted(earlier_stores) != sorted(stores) or not set(present) <= set(stores):
+        raise ShoalError(
+            f"{out_dir} holds a split into {_describe_stores(earlier_stores)}, not "
+            f"{_describe_stores(stores)}: its expert files would be left in the wrong "
+            "store folders. Choose another folder, or remove this one first"
+        )
+
+
+def _clear_split(out_dir: Path, stores: list[str]) -> None:
+    """What `shoal shard` and the cluster wrote into an earlier split: its stores, dense part,
+    manifests, heat and any unfinished rebalance (they describe the old split)."""
+    for name in [*stores, "dense"]:
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    # The heat record and the stored rebalance target (coordinator/heat.py, rebalance.py).
+    for name in (MANIFEST_NAME, "heat.msgpack", "migration.json", SHARD_MARKER):
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def _describe_stores(stores: list[str]) -> str:
@@ -113,15 +151,50 @@ def _copy_side_files(model_dir: Path, dense_dir: Path) -> None:
         shutil.copy2(path, dense_dir / path.name)
 
 
+def _save_safetensors(path: Path, arrays: dict[str, mx.array], metadata: dict) -> None:
+    """Write to a temporary name beside `path`, then rename; a failed write leaves nothing."""
+    tmp = path.with_name(f".{path.name}.partial.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+    except RuntimeError as e:  # MLX's: "[save_safetensors] Unable to write N bytes"
+        tmp.unlink(missing_ok=True)
+        raise OSError(errno.EIO, str(e), str(path)) from None
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _writing(out_dir: Path) -> Iterator[None]:
+    """A write that fails (a full disk above all) ends the split with an error a user can act
+    on; what was written stays, and the same command finishes it later."""
+    try:
+        yield
+    except OSError as e:
+        try:
+            free = shutil.disk_usage(out_dir).free
+        except OSError:
+            free = None
+        where = Path(e.filename) if e.filename else out_dir
+        if not where.is_relative_to(out_dir):
+            raise ShoalError(f"cannot read {where}: {e.strerror or e}") from None
+        # MLX reports a short write without its errno; a drive that is (nearly) full is why.
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (
+            "Unable to write" in str(e) and free is not None and free < _NEARLY_FULL)
+        what = "the drive is full" if full else (e.strerror or str(e))
+        room = "" if free is None else f"; {free / 2**20:.1f} MiB free there"
+        raise ShoalError(
+            f"cannot write {where}: {what}{room}. The source is unchanged and the split is "
+            "unfinished (no manifest, so no worker serves it): make room, or choose another "
+            "OUT_DIR, and run the same command again"
+        ) from None
+
+
 def _save_dense(weights: dict[str, mx.array], dense_dir: Path) -> list[ExpertFile]:
     shards = make_shards(weights)
     name = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
     files, weight_map = [], {}
     for i, shard in enumerate(shards):
         file = name.format(i + 1, len(shards))
-        tmp = dense_dir / f".{file}.partial.safetensors"
-        mx.save_safetensors(str(tmp), shard, metadata={"format": "mlx"})
-        os.replace(tmp, dense_dir / file)
+        _save_safetensors(dense_dir / file, shard, {"format": "mlx"})
         weight_map.update(dict.fromkeys(shard, file))
         path = dense_dir / file
         files.append(ExpertFile(-1, -1, file, path.stat().st_size, sha256_file(path)))
@@ -145,10 +218,8 @@ def _expert_tensors(
 
 def _write_expert(path: Path, tensors: dict[str, mx.array], layer: int, expert: int) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial.safetensors")
     meta = {"format": "shoal-expert", "layer": str(layer), "expert": str(expert)}
-    mx.save_safetensors(str(tmp), tensors, metadata=meta)
-    os.replace(tmp, path)
+    _save_safetensors(path, tensors, meta)
     return path.stat().st_size
 
 
@@ -173,11 +244,13 @@ def shard(
     quantize_bits: int | None = None,
     group_size: int = 64,
     progress: bool = True,
+    force: bool = False,
 ) -> Manifest:
     """Split a checkpoint into OUT/dense and per-expert files in one or N store folders.
 
     The source may be a Hugging Face cache entry; OUT may be on another drive than the
-    source (every file is written to a temporary name beside its final one, then renamed)."""
+    source (every file is written to a temporary name beside its final one, then renamed).
+    `force` replaces an earlier finished split in OUT (see _check_out_dir)."""
     model_dir, out_dir = resolve_model_dir(model_dir), Path(out_dir)
     options = {"quantize_bits": quantize_bits, "group_size": group_size}
     if quantize_bits is not None and quantize_bits not in (2, 3, 4, 5, 6, 8):
@@ -193,8 +266,23 @@ def shard(
     layers = find_moe_layers(model, config)
     sid = source_id(model_dir, options)
     names = store_names(workers)
-    _check_out_dir(out_dir, sid, config.get("model_type", "?"), names)
+    with _writing(out_dir):
+        _check_out_dir(out_dir, sid, config.get("model_type", "?"), names, force=force)
+        held = claim_for_writing(out_dir / name for name in names)
+    try:
+        with _writing(out_dir):
+            return _write_split(model, config, layers, model_dir, out_dir, sid, names,
+                                progress)
+    finally:
+        release(held)
 
+
+def _write_split(
+    model: nn.Module, config: dict, layers: list[MoeLayer], model_dir: Path, out_dir: Path,
+    sid: str, names: list[str], progress: bool,
+) -> Manifest:
+    """Write the dense part, then every expert into its store, then the manifests (last, so
+    that a split cut short is never served)."""
     expert_bytes = {}
     for layer in layers:
         per_expert = layer_bytes(model, layer)

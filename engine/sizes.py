@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.experts import build_skeleton
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest
-from engine.moe_layers import find_moe_layers, layer_bytes, resolve_model_dir
+from engine.moe_layers import find_moe_layers, layer_bytes, resolve_model_dir, weight_files
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class ModelSizes:
     estimated: bool  # True when computed from a config rather than read from real files
     precision: str = ""  # how the weights are stored, in words, e.g. "4-bit affine, group 64"
     expert_bits: float = 0.0  # bits per routed-expert parameter, scales included
+    # The source checkpoint's bytes as downloaded, where it is stored otherwise than the split
+    # (FP8 published, bf16 held): from its weight files when there, else estimated; 0 unknown.
+    source_bytes: int = 0
 
 
 def _top_k(config: dict) -> int:
@@ -120,6 +123,19 @@ def _hf_quantization(qc: dict, dtype_words: str) -> tuple[dict | None, tuple[str
     raise InvalidInput(f"Shoal cannot size a checkpoint quantized with {method!r}")
 
 
+def _fp8_source(config: dict) -> tuple[tuple[int, int], tuple[str, ...]] | None:
+    """(block, skipped modules) of a source published in block-scaled FP8 that mlx-lm loads in
+    another dtype (not FP8 kept as mxfp8); None for any other source."""
+    qc = config.get("quantization_config") or config.get("text_config", {}).get(
+        "quantization_config") or {}
+    if qc.get("quant_method") != "fp8" or config.get("quantization"):
+        return None
+    block = list(qc.get("weight_block_size") or (0, 0))
+    if qc.get("scale_fmt") == "ue8m0" and block == [32, 32]:
+        return None
+    return (block[0], block[1]), tuple(qc.get("ignore") or qc.get("modules_to_not_convert") or ())
+
+
 def _storage(config: dict, bits: int | None, group_size: int) -> _Storage:
     dtype, dtype_words = _config_dtype(config)
     if bits is not None:
@@ -157,6 +173,25 @@ def _skipped(path: str, skip: tuple[str, ...], switches: tuple[str, ...]) -> boo
     )
 
 
+def _fp8_source_bytes(
+    model: nn.Module, block: tuple[int, int], skip: tuple[str, ...], switches: tuple[str, ...]
+) -> int:
+    """Bytes of a block-scaled FP8 checkpoint as published: each linear weight one byte per
+    value and a float32 scale per block (none per tensor, block 0), the rest (embeddings, the
+    output head, norms, routers, what the config skips) in the model's dtype, as held."""
+    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    for path, module in model.named_modules():
+        if (isinstance(module, nn.Embedding) or path.split(".")[-1] == "lm_head"
+                or not hasattr(module, "to_quantized") or _skipped(path, skip, switches)):
+            continue
+        weight = module.weight
+        rows, cols = weight.shape[-2], weight.shape[-1]
+        stacked = weight.size // (rows * cols)  # experts of a switch module
+        blocks = stacked * (-(-rows // block[0]) * -(-cols // block[1]) if block[0] else 1)
+        total += weight.size + 4 * blocks - weight.nbytes
+    return total
+
+
 def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
     """Byte sizes from a config alone (a model not downloaded yet), as workers will hold them.
 
@@ -171,6 +206,8 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
     layers = find_moe_layers(model, config)
     switches = tuple(layer.path for layer in layers)
     model.set_dtype(storage.dtype)
+    fp8 = _fp8_source(config)
+    source = _fp8_source_bytes(model, *fp8, switches) if fp8 else 0
     q = storage.quantization
     if q:
         quant_predicate = getattr(model, "quant_predicate", None)
@@ -198,7 +235,7 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     return ModelSizes(config.get("model_type", "?"), experts, total - expert_total,
                       _top_k(config), True, storage.words,
-                      8 * expert_total / expert_params if expert_params else 0.0)
+                      8 * expert_total / expert_params if expert_params else 0.0, source)
 
 
 def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
@@ -219,4 +256,6 @@ def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> 
         raise NotFound(f"{path} is neither a sharded model folder nor a config.json") from None
     except json.JSONDecodeError as e:
         raise CorruptData(f"{config_path} is not valid JSON ({e})") from None
-    return estimate_sizes(config, bits=bits, group_size=group_size)
+    sizes = estimate_sizes(config, bits=bits, group_size=group_size)
+    on_disk = sum(f.stat().st_size for f in weight_files(config_path.parent))
+    return replace(sizes, source_bytes=on_disk) if on_disk else sizes

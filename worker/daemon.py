@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
 from concurrent import futures
@@ -25,13 +24,11 @@ from engine.cache_policy import (
     resolve_budget,
 )
 from engine.errors import ShoalError
-from engine.interfaces import (
-    advertised_addresses,
-    is_wildcard,
-    local_interfaces,
-    select_interface,
-)
+from engine.interfaces import announced_addresses, listen_host
+from engine.manifest import MANIFEST_NAME
+from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
+from engine.store_lock import hold_for_serving
 from engine.tls import Identity
 from proto import (
     PROTOCOL_VERSION,
@@ -69,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host", default=None,
         help="address to listen on (default: --interface's address if given, else 127.0.0.1, "
-        "this Mac only; 0.0.0.0 for every interface: see docs/security.md)",
+        "this machine only; 0.0.0.0 for every interface: see docs/security.md). `shoal "
+        "doctor` says where a worker started here would listen and what it would announce",
     )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
@@ -106,8 +104,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--interface", metavar="NAME",
-        help="announce only this interface's address (e.g. bridge0 for Thunderbolt Bridge); "
-        "default: every physical interface",
+        help="listen on and announce only this interface's address (e.g. bridge0 for "
+        "Thunderbolt Bridge). Without it the worker listens on --host, else on loopback only, "
+        "and announces that address; with --host 0.0.0.0 it announces every physical "
+        "interface's",
     )
     parser.add_argument(
         "--no-advertise", action="store_true",
@@ -190,6 +190,20 @@ def check_args(args: argparse.Namespace) -> None:
         parse_budget(args.memory_budget)
     if args.scrub:
         parse_rate(args.scrub)
+    for folder in args.store:
+        check_store_folder(folder)
+
+
+def check_store_folder(folder: Path) -> None:
+    """Refuse the folder `shoal shard` wrote (OUT) given for one of its stores (OUT/worker-K),
+    which would start and serve nothing."""
+    stores = sorted(p for p in folder.glob("*/" + MANIFEST_NAME) if p.parent.name != "dense")
+    if stores and not any(folder.glob("L*/E*.safetensors")):
+        names = ", ".join(str(p.parent) for p in stores)
+        raise ShoalError(
+            f"{folder} is the folder `shoal shard` wrote, not a store folder: its stores are "
+            f"{names}. Give --store {stores[0].parent} (the one meant for this machine)"
+        )
 
 
 def bind(
@@ -223,16 +237,6 @@ def bind(
 
 def format_rate(rate: int) -> str:
     return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
-
-
-def listen_host(host: str | None, interface: str | None) -> str:
-    """Where to listen: as given; else on the named interface only (bridge0: Thunderbolt
-    Bridge); else on loopback, so that a worker is never reachable from a network by default."""
-    if host:
-        return host
-    if interface:
-        return select_interface(interface, local_interfaces())[0].address
-    return "127.0.0.1"
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -273,6 +277,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def load(args: argparse.Namespace) -> Residency:
     """Scan (and verify) the stores and set up the memory budget."""
+    hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
     scan = scan_stores(args.store, verify=not args.no_verify)
     for problem in scan.problems:
         print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
@@ -334,7 +339,7 @@ def run(
     note(f"expert lane on port {lane.port}" if lane else
          "no expert lane (--no-lane): coordinators send every request on the gRPC stream")
     if args.host.startswith("127."):
-        note("listening on loopback only (this Mac); to serve other Macs give --interface "
+        note("listening on loopback only (this machine); to serve other machines give --interface "
              "bridge0 (Thunderbolt Bridge) or --host ADDRESS")
     advertiser = None
     if addresses:
@@ -371,18 +376,9 @@ def run(
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
-def announced_addresses(host: str, interface: str | None) -> list[str]:
-    """The IPv4 addresses to announce: --interface's, else --host's, else every physical one."""
-    if not interface and not is_wildcard(host):
-        try:
-            return [socket.gethostbyname(host)]
-        except OSError as e:
-            raise ShoalError(f"cannot resolve --host {host!r}: {e}") from None
-    return advertised_addresses(host, interface, local_interfaces())
-
-
 def main(argv: list[str] | None = None) -> None:
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
+    guard_standard_streams()  # `shoal-worker | head` must not end the worker
     args = parse_args(argv)
     try:
         serve(args)

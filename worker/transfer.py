@@ -18,8 +18,9 @@ import contextlib
 import math
 import os
 import shutil
+import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,11 +71,21 @@ def _fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-class ExpertFiles:
-    """The expert files of one worker's store folders, as a transfer sees them."""
+def log_to_stderr(message: str) -> None:
+    print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
-    def __init__(self, residency: Residency, folders: Iterable[Path], manifest: Manifest) -> None:
+
+class ExpertFiles:
+    """The expert files of one worker's store folders, as a transfer sees them. Each copy
+    that arrives, each drain, undrain and deletion is logged (one line), so that what a
+    rebalance did to this worker can be read from its log."""
+
+    def __init__(
+        self, residency: Residency, folders: Iterable[Path], manifest: Manifest,
+        log: Callable[[str], None] = log_to_stderr,
+    ) -> None:
         self.residency = residency
+        self.log = log
         self.folders = tuple(Path(f) for f in folders)
         self.manifest = manifest
         self._files = {(e.layer, e.expert): e for e in manifest.experts}
@@ -130,6 +141,7 @@ class ExpertFiles:
             state = self.residency.holdings.state(key)
             if state == DRAINING:
                 self.residency.holdings.keep(key)
+                self.log(f"expert {key[0]}/{key[1]} pushed while draining: served again")
             if state is not None:
                 return self.status(key)  # already verified here: nothing to write
             return self._write(key, entry, first, chunks)
@@ -172,6 +184,8 @@ class ExpertFiles:
         except OSError as e:
             raise ShoalError(f"cannot write {partial}: {e.strerror or e}") from None
         if position < entry.bytes:
+            self.log(f"expert {key[0]}/{key[1]}: {position} of {entry.bytes} bytes received "
+                     f"in {partial.parent}; the rest can resume")
             return self.status(key)  # the sender stopped early: resumable
         if sha256_file(partial) != entry.sha256:
             partial.unlink(missing_ok=True)
@@ -182,6 +196,9 @@ class ExpertFiles:
         os.replace(partial, final)
         _fsync_folder(final.parent)
         self.residency.add_expert(key, drive, final)
+        resumed = f", resumed at byte {first.offset}" if first.offset else ""
+        self.log(f"received expert {key[0]}/{key[1]} ({entry.bytes} bytes{resumed}, checksum "
+                 f"verified) into {final.parent.parent}; serving it")
         return self.status(key)
 
     def _choose_folder(self, entry) -> tuple[int, Path]:
@@ -226,6 +243,9 @@ class ExpertFiles:
 
     def drain(self, key: ExpertKey) -> FileState:
         self._held(key)
+        if self.residency.holdings.state(key) != DRAINING:
+            self.log(f"draining expert {key[0]}/{key[1]}: no longer offered, still computed "
+                     "until it is dropped")
         self.residency.holdings.drain(key)
         return self.status(key)
 
@@ -233,6 +253,8 @@ class ExpertFiles:
         """Keep serving a copy (undoing a drain), once its file is verified on disk now: a
         migration asks this of the copy it keeps before it deletes another one."""
         self.verify(key)
+        if self.residency.holdings.state(key) == DRAINING:
+            self.log(f"keeping expert {key[0]}/{key[1]} (checksum verified): offered again")
         self.residency.holdings.keep(key)
         return self.status(key)
 
@@ -262,9 +284,11 @@ class ExpertFiles:
         reason = self.residency.holdings.why_not_delete(key, quiet)
         if reason is not None:
             raise ShoalError(f"expert {key[0]}/{key[1]} is not deleted yet: {reason}")
-        for path in self.residency.remove_expert(key):
+        removed = self.residency.remove_expert(key)
+        for path in removed:
             path.unlink(missing_ok=True)
             _fsync_folder(path.parent)
+        self.log(f"dropped expert {key[0]}/{key[1]}: deleted {', '.join(map(str, removed))}")
         return self.status(key)
 
     def _held(self, key: ExpertKey) -> None:

@@ -22,5 +22,5 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 def main(args: argparse.Namespace) -> None:
     path = create_secret(secret_path(args.secret_file), force=args.force)
     print(f"wrote a new cluster secret to {path} (mode {secret_mode(path):04o})")
-    print("copy it to the same path on every Mac of the cluster, for example:")
+    print("copy it to the same path on every machine of the cluster, for example:")
     print(f"  scp -p {path} other-mac.local:{path}")

@@ -1,4 +1,4 @@
-"""`shoal doctor`: check this Mac, and the workers the options name, for what Shoal needs
+"""`shoal doctor`: check this machine, and the workers the options name, for what Shoal needs
 (the checks themselves are coordinator/doctor.py)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from engine.auth import load_secret, secret_path
 
 def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
-        "doctor", help="check this Mac (and the cluster's workers) for what Shoal needs",
+        "doctor", help="check this machine (and the cluster's workers) for what Shoal needs",
         description="Check, with a verdict for each: the cluster secret (present, private), "
         "the network interfaces and the addresses a worker here would announce (Thunderbolt "
         "Bridge first), whether Bonjour works from this process (on macOS it needs the "
@@ -36,7 +36,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     discovery_options(p, wait=4.0, wait_help="how long to look for and check workers "
                       "(default 4)")
     p.add_argument("--store", action="append", type=Path, metavar="DIR",
-                   help="a store folder a worker on this Mac would serve (repeat)")
+                   help="a store folder a worker on this machine would serve (repeat)")
     p.add_argument("--model", type=Path, metavar="OUT_DIR",
                    help="the sharded model the workers should serve (checks fingerprints)")
     p.add_argument("--no-mdns", action="store_true", help="skip the Bonjour check")

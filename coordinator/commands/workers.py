@@ -12,6 +12,7 @@ from coordinator.commands.connect import open_membership
 from coordinator.commands.options import (
     AddParser,
     browse_seconds,
+    check_one_worker_source,
     cluster_secret,
     discovery_options,
     secret_option,
@@ -25,8 +26,12 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         description="Browse for shoal-worker daemons of a cluster (Bonjour, or a cluster "
         "config), check each one's health and credentials, and show: node id, address and "
         "the path used to reach it (Thunderbolt Bridge, wired, wireless), state (healthy, "
-        "unreachable, incompatible, unauthenticated), experts held, memory budget, round trip.",
+        "unreachable, incompatible, unauthenticated), experts held, memory budget, round trip. "
+        "Exit status 1 when no worker is healthy (with --workers: when any listed one is not).",
     )
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="check the workers at these addresses instead of browsing (for "
+                   "networks where multicast does not get through)")
     discovery_options(p, wait=4.0, wait_help="how long to listen and check (default 4)")
     p.add_argument("--model", type=Path, metavar="OUT_DIR",
                    help="also mark workers that serve another model as incompatible")
@@ -43,6 +48,7 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.commands.worker_rows import format_table, member_rows
     from engine.manifest import read_manifest
 
+    check_one_worker_source(args)
     try:
         secret = cluster_secret(args)
     except ShoalError as e:
@@ -51,7 +57,8 @@ def main(args: argparse.Namespace) -> None:
     manifest = read_manifest(args.model) if args.model else None
     membership = open_membership(args, secret, manifest)
     try:
-        rows = member_rows(membership.settle(args.wait, at_least=browse_seconds(args)))
+        browse = browse_seconds(args, static=bool(args.workers))
+        rows = member_rows(membership.settle(args.wait, at_least=browse))
     finally:
         membership.close()
     if args.stats:
@@ -66,10 +73,13 @@ def main(args: argparse.Namespace) -> None:
         print(
             f"no workers of cluster {membership.cluster!r} answered within {args.wait:g} s. "
             "Check that shoal-worker runs with the same --cluster, that this process may use "
-            "the local network (macOS: Local Network permission), or use --cluster-config; "
-            "see docs/operations.md",
+            "the local network (macOS: Local Network permission), or list them with --workers "
+            "or --cluster-config; see docs/operations.md",
             file=sys.stderr,
         )
+    healthy = [row for row in rows if row["state"] == "healthy"]
+    if not healthy or (args.workers and len(healthy) < len(rows)):
+        sys.exit(1)
 
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:

@@ -118,7 +118,7 @@ def test_version_and_help_say_what_a_newcomer_needs():
     assert "(default 60)" in demo_help
     run = shoal("demo", "--max-tokens", "0")
     assert run.returncode == 2 and "--max-tokens must be at least 1" in run.stderr
-    assert "MODEL_DIR the source checkpoint" in shard_help
+    assert "MODEL the source checkpoint" in shard_help and "shoal pull ORG/NAME" in shard_help
     assert "OUT_DIR where to write" in shard_help
 
 

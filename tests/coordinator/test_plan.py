@@ -80,3 +80,76 @@ def test_plan_estimates_from_a_config_and_refuses_bad_input(tiny_checkpoint, tmp
     (tmp_path / "heat.json").write_text('{"0": {"99": 5}}')
     bad = plan("--model", str(config), "--worker", "a=1G", "--heat", str(tmp_path / "heat.json"))
     assert bad.returncode == 2 and "does not have" in bad.stderr
+
+
+def deepseek_config(tmp_path) -> Path:
+    from tests.engine.published_configs import DEEPSEEK_V3
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(DEEPSEEK_V3))
+    return config
+
+
+def test_plan_gives_an_fp8_sources_download_size_beside_its_split(tmp_path):
+    config = deepseek_config(tmp_path)
+    run = plan("--model", str(config), "--worker", "a=192G:2TB", "--json")
+    model = json.loads(run.stdout)["model"]
+    # About one byte per weight (671 billion, the MTP layer mlx-lm drops not counted), and the
+    # bf16 split about twice that.
+    assert 640e9 < model["source_bytes"] < 700e9
+    assert 1.9 < model["split_bytes"] / model["source_bytes"] < 2.1
+    text = plan("--model", str(config), "--worker", "a=192G:2TB").stdout
+    assert "download: 673." in text and "GB = " in text and "GiB (estimated" in text
+    assert "the split `shoal shard` writes: 1.34 TB = 1.22 TiB" in text
+    quantized = plan("--model", str(config), "--worker", "a=192G:2TB", "--bits", "4", "--json")
+    model_q = json.loads(quantized.stdout)["model"]
+    assert model_q["source_bytes"] == model["source_bytes"]  # the download is the same
+
+
+def test_plan_reads_decimal_tb_as_drives_are_sold_and_prints_both(sharded):
+    run = plan("--model", str(sharded), "--worker", "a=300M:2TB", "--worker", "b=1G:2T",
+               "--json")
+    workers = json.loads(run.stdout)["workers"]
+    assert workers["a"]["disk"] == 2 * 10**12 and workers["b"]["disk"] == 2 * 2**40
+    assert workers["a"]["memory"] == 300 * 2**20
+    text = plan("--model", str(sharded), "--worker", "a=300M:2TB", "--worker", "b=1G:2T").stdout
+    assert "2.00 TB = 1.82 TiB" in text and "2.20 TB = 2.00 TiB" in text
+    assert "300.0 MiB" in text and " 0G " not in text
+
+
+def test_every_command_keeps_its_exit_status_when_its_reader_goes_away(tmp_path):
+    """`shoal plan ... | head`: the pipe closes before the output is written."""
+    config = deepseek_config(tmp_path)
+    commands = [(["plan", "--model", str(config), "--worker", "a=192G:2T", "--json"], 3),
+                (["doctor", "--no-mdns", "--secret-file", str(tmp_path / "none")], 1),
+                (["plan", "--help"], 0)]
+    for args, status in commands:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+        proc.stdout.close()  # as `head` does once it has its lines
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == status, (args, err.decode())
+        assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_plan_of_a_sharded_folder_uses_the_heat_its_cluster_recorded(sharded):
+    from coordinator.heat import Reading, record_heat, reset_heat
+    from engine.manifest import read_manifest
+
+    manifest = read_manifest(sharded)
+    hot = {(layer, expert): 1000 if expert == 0 else 10 for layer in range(3)
+           for expert in range(8)}
+    record_heat(sharded, manifest, [Reading("a", "boot-1", hot)])
+    try:
+        run = plan("--model", str(sharded), "--worker", "a=1G", "--worker", "b=1G", "--json")
+        report = json.loads(run.stdout)
+        assert report["heat"].startswith(f"recorded in {sharded / 'heat.msgpack'}")
+        assert {"0/0", "1/0", "2/0"} <= set(report["replicas"])
+        uniform = json.loads(plan("--model", str(sharded), "--worker", "a=1G", "--worker", "b=1G",
+                                  "--json", "--uniform").stdout)
+        assert uniform["heat"] == "uniform" and not uniform["replicas"]
+    finally:
+        reset_heat(sharded)

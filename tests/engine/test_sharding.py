@@ -74,12 +74,14 @@ def test_shard_writes_dense_part_one_file_per_expert_and_balanced_stores(
     assert json.loads((out / "dense" / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
-def test_shard_again_into_same_folder_is_allowed_and_gives_same_fingerprint(
+def test_shard_again_into_a_finished_split_needs_force_and_gives_same_fingerprint(
     tiny_checkpoint, tmp_path
 ):
     source = tiny_checkpoint("mixtral")
     first = shard(source, tmp_path / "out", progress=False)
-    again = shard(source, tmp_path / "out", progress=False)
+    with pytest.raises(ShoalError, match=r"already holds a finished split.*experts/.*--force"):
+        shard(source, tmp_path / "out", progress=False)
+    again = shard(source, tmp_path / "out", progress=False, force=True)
     assert again.fingerprint == first.fingerprint
     assert (tmp_path / "out" / "experts" / MANIFEST_NAME).exists()
 
@@ -132,6 +134,7 @@ def test_shard_refuses_truncated_weights(tiny_checkpoint, tmp_path):
 def test_shard_refuses_a_folder_holding_another_model(tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    (out / MANIFEST_NAME).unlink()  # an interrupted split
     with pytest.raises(ShoalError, match="already holds a different model"):
         shard(tiny_checkpoint("mixtral"), out, progress=False)
     (tmp_path / "other").mkdir()
@@ -159,6 +162,7 @@ def test_shard_command_reports_errors_without_traceback(tmp_path):
 def test_shard_refuses_a_folder_split_for_another_number_of_workers(tiny_checkpoint, tmp_path):
     source, out = tiny_checkpoint("qwen3_moe"), tmp_path / "out"
     shard(source, out, workers=2, progress=False)
+    (out / MANIFEST_NAME).unlink()  # an interrupted split
     before = sorted(p.name for p in (out / "worker-0").rglob("*.safetensors"))
     # More workers: worker-0 and worker-1 exist under both splits, with other experts each.
     with pytest.raises(ShoalError, match=r"split into 2 store folders .* not 4 store folders"):

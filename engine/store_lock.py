@@ -1,0 +1,71 @@
+"""Who is using a store folder: a worker serving it holds a shared lock on its lock file,
+`shoal shard` writing it an exclusive one, so that neither starts while the other runs.
+
+The locks are the kernel's (flock): a process that ends, even by kill -9, lets go of them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from engine.errors import ShoalError
+
+LOCK_NAME = ".shoal-lock"
+
+
+def _try_lock(folder: Path, mode: int) -> int | None:
+    """An open descriptor of the folder's lock file, locked in `mode`; None if another
+    process holds a lock that conflicts."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def hold_for_serving(folders: Iterable[Path]) -> list[int]:
+    """Shared locks on the store folders a worker serves, held until the worker exits (the
+    descriptors are kept open on purpose). Refused while `shoal shard` writes one of them."""
+    held = []
+    for folder in folders:
+        try:
+            fd = _try_lock(Path(folder), fcntl.LOCK_SH)
+        except OSError:
+            continue  # a read-only drive, or no folder (the scan says so): nobody writes it
+        if fd is None:
+            release(held)
+            raise ShoalError(f"`shoal shard` is writing {folder} now; start the worker when "
+                             "it has finished")
+        held.append(fd)
+    return held
+
+
+def claim_for_writing(folders: Iterable[Path]) -> list[int]:
+    """Exclusive locks on store folders `shoal shard` is about to write (made if missing);
+    refused, naming them, when a running worker serves any of them."""
+    held, served = [], []
+    for folder in folders:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd = _try_lock(Path(folder), fcntl.LOCK_EX)
+        if fd is None:
+            served.append(str(folder))
+        else:
+            held.append(fd)
+    if served:
+        release(held)
+        raise ShoalError(
+            f"a running shoal-worker serves {', '.join(served)}: `shoal shard` never writes "
+            "into a store a live worker serves. Stop that worker first, or shard into "
+            "another folder"
+        )
+    return held
+
+
+def release(held: Iterable[int]) -> None:
+    for fd in held:
+        os.close(fd)

@@ -1,0 +1,238 @@
+"""A new user's first commands, through the real `shoal` and `shoal-worker` with workers on
+loopback: `shoal workers --workers` as the README writes it, and its exit status; the shard
+folder given for a store; doctor and the worker agreeing on where it listens and what it
+announces; `shoal generate` naming what it did find when it gives up waiting; and workers
+logging the copies and drops a deploy or rebalance makes."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.interfaces import kind_of, local_interfaces
+from engine.sharding import shard
+
+REPO = Path(__file__).resolve().parents[2]
+LOOPBACK = "127.0.0.1"
+
+
+def shoal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("first-steps") / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, workers=2, progress=False)
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_workers_takes_the_readmes_worker_list_and_fails_when_none_answers(
+    sharded, start_worker, secret_file
+):
+    a = start_worker([sharded / "worker-0"], "--no-advertise", "--node-id", "a")
+    b = start_worker([sharded / "worker-1"], "--no-advertise", "--node-id", "b")
+    listed = shoal("workers", "--workers", f"{a.address},{b.address}", "--json",
+                   "--secret-file", str(secret_file))
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["workers"]
+    assert sorted((r["node_id"], r["state"]) for r in rows) == [("a", "healthy"),
+                                                                ("b", "healthy")]
+
+    gone = f"{LOOPBACK}:{free_port()}"
+    partly = shoal("workers", "--workers", f"{a.address},{gone}", "--secret-file",
+                   str(secret_file), "--wait", "3")
+    assert partly.returncode == 1, partly.stderr
+    assert "unreachable" in partly.stdout and "healthy" in partly.stdout
+
+    none = shoal("workers", "--workers", gone, "--secret-file", str(secret_file), "--wait", "2")
+    assert none.returncode == 1 and "healthy" not in none.stdout
+
+    # Bonjour, a cluster nobody runs: nothing answers, and the status says so.
+    empty = shoal("workers", "--cluster", f"nobody-{os.getpid()}", "--interface", LOOPBACK,
+                  "--secret-file", str(secret_file), "--wait", "2")
+    assert empty.returncode == 1 and "no workers of cluster" in empty.stderr
+
+    both = shoal("workers", "--workers", a.address, "--cluster", "x",
+                 "--secret-file", str(secret_file))
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_the_shard_folder_given_for_a_store_is_refused_naming_the_store(sharded, secret_file):
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.daemon", "--store", str(sharded), "--no-advertise",
+         "--port", "0", "--secret-file", str(secret_file)],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert run.returncode == 2
+    assert run.stderr.startswith("shoal-worker: error:")
+    assert f"--store {sharded / 'worker-0'}" in run.stderr
+    assert str(sharded / "worker-1") in run.stderr
+    assert "serving" not in run.stdout
+
+
+def run_worker_until_advertised(store: Path, secret_file: Path, log: Path,
+                                *extra: str) -> tuple[str, list[str]]:
+    """Start shoal-worker with only `extra` deciding where it listens; (host it serves on,
+    addresses it announced)."""
+    cluster = f"truth-{os.getpid()}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.daemon", "--store", str(store), "--port", "0",
+             "--cluster", cluster, "--secret-file", str(secret_file), *extra],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = log.read_text()
+            served = re.search(r"serving .* on (\S+):\d+\n", text)
+            announced = re.search(r"advertising \S+ in cluster \S+ on (.+)\n", text)
+            if served and announced:
+                hosts = [a.rsplit(":", 1)[0] for a in announced.group(1).split(", ")]
+                return served.group(1), hosts
+            assert proc.poll() is None, text
+            time.sleep(0.1)
+        raise AssertionError(f"the worker did not advertise within 60 s:\n{log.read_text()}")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def doctor_says(*extra: str) -> tuple[str, list[str]]:
+    run = shoal("doctor", "--no-mdns", "--json", *extra)
+    details = [c["detail"] for c in json.loads(run.stdout)["checks"] if c["area"] == "network"]
+    line = next(d for d in details if "started here listens on" in d)
+    found = re.search(r"listens on (\S+) and announces ([^;]+)", line)
+    return found.group(1), found.group(2).split(", ")
+
+
+@pytest.mark.slow
+def test_doctor_and_the_worker_agree_on_where_it_listens_and_what_it_announces(
+    sharded, secret_file, tmp_path
+):
+    assert doctor_says() == run_worker_until_advertised(
+        sharded / "worker-0", secret_file, tmp_path / "default.log")
+    loopback = next(i.name for i in local_interfaces() if kind_of(i) == "local")
+    assert doctor_says("--interface", loopback) == run_worker_until_advertised(
+        sharded / "worker-0", secret_file, tmp_path / "interface.log", "--interface", loopback)
+    worker_help = subprocess.run([sys.executable, "-m", "worker.daemon", "--help"],
+                                 capture_output=True, text=True, timeout=60, cwd=REPO).stdout
+    assert "every physical interface\n" not in worker_help.replace("  ", " ")
+    assert "else on loopback only" in " ".join(worker_help.split())
+
+
+@pytest.mark.slow
+def test_generate_names_the_workers_and_clusters_it_saw_when_it_gives_up(
+    sharded, start_worker, secret_file
+):
+    cluster = f"seen-{os.getpid()}"
+    a = start_worker([sharded / "worker-0"], "--cluster", cluster, "--node-id", "a")
+    x = start_worker([sharded / "worker-1"], "--cluster", cluster + "-x", "--node-id", "x")
+    run = shoal("generate", "hi", "--model", str(sharded), "--cluster", cluster,
+                "--interface", LOOPBACK, "--wait", "4", "--secret-file", str(secret_file))
+    assert run.returncode == 2, run.stdout + run.stderr
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith("shoal: error: waited 4 s for the workers of cluster")
+    assert f"found a at {a.address} healthy, " in error
+    # Other workers may share this loopback: those of cluster-x are named, in their group.
+    assert "seen in other clusters: " in error
+    assert f"'{cluster}-x': x at {x.address}" in error
+
+
+@pytest.mark.slow
+def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, start_worker,
+                                                     secret_file):
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)  # OUT/experts: the local copies
+    stores = [tmp_path / "a", tmp_path / "b"]
+    for store in stores:
+        store.mkdir()
+        shutil.copy(out / "manifest.json", store / "manifest.json")  # a Mac just added
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in stores]
+    run = shoal("deploy", "--model", str(out), "--workers",
+                ",".join(w.address for w in workers), "--secret-file", str(secret_file))
+    assert run.returncode == 0, run.stderr
+    received = [re.findall(r"received expert (\d+/\d+) \(\d+ bytes, checksum verified\) into "
+                           + re.escape(str(store)), w.output())
+                for w, store in zip(workers, stores, strict=True)]
+    on_disk = [sorted(store.glob("L*/E*.safetensors")) for store in stores]
+    assert [len(r) for r in received] == [len(files) for files in on_disk]
+    assert all(received)
+
+
+@pytest.mark.slow
+def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_path,
+                                                         start_worker, secret_file):
+    from coordinator.link import WorkerLink
+    from coordinator.rebalance import observe
+    from coordinator.transfer import Executor
+    from engine.auth import load_secret
+    from engine.manifest import read_manifest
+    from engine.migration import MigrationPlan, Step
+
+    out = tmp_path / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)
+    stores = [tmp_path / "keep", tmp_path / "drop"]
+    for store in stores:
+        shutil.copytree(out / "experts", store)
+    workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
+               for store in stores]
+    links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
+    try:
+        key = (1, 5)
+        _, by_name = observe(links)
+        plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
+        Executor(read_manifest(out), by_name, {}, log=lambda m: None, quiet=0.2,
+                 progress=False).run(plan, "rebalance")
+    finally:
+        for link in links:
+            link.close()
+    log = workers[1].output()
+    assert "draining expert 1/5: no longer offered" in log
+    assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
+    assert "expert 1/5" not in workers[0].output()
+    assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+
+
+def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
+    sharded, secret_file
+):
+    """`shoal-worker ... | head -3`: the worker outlives the pipe, and SIGTERM still ends it
+    with status 0 and no traceback."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.daemon", "--store", str(sharded / "worker-0"),
+         "--no-advertise", "--port", "0", "--secret-file", str(secret_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while b"serving" not in proc.stdout.readline():
+            assert time.monotonic() < deadline and proc.poll() is None
+        proc.stdout.close()  # as `head` does
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
