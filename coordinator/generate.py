@@ -94,7 +94,7 @@ def open_remote_model(
     owned = None
     if membership is None:
         owned = FixedMembers(addresses, secret)
-        cluster = owned.join(manifest)
+        cluster = owned.join(manifest, log=on_wait)
     else:
         cluster = membership.join(manifest, wait=wait, on_wait=on_wait)
     dispatcher = Dispatcher(cluster)
