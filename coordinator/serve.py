@@ -91,9 +91,10 @@ class ConnectionGuard:
         self._idle: OrderedDict[object, Callable[[], None]] = OrderedDict()  # oldest first
         self.refused = self.evicted = self.timed_out = 0
 
-    def admit(self, connection: object, host: str) -> bool:
-        """Take `connection` in, idle (`close` it to evict); False when it must be refused:
-        its address holds its share, or every connection is busy."""
+    def admit(self, host: str) -> bool:
+        """Whether a new connection from `host` may open now (then `opened` it), making
+        room by closing the connection idle longest when the server is full; False when its
+        address holds its share, or every connection is busy."""
         if self._per_host.get(host, 0) >= self.limits.max_connections_per_host:
             self.refused += 1
             return False
@@ -105,9 +106,11 @@ class ConnectionGuard:
             self.gone(oldest)
             self.evicted += 1
             close()
+        return True
+
+    def opened(self, connection: object, host: str) -> None:
         self._hosts[connection] = host
         self._per_host[host] = self._per_host.get(host, 0) + 1
-        return True
 
     def idle(self, connection: object, close: Callable[[], None]) -> None:
         if connection in self._hosts:
@@ -135,38 +138,26 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP/1.1 protocol (h11), each connection admitted by `guard` and closed when
-    its request's headers do not arrive within the header timeout."""
+    """The protocol uvicorn serves each connection with: admitted by `guard` (a refused one
+    is answered 503 and closed before any HTTP machinery is built for it), then uvicorn's
+    HTTP/1.1 protocol (h11), closed when its request's headers do not arrive within the
+    header timeout."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Guarded(H11Protocol):
-        _admitted = False
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            peer = transport.get_extra_info("peername")
-            host = str(peer[0]) if isinstance(peer, tuple) else "local"
-            if not guard.admit(self, host):
-                body = json.dumps(error_json(
-                    f"too many connections from {host} or in all; try again later",
-                    "unavailable", 503)).encode()
-                transport.write(_REFUSED % (len(body), body))
-                transport.close()
-                return
-            self._admitted = True
             super().connection_made(transport)
+            guard.opened(self, _host(transport))
             self._waiting()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if not self._admitted:
-                return
             guard.gone(self)
             self._disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self._admitted:
-                return
             super().data_received(data)
             self._note()
 
@@ -196,7 +187,29 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
             guard.timed_out += 1
             self.transport.close()
 
-    return Guarded
+    class Gate(asyncio.Protocol):
+        def __init__(self, **settings: object) -> None:
+            self._settings = settings  # uvicorn's, for the HTTP protocol if admitted
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            host = _host(transport)
+            if not guard.admit(host):
+                body = json.dumps(error_json(
+                    f"too many connections from {host} or in all; try again later",
+                    "unavailable", 503)).encode()
+                transport.write(_REFUSED % (len(body), body))  # type: ignore[attr-defined]
+                transport.close()
+                return
+            protocol = Guarded(**self._settings)
+            transport.set_protocol(protocol)
+            protocol.connection_made(transport)
+
+    return Gate
+
+
+def _host(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) else "local"
 
 
 class _QuietAcceptErrors:
