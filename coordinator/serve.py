@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import hmac
 import json
-import logging
 import os
 import signal
 import socket
@@ -56,7 +55,9 @@ from engine.manifest import Manifest
 from engine.placement import replica_routes
 
 HEARTBEAT = 15.0  # seconds between SSE comments while a streamed answer waits for tokens
-log = logging.getLogger("shoal.serve")
+# Connections the kernel queues until they are accepted (the OS caps it: somaxconn); when
+# the queue is full a new client's SYN is dropped and it tries again a second later.
+BACKLOG = 4096
 
 
 # ---------------------------------------------------------------------------------------
@@ -599,7 +600,7 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ShoalError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -646,7 +647,7 @@ def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") 
 
     config = uvicorn.Config(make_app(service), http=guarded_protocol(service.guard),
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, backlog=1024)
+                            timeout_graceful_shutdown=5, backlog=BACKLOG)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"shoal serve: {service.model_id} on http://{shown}:{port}/v1 "
