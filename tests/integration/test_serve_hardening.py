@@ -328,6 +328,7 @@ def test_a_stop_ends_every_open_stream_and_records_the_heat(cluster, secret_file
         took = time.monotonic() - stopped
     finally:
         local.stop()
+    print(json.dumps({"stop": sig.name, "seconds_to_exit": took, "status": code}))
     for stream in streams:
         stream.join(10)
         assert stream.error is None, stream.error
