@@ -21,7 +21,7 @@ from coordinator.commands.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.serve import Limits
+    from coordinator.http_limits import Limits
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -99,7 +99,7 @@ def check_serve_args(args: argparse.Namespace) -> int:
 def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
     """What one client may hold (--max-body, --max-connections...), with the connections kept
     to half the process's `file_limit`: the rest is for the worker links and model files."""
-    from coordinator.serve import Limits
+    from coordinator.http_limits import Limits
     from engine.cache_policy import parse_budget
 
     try:

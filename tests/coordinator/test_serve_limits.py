@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from builders.synthetic_tokenizer import build_tokenizer
+from coordinator.http_limits import ConnectionGuard, Limits, QuietAcceptErrors
 from coordinator.openai_api import (
     MAX_JSON_DEPTH,
     decode_body,
@@ -16,7 +17,6 @@ from coordinator.openai_api import (
     parse_request,
     prompt_tokens,
 )
-from coordinator.serve import ConnectionGuard, Limits, _QuietAcceptErrors
 from engine.errors import InvalidInput
 
 
@@ -116,7 +116,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(tok
 def test_failed_accepts_are_said_once_per_interval(capsys):
     loop = asyncio.new_event_loop()
     try:
-        handler = _QuietAcceptErrors()
+        handler = QuietAcceptErrors()
         for _ in range(500):
             handler(loop, {"message": "socket.accept() out of system resource",
                            "exception": OSError(24, "Too many open files")})
