@@ -125,3 +125,57 @@ def test_failed_accepts_are_said_once_per_interval(capsys):
         assert "Traceback" not in err
     finally:
         loop.close()
+
+
+def body_request(chunks: list[bytes], *, then_wait: bool = False, declared: int | None = None):
+    """A Starlette request whose body arrives as `chunks`, then (then_wait) never ends."""
+    from starlette.requests import Request
+
+    messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    if not then_wait:
+        messages.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    return Request({"type": "http", "method": "POST", "headers": headers}, receive)
+
+
+def read(limits: Limits, request, buffered: int = 0):
+    from types import SimpleNamespace
+
+    from coordinator.serve import _Held, _read_body
+
+    service = SimpleNamespace(limits=limits, buffered=buffered)
+    held = _Held(service)
+
+    async def go() -> bytes:
+        try:
+            return await _read_body(service, request, held)
+        finally:
+            held.release()
+
+    try:
+        return asyncio.run(go())
+    finally:
+        assert service.buffered == buffered  # what it held is given back, however it ended
+
+
+def test_a_body_is_read_within_its_size_and_time():
+    from coordinator.serve import TooLarge, TooSlow
+    from engine.errors import Unavailable
+
+    limits = Limits(max_body=2048, body_timeout=0.2)
+    assert read(limits, body_request([b"a" * 1000, b"b" * 1000])) == b"a" * 1000 + b"b" * 1000
+    with pytest.raises(TooLarge, match="has 5000 bytes"):
+        read(limits, body_request([], declared=5000))
+    with pytest.raises(TooLarge, match="over 2048 bytes"):
+        read(limits, body_request([b"a" * 1500, b"b" * 1500]))
+    with pytest.raises(TooSlow, match="did not arrive within 0.2 s"):
+        read(limits, body_request([b"a" * 10], then_wait=True))
+    with pytest.raises(Unavailable, match="too many large requests"):
+        read(limits, body_request([b"a" * 100]), buffered=limits.max_buffered)
