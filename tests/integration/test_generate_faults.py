@@ -90,7 +90,7 @@ def test_a_worker_stopped_mid_run_costs_no_wait_for_its_heat_at_exit(
             proc.kill()
     print(f"from the stop to the exit: {took:.1f} s")
     assert proc.returncode == 0, err
-    assert "decode 60 tokens" in err or "decode" in err, err
+    assert "tok/s" in err, err  # the summary: it finished
     assert f"no heat from {workers[1].address}" not in err
     # The watchdog's deadline (1.5 s and 20 round trips) and the rest of the tokens; waiting
     # for the stopped worker's heat took 10 s more.
