@@ -22,7 +22,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from engine.errors import ShoalError
+from engine.errors import ShoalError, Unavailable
 
 log = logging.getLogger("shoal.serve")
 
@@ -240,7 +240,7 @@ class BatchEngine:
                deliver: Callable[[Event], None]) -> Handle:
         """Queue a request; `deliver` is called on the engine's thread with each Event."""
         if self._closed:
-            raise ShoalError("the server is shutting down")
+            raise Unavailable("the server is shutting down")
         handle = Handle(list(prompt), sampling, deliver, lambda: self._inbox.put(None))
         with self._lock:
             self._in_flight += 1
@@ -281,7 +281,7 @@ class BatchEngine:
                     if generator is not None:
                         generator.close()
                     generator = None
-            self._fail_all(ShoalError("the server is shutting down"),
+            self._fail_all(Unavailable("the server is shutting down"),
                            arrivals + self._take(block=False))
             if generator is not None:
                 generator.close()

@@ -1,13 +1,16 @@
 """The workers a generation uses: their links, what each holds, the routing table.
 
 A `Cluster` follows a set of members: a `Membership` (discovery, --cluster-config: workers
-come and go with their health) or `FixedMembers` (--workers: every listed worker must answer
-at the start; one that fails later is routed around for good). Either way the cluster
-rebuilds its links and routes between layer calls when the members' `version` changed.
+come and go with their health) or `FixedMembers` (--workers: a listed worker that does not
+answer at the start, or fails later, is routed around for good where others hold its
+experts). Either way the cluster rebuilds its links and routes between layer calls when the
+members' `version` changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,17 +119,34 @@ class FixedMembers:
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
 
-    def join(self, manifest: Manifest) -> Cluster:
-        """Ask every worker what it holds, refuse mismatches, and build the routing table;
-        a listed worker must answer now. Closes the links if any does not."""
+    def join(self, manifest: Manifest, log: Callable[[str], None] | None = None) -> Cluster:
+        """Ask every worker what it holds (all at once), refuse mismatches, and build the
+        routing table. A listed worker that does not answer is left out when the others hold
+        every expert (said through `log`; it is routed around for good, as one lost later),
+        else the run fails naming it. Closes the links if the join fails."""
         try:
-            for i, link in enumerate(self.links):
-                inventory, problem = handshake(link, manifest, CONNECT_TIMEOUT)
+            with ThreadPoolExecutor(len(self.links)) as pool:
+                answers = list(pool.map(lambda link: _ask(link, manifest), self.links))
+            silent = []
+            for i, answer in enumerate(answers):
+                if isinstance(answer, Unavailable):
+                    silent.append(answer)
+                    continue
+                if isinstance(answer, ShoalError):
+                    raise answer
+                inventory, problem = answer
                 if problem:
                     raise ShoalError(problem)
                 self._holdings[i] = held(inventory)
             self.version += 1
-            return Cluster.of(self, layer_sizes(manifest))
+            try:
+                cluster = Cluster.of(self, layer_sizes(manifest))
+            except Unavailable as e:
+                raise (Unavailable(f"{silent[0]}; without it, {e}") if silent else e) from None
+            for error in silent:
+                if log is not None:
+                    log(f"{error}; going on without it: the others hold all of its experts")
+            return cluster
         except BaseException:
             self.close()
             raise
@@ -145,6 +165,15 @@ class FixedMembers:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+def _ask(link: WorkerLink,
+         manifest: Manifest) -> tuple[shoal_pb2.Inventory, str | None] | ShoalError:
+    """One worker's handshake, or the ShoalError that says why there is none."""
+    try:
+        return handshake(link, manifest, CONNECT_TIMEOUT)
+    except ShoalError as e:
+        return e
 
 
 def parse_addresses(text: str) -> list[str]:

@@ -96,7 +96,7 @@ def open_remote_model(
     owned = None
     if membership is None:
         owned = FixedMembers(addresses, secret, transport)
-        cluster = owned.join(manifest)
+        cluster = owned.join(manifest, log=on_wait)
     else:
         cluster = membership.join(manifest, wait=wait, on_wait=on_wait)
     dispatcher = Dispatcher(cluster)
@@ -117,10 +117,14 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, *, chat: bool) -> li
 
 def encode_messages(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     """A conversation through the checkpoint's chat template, ready for the reply."""
+    return encode_text(tokenizer, render_messages(tokenizer, messages))
+
+
+def render_messages(tokenizer: TokenizerWrapper, messages: list[dict]) -> str:
+    """A conversation as the text the checkpoint's chat template makes of it."""
     if tokenizer.chat_template is None:
         raise InvalidInput("this model's tokenizer has no chat template")
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return encode_text(tokenizer, prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def encode_text(tokenizer: TokenizerWrapper, prompt: str) -> list[int]:

@@ -10,6 +10,7 @@ import fcntl
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from engine.placement import load_imbalance
 from proto import shoal_pb2
 
 RECORD_FILE = "heat.msgpack"
+HEAT_TIMEOUT = 3.0  # seconds a worker has to answer GetHeat: a small call, read at exit
 FORMAT = "shoal-heat"
 VERSION = 1
 
@@ -48,14 +50,24 @@ def name_workers(ids: Sequence[tuple[str, str]]) -> list[str]:
             for node_id, address in ids]
 
 
-def fetch_readings(links: Sequence[WorkerLink]) -> list[Reading]:
-    """Every worker's counts (GetHeat); a worker that does not answer is left out."""
-    replies = []
-    for link in links:
+def fetch_readings(links: Sequence[WorkerLink], timeout: float = HEAT_TIMEOUT) -> list[Reading]:
+    """Every worker's counts (GetHeat), asked all at once; a worker that does not answer
+    within `timeout` seconds is left out."""
+
+    def ask(link: WorkerLink) -> shoal_pb2.HeatReport | ShoalError:
         try:
-            replies.append((link, link.call("GetHeat", shoal_pb2.HeatRequest())))
+            return link.call("GetHeat", shoal_pb2.HeatRequest(), timeout=timeout)
         except ShoalError as e:
-            print(f"shoal: warning: no heat from {link.address}: {e}", file=sys.stderr)
+            return e
+
+    with ThreadPoolExecutor(max(len(links), 1)) as pool:
+        answers = list(pool.map(ask, links))
+    replies = []
+    for link, answer in zip(links, answers, strict=True):
+        if isinstance(answer, ShoalError):
+            print(f"shoal: warning: no heat from {link.address}: {answer}", file=sys.stderr)
+        else:
+            replies.append((link, answer))
     names = name_workers([(reply.node_id, link.address) for link, reply in replies])
     return [
         Reading(name, reply.boot_id, {(h.layer, h.expert): h.tokens for h in reply.experts})

@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from coordinator.batching import Event, Sampling, TokenLogprob
-from coordinator.generate import encode_messages, encode_text
+from coordinator.generate import encode_text, render_messages
 from engine.errors import InvalidInput
 
 DEFAULT_MAX_TOKENS = 512  # when a request gives none, at most this many (and the context)
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 32  # the API's deepest field is 4 levels down (messages[i].content[j].text)
 
 
 # ---------------------------------------------------------------------------------------
@@ -35,6 +36,45 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+
+
+def decode_body(body: bytes) -> object:
+    """A request body's JSON; refused (InvalidInput) when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a string that is not Unicode (a lone surrogate such as
+    "\\ud800", which JSON can spell and no tokenizer can encode)."""
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder's own guard, about 1000 levels down
+        raise InvalidInput(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_tree(value)
+    return value
+
+
+def _check_tree(value: object) -> None:
+    """Depth and Unicode of every node, walked without recursion (the point is to refuse
+    what would exhaust the stack of code that recurses: json.dumps, templates)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidInput("the request holds a string that is not valid Unicode "
+                                       "(a lone surrogate such as \\ud800)") from None
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInput(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((k, depth) for k in item)
+            children = item.values()
+        else:
+            children = item
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (str, list, dict)))
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
@@ -166,23 +206,41 @@ def fit_to_context(request: CompletionRequest, prompt_tokens: int,
     return replace(request, sampling=replace(request.sampling, max_tokens=min(asked, room)))
 
 
-def prompt_tokens(tokenizer: TokenizerWrapper, request: CompletionRequest,
-                  vocab: int) -> list[int]:
+def longest_token(tokenizer: TokenizerWrapper) -> int:
+    """The most UTF-8 bytes one token's text in the vocabulary takes. A byte-level or
+    SentencePiece vocabulary spells a token with at least as many bytes as it stands for, so
+    no token covers more of a prompt than this."""
+    return max((len(text.encode("utf-8", "replace")) for text in tokenizer.get_vocab()),
+               default=1)
+
+
+def prompt_tokens(tokenizer: TokenizerWrapper, request: CompletionRequest, vocab: int, *,
+                  context: int, longest: int) -> list[int]:
     """The request's prompt as token ids, the chat template applied as mlx-lm does; token
-    ids given must be below the model's `vocab` size."""
-    if request.chat:
-        try:
-            return encode_messages(tokenizer, list(request.messages))
-        except InvalidInput:
-            raise
-        except Exception as e:  # the template itself refused (e.g. roles out of order)
-            raise InvalidInput(f"the chat template refused these messages: {e}") from None
-    if isinstance(request.prompt, tuple):
+    ids given must be below the model's `vocab` size. A text that cannot fit the `context`
+    whatever its tokens (at most `longest` bytes each) is refused before it is tokenized,
+    which for a text of megabytes takes seconds."""
+    if isinstance(request.prompt, tuple) and not request.chat:
         if max(request.prompt) >= vocab:
             raise InvalidInput(f"token id {max(request.prompt)} is outside the vocabulary "
                                f"({vocab} tokens)")
         return list(request.prompt)
-    return encode_text(tokenizer, request.prompt)
+    if request.chat:
+        try:
+            text = render_messages(tokenizer, list(request.messages))
+        except InvalidInput:
+            raise
+        except Exception as e:  # the template itself refused (e.g. roles out of order)
+            raise InvalidInput(f"the chat template refused these messages: {e}") from None
+    else:
+        text = request.prompt
+    size = len(text.encode("utf-8"))
+    fewest = -(-size // max(longest, 1))
+    if fewest >= context:
+        raise InvalidInput(f"the prompt has at least {fewest} tokens ({size} bytes); this "
+                           f"model's context holds {context}, the prompt and the answer "
+                           "together")
+    return encode_text(tokenizer, text)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,30 +10,47 @@ whose client went away, which frees its row in the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import hmac
 import json
+import os
+import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache, cached_property
 from pathlib import Path
 
+import uvicorn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coordinator.batching import BatchEngine, Event, Sampling
 from coordinator.cluster import layer_sizes
+from coordinator.http_limits import (
+    BACKLOG,
+    ConnectionGuard,
+    Limits,
+    QuietAcceptErrors,
+    guarded_protocol,
+)
 from coordinator.membership import Membership
 from coordinator.openai_api import (
     CompletionRequest,
     answer_meta,
     chunk_json,
     completion_json,
+    decode_body,
     error_json,
     fit_to_context,
+    longest_token,
     parse_request,
     prompt_tokens,
     usage_chunk_json,
@@ -73,6 +90,23 @@ class Service:
     context: int
     api_key: str | None = None
     started: int = 0
+    limits: Limits = field(default_factory=Limits)
+    stopping: bool = False  # set on SIGINT or SIGTERM: new requests get 503
+    buffered: int = 0  # bytes of request bodies held now, read and not yet tokenized
+
+    def __post_init__(self) -> None:
+        self.guard = ConnectionGuard(self.limits)
+        # Decoding and tokenizing run off the event loop, so that /health and the streams go
+        # on meanwhile: large bodies on a thread of their own at the lowest priority (one
+        # at a time, which bounds their memory), so that small requests never queue behind
+        # them nor the batch's thread wait for them.
+        self.parsers = ThreadPoolExecutor(2, thread_name_prefix="shoal parse")
+        self.large_parser = ThreadPoolExecutor(1, thread_name_prefix="shoal parse large",
+                                               initializer=_lowest_priority)
+
+    @cached_property
+    def longest_token(self) -> int:
+        return longest_token(self.tokenizer)
 
     @property
     def vocab(self) -> int:
@@ -87,6 +121,13 @@ class Service:
         return missing_experts(self.membership, self.manifest)
 
 
+def _lowest_priority() -> None:
+    """Lower the calling thread's CPU priority where threads have their own (Linux); on
+    macOS the call refuses a thread id and nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 def _authorized(service: Service, request: Request) -> bool:
     if service.api_key is None:
         return True
@@ -96,7 +137,19 @@ def _authorized(service: Service, request: Request) -> bool:
                                                               service.api_key.encode())
 
 
+class TooLarge(InvalidInput):
+    """A request body over --max-body: 413."""
+
+
+class TooSlow(InvalidInput):
+    """A request body that did not arrive in time: 408."""
+
+
 def _error_response(error: ShoalError) -> JSONResponse:
+    if isinstance(error, TooLarge):
+        return JSONResponse(error_json(str(error), "invalid_request_error", 413), 413)
+    if isinstance(error, TooSlow):
+        return JSONResponse(error_json(str(error), "invalid_request_error", 408), 408)
     if isinstance(error, InvalidInput):
         return JSONResponse(error_json(str(error), "invalid_request_error", 400), 400)
     if isinstance(error, NotFound):
@@ -132,6 +185,82 @@ class _Subscription:
         self._handle.cancel()
 
 
+class _Held:
+    """Bytes of one request's body counted in the service's `buffered` until released."""
+
+    def __init__(self, service: Service) -> None:
+        self.service, self.bytes = service, 0
+
+    def add(self, n: int) -> None:
+        self.bytes += n
+        self.service.buffered += n
+
+    def release(self) -> None:
+        self.service.buffered -= self.bytes
+        self.bytes = 0
+
+
+async def _read_body(service: Service, request: Request, held: _Held) -> bytes:
+    """The request's body, read within the limits (one declared too large is refused before
+    a byte of it is read)."""
+    limits = service.limits
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body:
+        raise TooLarge(f"the request body has {int(declared)} bytes; this server takes at "
+                       f"most {limits.max_body} (shoal serve --max-body)")
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in request.stream():
+                held.add(len(chunk))
+                if held.bytes > limits.max_body:
+                    raise TooLarge(f"the request body is over {limits.max_body} bytes, the "
+                                   "most this server takes (shoal serve --max-body)")
+                if service.buffered > limits.max_buffered:
+                    raise Unavailable("the server is reading too many large requests at once; "
+                                      "try again")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise TooSlow(f"the request body did not arrive within {limits.body_timeout:g} s; "
+                      "send it at once") from None
+    return b"".join(chunks)
+
+
+def prepare(service: Service, body: bytes, *,
+            chat: bool) -> tuple[CompletionRequest, list[int]]:
+    """A request body as a validated request and its prompt's token ids, fitted to the
+    context: the CPU-heavy part of a request (JSON, the chat template, tokenizing), run on
+    the service's parser threads so that the event loop goes on answering meanwhile."""
+    parsed = parse_request(decode_body(body), chat=chat)
+    prompt = prompt_tokens(service.tokenizer, parsed, service.vocab, context=service.context,
+                           longest=service.longest_token)
+    return fit_to_context(parsed, len(prompt), service.context), prompt
+
+
+def _prepare_large(service: Service, body: bytes, *,
+                   chat: bool) -> tuple[CompletionRequest, list[int]]:
+    """prepare() for a large body, then the memory its tokenizing freed handed back to the
+    OS: glibc's malloc keeps it otherwise (hundreds of MB for a body of a few MB)."""
+    try:
+        return prepare(service, body, chat=chat)
+    finally:
+        _trim_heap()
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only; elsewhere there is none
+    except (OSError, AttributeError):
+        return None
+
+
+def _trim_heap() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -160,7 +289,8 @@ def make_app(service: Service) -> Starlette:
                 "model": service.model_id, "workers": len(service.membership.live()[1]),
                 "requests_in_flight": service.engine.in_flight,
                 "batching": service.engine.stats.as_json(),
-                "prompt_cache": service.engine.prompt_cache}
+                "prompt_cache": service.engine.prompt_cache,
+                "connections": service.guard.as_json()}
         if problem is not None:
             body["detail"] = problem
         return JSONResponse(body, 200 if problem is None else 503)
@@ -171,13 +301,22 @@ def make_app(service: Service) -> Starlette:
              "owned_by": "shoal"}]})
 
     async def completions(request: Request, *, chat: bool) -> Response:
+        if service.stopping:
+            raise Unavailable("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        held = _Held(service)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"the request body is not valid JSON: {e}") from None
-        parsed = parse_request(body, chat=chat)
-        prompt = prompt_tokens(service.tokenizer, parsed, service.vocab)
-        parsed = fit_to_context(parsed, len(prompt), service.context)
+            body = await _read_body(service, request, held)
+            if len(body) > service.limits.large_body:
+                parsed, prompt = await loop.run_in_executor(
+                    service.large_parser, lambda: _prepare_large(service, body, chat=chat))
+            else:
+                parsed, prompt = await loop.run_in_executor(
+                    service.parsers, lambda: prepare(service, body, chat=chat))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        finally:
+            held.release()
         problem = service.health()
         if problem is not None:
             raise Unavailable(f"the cluster cannot serve this model now: {problem}")
@@ -288,19 +427,61 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ShoalError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
-def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") -> None:
-    """Answer HTTP on `sock` until interrupted (uvicorn handles SIGINT and SIGTERM)."""
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped the same way by SIGINT and SIGTERM: `on_stop` ends the
+    requests in flight (each stream with an error event and [DONE]), uvicorn closes the
+    listener and waits for the answers to go out, and serve() returns, so that the command
+    lets go of everything and records the heat. (uvicorn itself raises the signal again once
+    it has stopped, and SIGTERM's default action then ends the process on the spot.)"""
 
-    config = uvicorn.Config(make_app(service), log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if not self.should_exit:
+            self._on_stop()
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(QuietAcceptErrors())
+        await super().startup(sockets)
+
+
+def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") -> None:
+    """Answer HTTP on `sock` until SIGINT or SIGTERM, then drain (bounded) and return."""
+
+    def stop() -> None:  # in the signal handler: nothing here may block
+        service.stopping = True
+        service.engine.close(timeout=0)  # its requests end at once, with an error event
+
+    config = uvicorn.Config(make_app(service), http=guarded_protocol(service.guard),
+                            log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5, backlog=BACKLOG)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"shoal serve: {service.model_id} on http://{shown}:{port}/v1 "
           f"(context {service.context} tokens, up to {service.engine.max_batch} requests "
           "decoded together)", file=sys.stderr, flush=True)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        _Server(config, stop).run(sockets=[sock])
+    finally:
+        for parsers in (service.parsers, service.large_parser):
+            parsers.shutdown(wait=False, cancel_futures=True)

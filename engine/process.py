@@ -35,3 +35,24 @@ def environment_as_given() -> dict[str, str]:
     if env.pop(CHOSEN_BY_SHOAL, None):
         env.pop(GRAPHS, None)
     return env
+
+
+def raise_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, as far as the OS lets
+    it (macOS refuses more than its per-process maximum, which it does not report), and return
+    the limit in force. mlx-lm's import sets 2048 and lowers the hard limit to 4096, so call
+    this after it. Each connection a server holds is a file: at the soft limit new ones fail.
+    Nothing is done where the `resource` module does not exist (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    while target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            target //= 2
+    return soft

@@ -159,8 +159,11 @@ def generate_with_workers(
         return decode(args, remote, policy, out)
     finally:
         out.end_line()  # an error or warning after partial output starts on its own line
-        if remote is not None:
-            record_run_heat(args.model, remote.manifest, remote.cluster.links)
+        if remote is not None:  # not from workers given up: they would only make it wait
+            cluster = remote.cluster
+            serving = [link for link, holds in zip(cluster.links, cluster.holdings,
+                                                   strict=True) if holds]
+            record_run_heat(args.model, remote.manifest, serving)
             remote.close()
         if membership is not None:
             membership.close()

@@ -5,8 +5,10 @@ coordinator/batching.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordinator.commands.connect import open_membership, record_run_heat
 from coordinator.commands.options import (
@@ -18,6 +20,9 @@ from coordinator.commands.options import (
     transport_options,
 )
 from engine.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from coordinator.http_limits import Limits
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -57,6 +62,15 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--context", type=int, metavar="TOKENS",
                    help="prompt and answer together at most (default: the model's "
                    "max_position_embeddings)")
+    p.add_argument("--max-body", default="4M", metavar="SIZE",
+                   help="the largest request body taken; larger ones get 413 (default 4M)")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="connections open at once from all clients; when full, the one idle "
+                   "longest is closed for a new one (default 1024, and at most half the "
+                   "process's file limit)")
+    p.add_argument("--max-connections-per-host", type=int, default=64, metavar="N",
+                   help="connections open at once from one address; more get 503 (default "
+                   "64; raise it behind a reverse proxy, where every client has its address)")
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -65,6 +79,11 @@ def check_serve_args(args: argparse.Namespace) -> int:
     """Refuse what cannot work before anything is read, bound or loaded; return the prompt
     cache's size in bytes (--prompt-cache-bytes, parsed once here)."""
     from engine.cache_policy import parse_budget
+
+    for name in ("max_connections", "max_connections_per_host"):
+        if getattr(args, name) < 1:
+            raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1, got "
+                               f"{getattr(args, name)}")
 
     check_one_worker_source(args)
     if not 0 <= args.port < 65536:
@@ -79,6 +98,29 @@ def check_serve_args(args: argparse.Namespace) -> int:
     return cache_bytes
 
 
+def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
+    """What one client may hold (--max-body, --max-connections...), with the connections kept
+    to half the process's `file_limit`: the rest is for the worker links and model files."""
+    from coordinator.http_limits import Limits
+    from engine.cache_policy import parse_budget
+
+    try:
+        body = parse_budget(args.max_body).bytes
+    except InvalidInput:
+        body = None
+    if body is None or body < 1024:
+        raise InvalidInput(f"--max-body takes a size of at least 1K such as 4M, got "
+                           f"{args.max_body!r}")
+    connections = args.max_connections
+    if file_limit and connections > file_limit // 2:
+        connections = max(file_limit // 2, 1)
+        print(f"shoal serve: at most {connections} connections (--max-connections "
+              f"{args.max_connections}): this process may open {file_limit} files",
+              file=sys.stderr)
+    return Limits(max_body=body, max_connections=connections,
+                  max_connections_per_host=min(args.max_connections_per_host, connections))
+
+
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     from coordinator.batching import BatchEngine
@@ -86,8 +128,10 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.membership import stderr_log
     from coordinator.serve import Service, listen, read_api_key, serve
     from engine.manifest import read_manifest
+    from engine.process import raise_file_limit
 
     cache_bytes = check_serve_args(args)
+    limits = serve_limits(args, raise_file_limit())  # after mlx-lm's import, which sets one
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     secret = cluster_secret(args)
     manifest = read_manifest(args.model)
@@ -102,7 +146,7 @@ def main(args: argparse.Namespace) -> None:
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
         serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
-                      started=int(time.time())), sock)
+                      started=int(time.time()), limits=limits), sock)
     finally:
         sock.close()
         if engine is not None:

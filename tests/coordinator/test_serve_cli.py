@@ -21,6 +21,7 @@ def test_serve_explains_itself(capsys):
     out = capsys.readouterr().out
     assert stopped.value.code == 0
     for option in ("--api-key-file", "--host", "--port", "--max-batch", "--prompt-cache-bytes",
+                   "--max-body", "--max-connections", "--max-connections-per-host",
                    "/v1/chat/completions", "docs/serving.md"):
         assert option in out
 
@@ -39,6 +40,10 @@ def sharded(tiny_checkpoint, tmp_path_factory):
     (["--prompt-cache-bytes", "lots"], "not a size"),
     (["--context", "1"], "--context must be at least 2"),
     (["--api-key-file", "/nonexistent/key"], "no API key file"),
+    (["--max-body", "lots"], "--max-body takes a size"),
+    (["--max-body", "10"], "--max-body takes a size of at least 1K"),
+    (["--max-connections", "0"], "--max-connections must be at least 1"),
+    (["--max-connections-per-host", "0"], "--max-connections-per-host must be at least 1"),
 ])
 def test_bad_arguments_are_refused_before_loading(extra, message, sharded, secret_file,
                                                    capsys):

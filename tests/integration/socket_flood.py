@@ -1,0 +1,106 @@
+"""A helper process for the hardening tests: holds thousands of TCP connections to a server
+(from many loopback addresses, 127.0.0.2 and up), reconnecting each one the server closes, and
+either never sends a byte (`idle`) or dribbles an endless request header one byte a second
+(`slowloris`). Prints `holding N` once the first round is open, and at the end one JSON line:
+what it opened, what the server closed and after how long.
+
+    python -m tests.integration.socket_flood 127.0.0.1 8080 --sockets 3000 --hosts 100 \
+        --mode idle --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import resource
+import selectors
+import socket
+import sys
+import time
+
+RECONNECTS_PER_SECOND = 400  # enough pressure; more only burns this machine's two cores
+HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("--sockets", type=int, default=3000)
+    p.add_argument("--hosts", type=int, default=100, help="source addresses 127.0.0.2...")
+    p.add_argument("--mode", choices=("idle", "slowloris"), default="idle")
+    p.add_argument("--seconds", type=float, default=10.0)
+    args = p.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    selector = selectors.DefaultSelector()
+    opened_at: dict[socket.socket, float] = {}
+    sources = [f"127.0.0.{2 + i % 250}" if i < 250 else f"127.0.{1 + i // 250}.{2 + i % 250}"
+               for i in range(args.hosts)]
+    stats = {"opened": 0, "closed_by_server": 0, "connect_failed": 0, "ages": []}
+
+    def open_one(index: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.bind((sources[index % len(sources)], 0))
+            code = sock.connect_ex((args.host, args.port))
+        except OSError:
+            code = -1
+        if code not in (0, errno.EINPROGRESS):
+            stats["connect_failed"] += 1
+            sock.close()
+            return
+        opened_at[sock] = time.monotonic()
+        selector.register(sock, selectors.EVENT_READ, index)
+        stats["opened"] += 1
+        if args.mode == "slowloris":
+            with contextlib.suppress(OSError):
+                sock.send(HEADER)
+
+    for i in range(args.sockets):
+        open_one(i)
+    print(f"holding {len(opened_at)}", flush=True)
+
+    deadline = time.monotonic() + args.seconds
+    pending: list[int] = []  # closed by the server, to open again
+    next_drip = time.monotonic() + 1.0
+    budget, budget_at = RECONNECTS_PER_SECOND, time.monotonic()
+    while (now := time.monotonic()) < deadline:
+        for key, _ in selector.select(timeout=0.05):
+            sock = key.fileobj
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if data:
+                continue  # a refusal's 503 body: its close comes next
+            stats["closed_by_server"] += 1
+            stats["ages"].append(round(now - opened_at.pop(sock), 3))
+            selector.unregister(sock)
+            sock.close()
+            pending.append(key.data)
+        if now - budget_at >= 1.0:
+            budget, budget_at = RECONNECTS_PER_SECOND, now
+        while pending and budget > 0:
+            open_one(pending.pop())
+            budget -= 1
+        if args.mode == "slowloris" and now >= next_drip:
+            next_drip = now + 1.0
+            for sock in list(opened_at):
+                with contextlib.suppress(OSError):
+                    sock.send(b"a")
+    ages = sorted(stats.pop("ages"))
+    stats["held_at_end"] = len(opened_at)
+    stats["median_age_closed"] = ages[len(ages) // 2] if ages else None
+    stats["max_age_closed"] = ages[-1] if ages else None
+    print(json.dumps(stats), flush=True)
+    for sock in opened_at:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
