@@ -27,7 +27,7 @@ from engine.errors import ShoalError
 from engine.interfaces import announced_addresses, listen_host
 from engine.manifest import MANIFEST_NAME
 from engine.pipes import guard_standard_streams
-from engine.process import launch_directly
+from engine.process import launch_directly, raise_file_limit
 from engine.store_lock import hold_for_serving
 from engine.tls import Identity
 from proto import (
@@ -240,6 +240,7 @@ def format_rate(rate: int) -> str:
 
 
 def serve(args: argparse.Namespace) -> None:
+    raise_file_limit()  # each connection is a file: mlx-lm's import set the soft limit low
     args.host = listen_host(args.host, args.interface)
     check_args(args)
     secret = load_secret(secret_path(args.secret_file))
