@@ -34,8 +34,8 @@ from engine.errors import ShoalError
 from engine.manifest import read_manifest
 from engine.process import environment_as_given
 from engine.sharding import shard
-from engine.tensors import decode
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
+from proto.wire import decode
 
 REPO = Path(__file__).resolve().parents[1]
 # runs: generations at the shortest prompt (the decode figure); long_runs: at each longer one

@@ -30,8 +30,9 @@ from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
 from engine.placement import LayerRoutes
-from engine.tensors import WireView, decode, dtype_name, mlx_dtype, to_mlx, to_numpy
+from engine.tensors import dtype_name, mlx_dtype, to_mlx, to_numpy
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
+from proto.wire import WireView, decode
 
 
 @dataclass

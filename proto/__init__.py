@@ -5,9 +5,9 @@ import grpc
 from google.protobuf import message_factory
 
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, Unauthenticated, Unavailable
-from engine.tensors import TensorMessage
 from engine.tls import NAME, Identity
 from proto import shoal_pb2
+from proto.wire import TensorMessage
 
 PROTOCOL_VERSION = 1
 # Prefill chunks can carry hundreds of MB of activations; gRPC's 4 MB default is far too small.
@@ -73,7 +73,7 @@ def server_credentials(identity: Identity) -> grpc.ServerCredentials:
 
 
 # The Compute stream's messages carry megabytes of tensors in a prompt pass: they cross gRPC as
-# bytes both ways (no serializer), written and read by these two (engine/tensors.py), which copy
+# bytes both ways (no serializer), written and read by these two (proto/wire.py), which copy
 # a tensor's bytes once (the sender's join; gRPC's own copies aside) where protobuf's Python API
 # copies them five times over the two ends. What they write is ordinary protobuf: any client of
 # shoal.proto can call Compute.

@@ -1,5 +1,5 @@
 """Compute messages as any other client of shoal.proto would write them: with protobuf's own
-API, not Shoal's writer (engine/tensors.py: join_message), so that tests see the worker read
+API, not Shoal's writer (proto/wire.py: join_message), so that tests see the worker read
 both."""
 
 import numpy as np

@@ -39,11 +39,12 @@ from proto import (
 )
 from proto.lane import server_context
 from worker.advertise import Advertiser, load_node_id, node_id_path
+from worker.interceptors import AuthInterceptor, BoundedErrors, PeerLimit
 from worker.lane import LaneServer
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
-from worker.service import AuthInterceptor, BoundedErrors, ExpertServicer, PeerLimit
+from worker.service import ExpertServicer
 from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551

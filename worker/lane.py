@@ -1,6 +1,7 @@
 """The worker's end of the expert lane (proto/lane.py): a listener beside the gRPC server,
 and one thread per lane that reads a request, computes it and writes its reply, with no
-hand-off between threads on the way.
+hand-off between threads on the way; and `ComputeAnswers`, what a Compute message gets
+whichever transport brought it (the gRPC fallback, worker/service.py, uses it too).
 
 Nothing is read from a connection before its TLS handshake proved the cluster's certificate
 and its HELLO frame a fresh credential; both must come within HELLO_SECONDS. Connections
@@ -23,7 +24,8 @@ import grpc
 
 from engine.auth import CredentialChecker
 from engine.errors import ShoalError, Unauthenticated
-from proto import REQUEST_LIMIT
+from engine.tensors import dtype_name, to_numpy
+from proto import EXPERT_REPLY, EXPERT_REQUEST, REQUEST_LIMIT, shoal_pb2, status_for
 from proto.lane import (
     HELLO,
     HELLO_LIMIT,
@@ -37,7 +39,8 @@ from proto.lane import (
     write_error,
     write_frame,
 )
-from worker.service import ComputeAnswers, Refused
+from proto.wire import WireView, decode
+from worker.residency import Request, Residency, Timing
 
 HELLO_SECONDS = 5.0  # from accept to a checked credential
 MAX_OPENING_PER_HOST = 8  # connections not yet past their credential, from one host
@@ -45,6 +48,75 @@ MAX_OPENING = 64  # ... from every host together (beyond either, the oldest is c
 MAX_LANES_PER_HOST = 16  # a coordinator opens one per worker, four in a prompt pass
 MAX_LANES = 64
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
+
+
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def decode_request(message: shoal_pb2.ExpertRequest, tensors: dict[str, WireView]) -> Request:
+    """A Compute request (EXPERT_REQUEST.read) as checked numpy views of its bytes."""
+    hidden = decode(tensors.get("hidden", WireView()), what="hidden", dtypes=ACTIVATION_DTYPES,
+                    ndim=2)
+    rows = decode(tensors.get("rows", WireView()), what="rows", dtypes=("int32",), ndim=1)
+    experts = decode(tensors.get("experts", WireView()), what="experts", dtypes=("int32",),
+                     ndim=1)
+    return Request(message.layer, hidden, tensors["hidden"].dtype, rows, experts,
+                   message.call_pairs)
+
+
+class Refused(ShoalError):
+    """A Compute message refused: the status code and message both transports answer with
+    (the gRPC stream aborts with them, the expert lane sends them in an ERROR frame)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ComputeAnswers:
+    """What a worker does with each Compute message, whichever transport brought it: the
+    request's bytes in, its reply's bytes out (None for a prefetch hint alone)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+
+    def answer(self, data: bytes | bytearray) -> bytes | None:
+        """Raises Refused with the code and message to answer a bad request with."""
+        started = time.perf_counter()
+        try:
+            message, tensors = EXPERT_REQUEST.read(data, "request")
+        except ShoalError as e:
+            raise Refused(status_for(e), str(e)) from None
+        if message.HasField("prefetch"):
+            self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
+        if "hidden" not in tensors:
+            return None
+        timing = Timing()
+        try:
+            request = decode_request(message, tensors)
+            parsed = time.perf_counter()
+            out = self.residency.compute(request, timing)
+        except ShoalError as e:
+            raise Refused(status_for(e), f"request {message.seq}: {e}") from None
+        computed = time.perf_counter()
+        output = to_numpy(out)
+        done = time.perf_counter()  # the copy into the reply's bytes follows: in the wire
+        return EXPERT_REPLY.write(
+            shoal_pb2.ExpertReply(
+                seq=message.seq,
+                compute_seconds=done - started - timing.waited,
+                inventory_version=self.residency.holdings.version,
+                timing=shoal_pb2.WorkerTiming(
+                    parse=parsed - started, matrix=timing.matrix,
+                    bookkeeping=computed - parsed - timing.matrix - timing.waited,
+                    reply=done - computed, waited=timing.waited),
+            ),
+            output=(output, dtype_name(out.dtype)),
+        )
+
+    def sent(self) -> None:
+        """A reply was sent: its tokens count as served now (Holdings.asked)."""
+        self.residency.holdings.settle()
 
 
 class _Held:

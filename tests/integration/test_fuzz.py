@@ -12,8 +12,8 @@ from coordinator.link import WorkerLink
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.tensors import decode
 from proto import COMPUTE, shoal_pb2
+from proto.wire import decode
 from tests.wire import tensor_fields
 
 SEED = 1234
@@ -140,7 +140,7 @@ def test_a_worker_answers_every_malformed_request_clearly_and_still_serves(
                                                                metadata=meta(name)))
                 assert code in UNPARSABLE, f"{name} answered {code} to garbage"
         assert grpc.StatusCode.INVALID_ARGUMENT in seen["Compute"]
-        # Compute's bytes are read by Shoal's own reader (engine/tensors.py: split_message): a
+        # Compute's bytes are read by Shoal's own reader (proto/wire.py: split_message): a
         # message cut short is refused as such, whatever field the cut falls in.
         whole = good_request().SerializeToString()
         compute_bytes = link._channel.stream_stream(COMPUTE)

@@ -14,8 +14,8 @@ from engine.auth import load_secret
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from engine.tensors import decode
 from proto import EXPERT_REPLY, shoal_pb2
+from proto.wire import decode
 from tests.wire import tensor_fields
 from worker.transfer import partial_path
 
