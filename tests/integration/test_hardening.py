@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.generate import open_remote_model
-from coordinator.link import WorkerLink
+from coordinator.link import Transport, WorkerLink
 from engine.auth import create_secret, load_secret
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces
@@ -128,18 +128,21 @@ def test_requests_too_large_to_be_honest_are_refused_clearly(sharded, start_work
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicated", [True, False])
+@pytest.mark.parametrize("replicated, transport", [(True, "lane"), (False, "lane"),
+                                                   (True, "grpc")])
 def test_a_worker_that_hangs_mid_generation_is_given_up_within_seconds(
-    replicated, tiny_checkpoint, sharded, tmp_path, start_worker, secret_file
+    replicated, transport, tiny_checkpoint, sharded, tmp_path, start_worker, secret_file
 ):
     manifest = read_manifest(sharded)
     keys = sorted((e.layer, e.expert) for e in manifest.experts)
     shares = [keys, keys] if replicated else [keys[::2], keys[1::2]]
     stores = make_stores(sharded, tmp_path, shares)
     workers = [start_worker([store], "--no-advertise") for store in stores]
-    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file),
+                               transport=Transport(transport))
     try:
         expected = greedy_tokens(remote.model, PROMPT, 8)  # also measures the round trips
+        assert all(link.uses_lane == (transport == "lane") for link in remote.cluster.links)
         os.kill(workers[1].proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         if replicated:
