@@ -38,7 +38,7 @@ from benchmarks.bench import REPO, wait_for_line
 from benchmarks.echo import round_trips
 from benchmarks.echo import serve as echo_serve
 from coordinator.link import WorkerLink
-from engine.auth import ensure_secret, load_secret
+from engine.auth import CredentialChecker, ensure_secret, load_secret
 from proto import EXPERT_REPLY, EXPERT_REQUEST, add_expert_service, shoal_pb2
 from worker.daemon import bind
 from worker.residency import Request, Timing
@@ -86,8 +86,8 @@ class _StandInServicer(ExpertServicer):
 def serve(secret_file: Path) -> None:
     """The stand-in worker: prints its address, serves until killed."""
     secret = load_secret(secret_file)
-    server, port = bind("127.0.0.1", 0, futures.ThreadPoolExecutor(8), secret,
-                        secret.require_identity())
+    server, port = bind("127.0.0.1", 0, futures.ThreadPoolExecutor(8),
+                        CredentialChecker(secret), secret.require_identity())
     add_expert_service(_StandInServicer(), server)
     server.start()
     print(f"stand-in serving on 127.0.0.1:{port}", flush=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.auth import METADATA_KEY, Secret, make_credential
+from engine.auth import METADATA_KEY, UNBOUND_METHODS, Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.tls import Identity
@@ -278,8 +278,8 @@ class _Lane:
         try:
             sock = lane_wire.connect(host, port, _lane_context(link._secret.require_identity()),
                                      timeout)
-            lane_wire.write_frame(sock, lane_wire.HELLO,
-                                  make_credential(link._secret, lane_wire.LANE_METHOD).encode())
+            credential = make_credential(link._secret, lane_wire.LANE_METHOD, node=link.node_id)
+            lane_wire.write_frame(sock, lane_wire.HELLO, credential.encode())
             kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)
         except ssl.SSLError as e:
             raise Unauthenticated(_OTHER_IDENTITY.format(address=link.address)
@@ -493,7 +493,17 @@ class WorkerLink:
         return max(len(self._streams), 1)
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
-        return [(METADATA_KEY, make_credential(self._secret, f"/shoal.v1.ExpertService/{method}"))]
+        """A call's credential, bound to this worker's node id, which a call that changes
+        something needs: the inventory (the node id) is fetched first if not known yet."""
+        path = f"/shoal.v1.ExpertService/{method}"
+        if self.inventory is None and path not in UNBOUND_METHODS:
+            self.fetch_inventory()
+        return [(METADATA_KEY, make_credential(self._secret, path, node=self.node_id))]
+
+    @property
+    def node_id(self) -> str:
+        """The worker's node id, once its inventory was fetched ("" before)."""
+        return self.inventory.node_id if self.inventory is not None else ""
 
     def fetch_inventory(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.Inventory:
         try:
@@ -564,6 +574,8 @@ class WorkerLink:
         waits at most `timeout` seconds for the worker to take it."""
         if not isinstance(request, bytes):  # gRPC's thread would fail on it, out of sight
             raise TypeError(f"a Compute request is bytes, not {type(request).__name__}")
+        if self.inventory is None:  # whether it has a lane, and the node id to credit
+            self.fetch_inventory()
         stream = self._stream(lane)
         if isinstance(stream, _Lane):
             stream.send(request, timeout)

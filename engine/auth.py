@@ -2,8 +2,9 @@
 TLS identity, engine/tls.py), and the per-call credential derived from the secret.
 
 The secret never travels. Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an
-HMAC-SHA256 of the time, nonce and method name under the secret; a worker accepts it
-within a freshness window and refuses a nonce it has already seen while it could be fresh.
+HMAC-SHA256 of the time, nonce, method name and (but for read-only calls) the node id of the
+worker it is for, under the secret; a worker accepts it within a freshness window and refuses
+a nonce it has already seen while it could be fresh.
 Links themselves are TLS with both ends' certificates checked, so a credential is never
 seen on the network to be replayed.
 """
@@ -135,23 +136,38 @@ class Secret(bytes):
         return self.identity
 
 
-def _mac(secret: bytes, stamp: str, nonce: str, method: str) -> str:
-    message = f"{stamp}.{nonce}.{method}".encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+# The calls that change nothing on a worker take a credential made for no worker in
+# particular (a coordinator's first call, GetInventory, learns the worker's node id); every
+# other call's credential is bound to the node id of the worker it was made for, so that a
+# credential seen by one worker cannot be presented to another.
+UNBOUND_METHODS = frozenset(f"/shoal.v1.ExpertService/{name}" for name in (
+    "GetInventory", "GetStats", "GetHeat", "ExpertFileStatus", "ReadExpert"))
 
 
-def make_credential(secret: bytes, method: str, *, now: float | None = None) -> str:
+def _mac(secret: bytes, stamp: str, nonce: str, method: str, node: str = "") -> str:
+    # '@' is in neither a method's path nor a node id (engine/advert.py: check_name)
+    message = f"{stamp}.{nonce}.{method}" + (f"@{node}" if node else "")
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
+
+
+def make_credential(secret: bytes, method: str, *, node: str = "",
+                    now: float | None = None) -> str:
+    """A credential for one call of `method` to the worker whose node id is `node` (""
+    binds it to none: accepted only for UNBOUND_METHODS)."""
     stamp = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(12)
-    return f"{stamp}.{nonce}.{_mac(secret, stamp, nonce, method)}"
+    return f"{stamp}.{nonce}.{_mac(secret, stamp, nonce, method, node)}"
 
 
 class CredentialChecker:
-    """Verifies credentials for one worker; remembers recent nonces to refuse replays."""
+    """Verifies credentials for one worker (`node`, its node id, set before it serves);
+    remembers recent nonces to refuse replays."""
 
-    def __init__(self, secret: bytes, *, window: float = FRESHNESS_SECONDS) -> None:
+    def __init__(self, secret: bytes, *, window: float = FRESHNESS_SECONDS,
+                 node: str = "") -> None:
         self._secret = secret
         self._window = window
+        self.node = node
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -165,11 +181,19 @@ class CredentialChecker:
             issued = float(stamp)
         except ValueError:
             raise Unauthenticated("malformed shoal-auth credential") from None
-        if not hmac.compare_digest(mac, _mac(self._secret, stamp, nonce, method)):
-            raise Unauthenticated(
-                "credential does not match this worker's cluster secret "
-                "(copy the same secret file to every machine)"
-            )
+        bound = bool(self.node) and hmac.compare_digest(
+            mac, _mac(self._secret, stamp, nonce, method, self.node))
+        if not bound:
+            unbound = hmac.compare_digest(mac, _mac(self._secret, stamp, nonce, method))
+            if unbound and method not in UNBOUND_METHODS and self.node:
+                raise Unauthenticated(
+                    f"a credential for {method.rsplit('/', 1)[-1]} must be made for this "
+                    f"worker ({self.node}): it was made for none")
+            if not unbound:
+                raise Unauthenticated(
+                    "credential does not match this worker's cluster secret, or was made for "
+                    "another worker (copy the same secret file to every machine)"
+                )
         if abs(now - issued) > self._window:
             raise Unauthenticated(
                 f"credential is {abs(now - issued):.0f} s old or early: check the clocks "

@@ -263,7 +263,7 @@ def serve(args: argparse.Namespace) -> None:
                               log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr,
                                                   flush=True), spin=args.spin_us / 1e6)
         residency = load(args)
-        run(args, server, port, residency, addresses, lane)
+        run(args, server, port, residency, addresses, checker, lane)
     finally:
         if lane is not None:
             lane.close()
@@ -309,7 +309,7 @@ def load(args: argparse.Namespace) -> Residency:
 
 def run(
     args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
-    addresses: list[str], lane: LaneServer | None = None,
+    addresses: list[str], checker: CredentialChecker, lane: LaneServer | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""
     scan = residency.scan
@@ -318,6 +318,7 @@ def run(
         print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
     node_id = args.node_id or load_node_id(node_id_path(), log=note)
+    checker.node = node_id  # credentials for calls that change something must name it
     memory_budget = residency.budget
     servicer = ExpertServicer(residency, node_id, memory_budget, lane.port if lane else 0)
     add_expert_service(servicer, server)

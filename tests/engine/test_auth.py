@@ -52,6 +52,21 @@ def test_credentials_verify_and_refuse_wrong_secret_method_age_and_replay():
         checker.check("garbage", METHOD)
 
 
+def test_a_credential_that_changes_something_is_bound_to_the_worker_it_was_made_for():
+    secret = b"a" * 64
+    drop, inventory = "/shoal.v1.ExpertService/DropExpert", "/shoal.v1.ExpertService/GetInventory"
+    a, b = CredentialChecker(secret, node="mac-a"), CredentialChecker(secret, node="mac-b")
+    for_a = make_credential(secret, drop, node="mac-a", now=1000.0)
+    with pytest.raises(Unauthenticated, match="another worker"):
+        b.check(for_a, drop, now=1000.0)  # presented to another worker: refused
+    a.check(for_a, drop, now=1000.0)
+    with pytest.raises(Unauthenticated, match="must be made for this worker"):
+        a.check(make_credential(secret, drop, now=1000.0), drop, now=1000.0)
+    # a read-only call may come before the coordinator knows whom it talks to
+    b.check(make_credential(secret, inventory, now=1000.0), inventory, now=1000.0)
+    b.check(make_credential(secret, inventory, node="mac-b", now=1000.0), inventory, now=1000.0)
+
+
 def test_secret_is_0600_whatever_was_there_and_a_readable_one_is_refused(tmp_path):
     """A leftover `secret.tmp` of mode 0644 (and a 0644 secret being replaced, and a umask
     of 0) used to make the new secret world-readable; and such a secret loaded silently."""

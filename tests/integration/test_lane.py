@@ -48,11 +48,13 @@ def lane_of(worker, secret_file) -> tuple[str, int, WorkerLink]:
     return host, inventory.lane_port, link
 
 
-def open_lane(host: str, port: int, secret, credential: str | None = None) -> ssl.SSLSocket:
+def open_lane(host: str, port: int, secret, credential: str | None = None,
+              node: str = "") -> ssl.SSLSocket:
+    """A lane with a HELLO: `credential`, else a fresh one made for the worker `node`."""
     sock = wire.connect(host, port, wire.client_context(secret.identity), 5)
     sock.settimeout(10)
-    wire.write_frame(sock, wire.HELLO,
-                     (credential or make_credential(secret, wire.LANE_METHOD)).encode())
+    hello = credential or make_credential(secret, wire.LANE_METHOD, node=node)
+    wire.write_frame(sock, wire.HELLO, hello.encode())
     return sock
 
 
@@ -117,8 +119,11 @@ def test_a_lane_refuses_strangers_before_reading_their_requests(
             sock = open_lane(host, port, other)
             wire.read_frame(sock, REPLIES)
         # this cluster's certificate, but a forged or a replayed credential
-        credential = make_credential(secret, wire.LANE_METHOD)
-        for forged in ("1.2.3.4", make_credential(secret, "/other/Method"), credential):
+        credential = make_credential(secret, wire.LANE_METHOD, node=link.node_id)
+        for forged in ("1.2.3.4", make_credential(secret, "/other/Method", node=link.node_id),
+                       make_credential(secret, wire.LANE_METHOD),  # made for no worker
+                       make_credential(secret, wire.LANE_METHOD, node="another-worker"),
+                       credential):
             sock = open_lane(host, port, secret, forged)
             kind, payload = wire.read_frame(sock, REPLIES)
             if forged is credential and kind == wire.READY:  # its first use is fine
@@ -135,13 +140,13 @@ def test_a_lane_refuses_strangers_before_reading_their_requests(
         sock.settimeout(10)
         assert answer_of(sock) == b""
         # a request frame over the limit, once authenticated: refused, named, lane closed
-        sock = open_lane(host, port, secret)
+        sock = open_lane(host, port, secret, node=link.node_id)
         assert wire.read_frame(sock, REPLIES)[0] == wire.READY
         sock.sendall(wire.HEADER.pack(REQUEST_LIMIT + 1, wire.MESSAGE))
         kind, payload = wire.read_frame(sock, REPLIES)
         assert kind == wire.ERROR and "over the limit" in wire.read_error(payload)[1]
         # and the worker still serves a right request on a new lane
-        sock = open_lane(host, port, secret)
+        sock = open_lane(host, port, secret, node=link.node_id)
         assert wire.read_frame(sock, REPLIES)[0] == wire.READY
         wire.write_frame(sock, wire.MESSAGE, request_bytes(manifest, link.inventory, seq=9))
         kind, payload = wire.read_frame(sock, REPLIES)
@@ -175,7 +180,7 @@ def test_malformed_requests_on_a_lane_are_refused_clearly_and_the_worker_serves_
               for dtype in ("float32", "int64", "x" * 300)]
     try:
         for case in cases:
-            sock = open_lane(host, port, secret)
+            sock = open_lane(host, port, secret, node=link.node_id)
             assert wire.read_frame(sock, REPLIES)[0] == wire.READY
             wire.write_frame(sock, wire.MESSAGE, case)
             kind, payload = wire.read_frame(sock, REPLIES)

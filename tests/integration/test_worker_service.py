@@ -19,8 +19,9 @@ def worker(tiny_checkpoint, tmp_path, start_worker):
     return start_worker([out / "worker-0"])
 
 
-def credential(secret: bytes, method: str) -> list[tuple[str, str]]:
-    return [("shoal-auth", make_credential(secret, SERVICE + method))]
+def credential(secret: bytes, method: str, node: str = "") -> list[tuple[str, str]]:
+    """A call's credential; one that changes something names the worker (its node id)."""
+    return [("shoal-auth", make_credential(secret, SERVICE + method, node=node))]
 
 
 def request(layer=0, width=64, rows=(0,), experts=(0,), n=1, dtype="float32"):
@@ -44,6 +45,10 @@ def test_worker_refuses_bad_input_and_unauthenticated_calls_then_still_serves(
     stub = shoal_pb2_grpc.ExpertServiceStub(channel)
     inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
                                   metadata=credential(secret, "GetInventory"))
+
+    def bound(method: str) -> list[tuple[str, str]]:
+        return credential(secret, method, inventory.node_id)
+
     held = sorted((h.layer, h.expert) for h in inventory.experts)
     layer, expert = held[0]
     missing = next(e for e in range(8) if (layer, e) not in held)
@@ -75,11 +80,11 @@ def test_worker_refuses_bad_input_and_unauthenticated_calls_then_still_serves(
     bad.append((truncated, "needs 256 bytes, got 255"))
     for message, hint in bad:
         with pytest.raises(grpc.RpcError) as info:
-            compute(stub, message, credential(secret, "Compute"))
+            compute(stub, message, bound("Compute"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, hint
         assert hint in info.value.details()
 
-    replies = compute(stub, request(layer, experts=(expert,)), credential(secret, "Compute"))
+    replies = compute(stub, request(layer, experts=(expert,)), bound("Compute"))
     assert replies[0].output.shape == [1, 64]
     assert worker.proc.poll() is None
     channel.close()
@@ -96,14 +101,18 @@ def test_numbers_that_are_not_numbers_and_huge_strings_get_short_clear_refusals(
     stub = shoal_pb2_grpc.ExpertServiceStub(channel)
     inventory = stub.GetInventory(shoal_pb2.InventoryRequest(), timeout=30,
                                   metadata=credential(secret, "GetInventory"))
+
+    def bound(method: str) -> list[tuple[str, str]]:
+        return credential(secret, method, inventory.node_id)
+
     layer, expert = inventory.experts[0].layer, inventory.experts[0].expert
     drain = shoal_pb2.DropRequest(layer=layer, expert=expert, phase=shoal_pb2.DropRequest.DRAIN)
-    stub.DropExpert(drain, timeout=30, metadata=credential(secret, "DropExpert"))
+    stub.DropExpert(drain, timeout=30, metadata=bound("DropExpert"))
     for quiet in (float("nan"), -1.0, float("inf"), -float("inf")):
         delete = shoal_pb2.DropRequest(layer=layer, expert=expert, quiet_seconds=quiet,
                                        phase=shoal_pb2.DropRequest.DELETE)
         with pytest.raises(grpc.RpcError) as info:
-            stub.DropExpert(delete, timeout=30, metadata=credential(secret, "DropExpert"))
+            stub.DropExpert(delete, timeout=30, metadata=bound("DropExpert"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, quiet
         assert "quiet_seconds" in info.value.details()
     status = stub.ExpertFileStatus(shoal_pb2.ExpertFileRequest(layer=layer, expert=expert),
@@ -113,9 +122,9 @@ def test_numbers_that_are_not_numbers_and_huge_strings_get_short_clear_refusals(
     message = request(layer=layer, experts=(expert,))
     message.hidden.dtype = "x" * 65536
     with pytest.raises(grpc.RpcError) as info:
-        compute(stub, message, credential(secret, "Compute"))
+        compute(stub, message, bound("Compute"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(info.value.details()) < 2100
     assert "more characters" in info.value.details()
-    assert compute(stub, request(layer=layer, experts=(expert,)), credential(secret, "Compute"))
+    assert compute(stub, request(layer=layer, experts=(expert,)), bound("Compute"))
     channel.close()
