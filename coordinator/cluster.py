@@ -9,7 +9,7 @@ rebuilds its links and routes between layer calls when the members' `version` ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator.link import CONNECT_TIMEOUT, WorkerLink, handshake, held
 from engine.auth import Secret
@@ -17,6 +17,9 @@ from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
+
+if TYPE_CHECKING:
+    from coordinator.local_experts import LocalExperts
 
 
 class Members(Protocol):
@@ -115,9 +118,10 @@ class FixedMembers:
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
 
-    def join(self, manifest: Manifest) -> Cluster:
-        """Ask every worker what it holds, refuse mismatches, and build the routing table;
-        a listed worker must answer now. Closes the links if any does not."""
+    def join(self, manifest: Manifest, local: LocalExperts | None = None) -> Cluster:
+        """Ask every worker what it holds, refuse mismatches, and build the routing table
+        (with the coordinator's own experts, `local`, as the first member); a listed worker
+        must answer now. Closes the links if any does not."""
         try:
             for i, link in enumerate(self.links):
                 inventory, problem = handshake(link, manifest, CONNECT_TIMEOUT)
@@ -125,7 +129,7 @@ class FixedMembers:
                     raise ShoalError(problem)
                 self._holdings[i] = held(inventory)
             self.version += 1
-            return Cluster.of(self, layer_sizes(manifest))
+            return Cluster.of(with_local(self, local), layer_sizes(manifest))
         except BaseException:
             self.close()
             raise
@@ -159,3 +163,13 @@ def parse_addresses(text: str) -> list[str]:
 
 def layer_sizes(manifest: Manifest) -> dict[int, int]:
     return {layer.layer: layer.num_experts for layer in manifest.layers}
+
+
+def with_local(members: Members | None, local: LocalExperts | None) -> Members:
+    """The members, with the coordinator's own experts as the first when it holds some."""
+    if local is None:
+        assert members is not None
+        return members
+    from coordinator.local_experts import WithLocal
+
+    return WithLocal(local, members)

@@ -1,0 +1,92 @@
+"""The coordinator serving its own Mac's experts in process (coordinator/local_experts.py) gives
+exactly mlx-lm's output: this Mac alone, one local store beside one remote worker, and replicas
+across the two, in float32 and 4-bit, with every expert in memory and under a 10% budget."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+from coordinator.generate import open_remote_model
+from coordinator.local_experts import ADDRESS
+from coordinator.worker_stats import read_stats, run_report
+from engine.auth import load_secret
+from engine.sharding import shard
+from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
+
+NEW_TOKENS = 8
+
+
+def expected_output(source):
+    reference, _ = load_model(source)
+    return reference(mx.array([PROMPT])), greedy_tokens(reference, PROMPT, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
+    bits, tiny_checkpoint, tmp_path
+):
+    source = tiny_checkpoint("qwen3_moe", quantize_bits=bits)
+    expected_logits, expected = expected_output(source)
+    sharded = tmp_path / "sharded"
+    shard(source, sharded, progress=False)
+    for budget in ("100%", "10%"):
+        remote = open_remote_model(sharded, [], b"", local_stores=[sharded / "experts"],
+                                   memory_budget=budget)
+        try:
+            logits = remote.model(mx.array([PROMPT]))
+            before = read_stats(remote.cluster.links)
+            tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
+            after = read_stats(remote.cluster.links)
+        finally:
+            remote.close()
+        assert remote.cluster.links == [remote.local]  # no worker at all
+        assert mx.array_equal(logits, expected_logits), budget
+        assert tokens == expected, budget
+        local = run_report(before, after, NEW_TOKENS,
+                           remote.dispatcher.lookahead.stats)["workers"][ADDRESS]
+        assert not local["problems"]
+        if budget == "100%":
+            # every layer ran as mlx-lm runs it: the switch over the stack, no dispatch
+            assert not remote.dispatcher.stats.layers
+            assert local["hit_rate"] == 1.0 and local["bytes_read"] == 0
+            assert local["demands"] > 0  # the heat and hits were counted all the same
+        else:
+            assert remote.dispatcher.stats.total().calls > 0
+            assert local["bytes_read"] > 0 and local["hit_rate"] < 1.0
+            assert local["prefetch_issued"] > 0  # the router's lookahead reached the cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [None, 4])
+def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
+    bits, tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    source = tiny_checkpoint("qwen3_moe", quantize_bits=bits)
+    expected_logits, expected = expected_output(source)
+    sharded = tmp_path / "sharded"
+    manifest = shard(source, sharded, progress=False)
+    keys = sorted((e.layer, e.expert) for e in manifest.experts)
+    # Halves, so that 10% of either side is still more than one expert; then each side also
+    # holding copies of some of the other's, so that copies on both take turns.
+    splits = {"split": [keys[::2], keys[1::2]],
+              "replicas": [keys[::2] + keys[1::6], keys[1::2] + keys[::4]]}
+    secret = load_secret(secret_file)
+    for name, shares in splits.items():
+        here, there = make_stores(sharded, tmp_path / name, shares)
+        for budget in ("100%", "10%"):
+            worker = start_worker([there], "--memory-budget", budget, forked=True)
+            remote = open_remote_model(sharded, [worker.address], secret, local_stores=[here],
+                                       memory_budget=budget)
+            try:
+                logits = remote.model(mx.array([PROMPT]))
+                tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
+                routes = remote.cluster.routes
+            finally:
+                remote.close()
+                worker.stop()
+            case = f"{name} at {budget}"
+            assert mx.array_equal(logits, expected_logits), case
+            assert tokens == expected, case
+            served = remote.dispatcher.stats.worker_requests
+            assert served[ADDRESS] > 0 and served[worker.address] > 0, (case, served)
+            assert any(r.replicated for r in routes.values()) == (name == "replicas"), case
