@@ -13,6 +13,7 @@ the coordinator as they see a worker.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -186,7 +187,8 @@ def open_local_experts(
         if not (Path(store) / "manifest.json").is_file():
             raise InvalidInput(f"--local-store {store} is not a store folder written by "
                                "`shoal shard` (it has no manifest.json)")
-    residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal")
+    residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
+                               out=sys.stderr)  # stdout is the generated text's
     try:
         if residency.scan.manifest.fingerprint != manifest.fingerprint:
             raise InvalidInput(
@@ -194,7 +196,8 @@ def open_local_experts(
                 f"({residency.scan.manifest.fingerprint[:12]}, expected "
                 f"{manifest.fingerprint[:12]})"
             )
-        node = node_id or load_node_id(node_id_path(), log=lambda m: print(f"shoal: {m}"))
+        node = node_id or load_node_id(node_id_path(),
+                                       log=lambda m: print(f"shoal: {m}", file=sys.stderr))
         return LocalExperts(residency, node)
     except BaseException:
         residency.close()

@@ -10,6 +10,7 @@ import sys
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 import mlx.core as mx
@@ -247,10 +248,12 @@ def load(args: argparse.Namespace) -> Residency:
 def open_residency(
     stores: list[Path], memory_budget: str | None, *, verify: bool = True,
     readers: int = READERS_PER_DRIVE, verify_reads: bool = True, name: str = "shoal-worker",
+    out: TextIO | None = None,
 ) -> Residency:
     """Scan (and verify) store folders and hold their experts under a memory budget
-    (--memory-budget's text, or None for the default), saying so on stdout and stderr as
-    `name`: a worker's, or the coordinator's own experts (coordinator/local_experts.py)."""
+    (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
+    coordinator for its own experts: coordinator/local_experts.py), the budget on `out`
+    (default stdout), warnings on stderr."""
     scan = scan_stores(stores, verify=verify)
     for problem in scan.problems:
         print(f"{name}: warning: {problem}", file=sys.stderr, flush=True)
@@ -265,7 +268,7 @@ def open_residency(
         f"{name}: memory budget {format_bytes(budget)} ({how}); experts "
         f"{format_bytes(expert_bytes)}, {resident / max(expert_bytes, 1):.0%} of them fit in memory"
         + ("" if budget >= expert_bytes else "; the rest are read from the drives when routed"),
-        flush=True,
+        file=out or sys.stdout, flush=True,
     )
     residency = Residency(
         scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads,

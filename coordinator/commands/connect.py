@@ -1,18 +1,19 @@
 """How a command reaches the workers its options name (--workers addresses, a cluster config,
-or Bonjour browsing), and what a run leaves behind with them: its heat, recorded."""
+or Bonjour browsing) and the coordinator's own stores (--local-store, a cluster config's
+[coordinator]), and what a run leaves behind with them: its heat, recorded."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.commands.options import browse_seconds, check_one_worker_source
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
-    from pathlib import Path
 
     from coordinator.membership import Membership
     from engine.manifest import Manifest
@@ -100,3 +101,25 @@ def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
         record_heat(model_dir, manifest, fetch_readings(links))
     except ShoalError as e:
         print(f"shoal: warning: the heat of this run was not recorded: {e}", file=sys.stderr)
+
+
+def local_stores(args: argparse.Namespace) -> tuple[list[Path], str | None]:
+    """The coordinator's own store folders and their memory budget: --local-store (and
+    --memory-budget), else the [coordinator] table of --cluster-config; none by default."""
+    if args.local_store:
+        return list(args.local_store), args.memory_budget
+    if args.cluster_config:
+        from coordinator.discovery import read_cluster_config
+
+        config = read_cluster_config(args.cluster_config)
+        return list(config.local_stores), args.memory_budget or config.memory_budget
+    return [], None
+
+
+def needs_workers(args: argparse.Namespace, manifest: Manifest, stores: list[Path]) -> bool:
+    """Whether to reach workers at all: when the options name some, or when the local stores
+    lack some expert's file (then they are looked for with Bonjour); one Mac alone needs none."""
+    if args.workers or args.cluster or args.cluster_config:
+        return True
+    present = {e.file for e in manifest.experts for store in stores if (store / e.file).is_file()}
+    return len(present) < len(manifest.experts)
