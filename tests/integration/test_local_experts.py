@@ -90,3 +90,49 @@ def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
             served = remote.dispatcher.stats.worker_requests
             assert served[ADDRESS] > 0 and served[worker.address] > 0, (case, served)
             assert any(r.replicated for r in routes.values()) == (name == "replicas"), case
+
+
+@pytest.mark.slow
+def test_shoal_serve_on_one_mac_alone_answers_as_mlx_lm_batched_or_not(
+    tiny_checkpoint, tmp_path
+):
+    import concurrent.futures
+
+    import httpx2 as httpx
+    import openai
+    from mlx_lm.utils import load_tokenizer
+
+    from coordinator.generate import encode_messages, generate
+    from coordinator.local import start_server
+
+    source = tiny_checkpoint("qwen3_moe")
+    sharded = tmp_path / "sharded"
+    shard(source, sharded, progress=False)
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    chats = [[{"role": "user", "content": text}]
+             for text in ("What is the capital of France?", "Tell me about fish.", "a")]
+    expected = [generate(model, tokenizer, encode_messages(tokenizer, chat), max_tokens=10).text
+                for chat in chats]
+    for budget in ("100%", "25%"):
+        server = start_server(sharded, [], tmp_path / "no-secret", tmp_path / f"{budget}.log",
+                              ("--local-store", str(sharded / "experts"),
+                               "--memory-budget", budget, "--model-id", "tiny"))
+        try:
+            health = httpx.get(server.url + "/health", timeout=10)
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                                   max_retries=0, timeout=60)
+
+            def ask(chat, client=client):
+                reply = client.chat.completions.create(model="tiny", messages=chat,
+                                                       max_tokens=10, temperature=0)
+                return reply.choices[0].message.content
+
+            alone = [ask(chat) for chat in chats]
+            with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+                together = list(pool.map(ask, chats))  # decoded as one batch
+        finally:
+            server.stop()
+        assert health.status_code == 200 and health.json()["workers"] == 1, health.text
+        assert alone == expected, budget
+        assert together == expected, budget
