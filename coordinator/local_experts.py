@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,19 @@ class _Context:
 
 
 _CONTEXT = _Context()
+
+
+class _Streamed:
+    """A streamed answer as gRPC's caller holds it: iterated, and cancelled to stop early."""
+
+    def __init__(self, answer: Generator) -> None:
+        self._answer = answer
+
+    def __iter__(self) -> Iterator:
+        return self._answer
+
+    def cancel(self) -> None:
+        self._answer.close()
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,8 @@ class LocalExperts:
         own servicer method; a refusal raises the ShoalError a worker's link would."""
         if method == "GetHeat":
             self.settle()
-        return getattr(self._servicer, method)(request, _CONTEXT)
+        answer = getattr(self._servicer, method)(request, _CONTEXT)
+        return _Streamed(answer) if isinstance(answer, Generator) else answer
 
     def check_health(self, timeout: float) -> float:
         return 0.0

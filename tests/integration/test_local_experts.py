@@ -136,3 +136,78 @@ def test_shoal_serve_on_one_mac_alone_answers_as_mlx_lm_batched_or_not(
         assert health.status_code == 200 and health.json()["workers"] == 1, health.text
         assert alone == expected, budget
         assert together == expected, budget
+
+
+class _Stop(Exception):
+    """The rebalance stopped between two steps (as by Ctrl-C or a crash of the command)."""
+
+
+@pytest.mark.slow
+def test_experts_move_from_the_coordinator_to_a_worker_and_back_stopped_at_every_step(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """A live migration in the generating process: some of the coordinator's own experts go
+    to a worker, then come back. The run is stopped after every single step and planned again
+    from what the members then report; at every stop each expert still has a verified file on
+    some drive, and generation (which follows the moves) still gives mlx-lm's tokens."""
+    import shutil
+
+    from coordinator.rebalance import observe
+    from coordinator.transfer import Executor
+    from engine.migration import plan_migration
+    from engine.rebalance_plan import state_of
+    from worker.store import scan_stores
+
+    source = tiny_checkpoint("qwen3_moe")
+    _, expected = expected_output(source)
+    sharded = tmp_path / "out"
+    manifest = shard(source, sharded, workers=2, progress=False)
+    here, there = tmp_path / "here", tmp_path / "there"  # not in OUT_DIR: no third source
+    shutil.move(sharded / "worker-0", here)
+    shutil.move(sharded / "worker-1", there)
+    worker = start_worker([there], "--no-advertise", "--node-id", "w1")
+    remote = open_remote_model(sharded, [worker.address], load_secret(secret_file),
+                               local_stores=[here])
+    sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
+    everything = set(sizes)
+    try:
+        links = remote.cluster.links
+        me = remote.local.node_id
+        moved = sorted(remote.local.held())[:3]
+        for holder in ("w1", me):  # out to the worker, then back
+            stops = 0
+            while True:
+                members, by_name = observe(links)
+                state = state_of(members, sizes, ())
+                target = {key: tuple(sorted(held)) for key, held in
+                          ((k, {w for w, s in copies.items() if s == "serving"})
+                           for k, copies in state.items())}
+                target.update({key: (holder,) for key in moved})
+                plan = plan_migration(state, target, sizes)
+                if not plan.steps:
+                    break
+                assert stops < 40, "the migration does not converge"
+
+                def stop_after_one(event, step, sent, plan=plan):
+                    if event == "step" and step is not plan.steps[0]:
+                        raise _Stop
+
+                executor = Executor(manifest, by_name, {}, log=lambda m: None, quiet=0.1,
+                                    progress=False, on_event=stop_after_one)
+                with pytest.raises(_Stop):
+                    if executor.run(plan, "rebalance").steps_done == len(plan.steps):
+                        raise _Stop  # a one-step plan ran to its end
+                stops += 1
+                on_disk = set(scan_stores([here]).held) | set(scan_stores([there]).held)
+                assert on_disk == everything, f"lost {sorted(everything - on_disk)}"
+                tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
+                assert tokens == expected, f"after {stops} steps towards {holder}"
+            # copy (the receiver verifies and serves what it took in), drain, delete each
+            assert stops >= 3 * len(moved)
+            served = {w.name: w.serving for w in observe(links)[0]}
+            assert all(key in served[holder] for key in moved)
+            assert not any(key in held for name, held in served.items() if name != holder
+                           for key in moved)
+        assert remote.cluster.reloads > 0  # the dispatcher followed the members' inventories
+    finally:
+        remote.close()
