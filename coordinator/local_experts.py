@@ -191,10 +191,11 @@ class LocalExperts:
 
 def open_local_experts(
     stores: list[Path], manifest: Manifest, *, memory_budget: str | None = None,
-    verify: bool = True, node_id: str | None = None,
+    verify: bool = True, node_id: str | None = None, warm: bool = True,
 ) -> LocalExperts:
     """This Mac's store folders (one per drive) as the coordinator's own member, under a
-    memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker)."""
+    memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
+    False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
     from worker.advertise import load_node_id, node_id_path
     from worker.daemon import open_residency
 
@@ -203,7 +204,7 @@ def open_local_experts(
             raise InvalidInput(f"--local-store {store} is not a store folder written by "
                                "`shoal shard` (it has no manifest.json)")
     residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
-                               out=sys.stderr)  # stdout is the generated text's
+                               out=sys.stderr, warm=warm)  # stdout is the generated text's
     try:
         if residency.scan.manifest.fingerprint != manifest.fingerprint:
             raise InvalidInput(

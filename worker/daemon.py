@@ -248,12 +248,12 @@ def load(args: argparse.Namespace) -> Residency:
 def open_residency(
     stores: list[Path], memory_budget: str | None, *, verify: bool = True,
     readers: int = READERS_PER_DRIVE, verify_reads: bool = True, name: str = "shoal-worker",
-    out: TextIO | None = None,
+    out: TextIO | None = None, warm: bool = True,
 ) -> Residency:
     """Scan (and verify) store folders and hold their experts under a memory budget
     (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
     coordinator for its own experts: coordinator/local_experts.py), the budget on `out`
-    (default stdout), warnings on stderr."""
+    (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now."""
     scan = scan_stores(stores, verify=verify)
     for problem in scan.problems:
         print(f"{name}: warning: {problem}", file=sys.stderr, flush=True)
@@ -271,7 +271,7 @@ def open_residency(
         file=out or sys.stdout, flush=True,
     )
     residency = Residency(
-        scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads,
+        scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads, warm=warm,
         report=lambda m: print(f"{name}: warning: {m}", file=sys.stderr, flush=True),
     )
     if residency.streaming:

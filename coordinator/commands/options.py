@@ -47,6 +47,7 @@ def live_options(p: argparse.ArgumentParser) -> None:
                    help="addresses of the workers (default: those of --cluster found on "
                    "the local network)")
     discovery_options(p, wait=4.0, wait_help="how long to look for workers (default 4)")
+    local_store_options(p)
     secret_option(p)
 
 

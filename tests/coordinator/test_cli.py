@@ -206,3 +206,25 @@ def test_generate_with_one_local_store_and_one_worker_matches_mlx_lm(
     expected = mlx_lm_tokens(tiny_checkpoint("mixtral"), report["prompt_token_ids"], 10)
     assert report["token_ids"] == expected
     assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}
+    # the coordinator is one more member for the heat and the rebalance's plan
+    members = ("--local-store", str(sharded / "worker-0"), "--workers", worker.address,
+               "--secret-file", str(secret_file))
+    run = shoal("rebalance", "--model", str(sharded), *members, "--dry-run", "--json")
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    assert len(plan["workers"]) == 2, plan["workers"]
+    run = shoal("heat", "--model", str(sharded), *members, "--json")
+    assert run.returncode == 0 and json.loads(run.stdout), run.stderr
+
+
+def test_heat_of_one_mac_alone_needs_no_worker_or_secret(sharded, tmp_path):
+    stores = ("--local-store", str(sharded / "worker-0"), "--local-store",
+              str(sharded / "worker-1"))
+    run = shoal("generate", "--model", str(sharded), *stores, "--max-tokens", "4",
+                "--secret-file", str(tmp_path / "none"), "hello")
+    assert run.returncode == 0, run.stderr
+    run = shoal("heat", "--model", str(sharded), *stores, "--secret-file",
+                str(tmp_path / "none"), "--json")
+    assert run.returncode == 0, run.stderr
+    heat = json.loads(run.stdout)  # layer -> expert -> tokens, counted by the coordinator
+    assert sum(sum(experts.values()) for experts in heat.values()) > 0, heat
