@@ -13,10 +13,12 @@ the coordinator as they see a worker.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 import time
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from engine.tensors import dtype_name, to_numpy
 from proto import EXPERT_REQUEST, error_class_for, shoal_pb2
 from worker.residency import Request, Residency, Timing
 
+LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
 ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
 # `whole` calls whose heat waits to be counted: their routers' picks are read only once
 # evaluated, and mlx-lm builds one forward pass while the one before it runs, so picks two
@@ -79,9 +82,10 @@ class LocalExperts:
     connections = 1
     open_streams = 1
 
-    def __init__(self, residency: Residency, node_id: str) -> None:
+    def __init__(self, residency: Residency, node_id: str, locks: Sequence[int] = ()) -> None:
         from worker.service import ExpertServicer
 
+        self._locks = list(locks)
         self.residency = residency
         self.node_id = node_id
         self._servicer = ExpertServicer(residency, node_id, residency.budget)
@@ -187,6 +191,9 @@ class LocalExperts:
     def close(self) -> None:
         self.settle()
         self.residency.close()
+        for fd in self._locks:
+            os.close(fd)  # the lock goes with it
+        self._locks = []
 
 
 def open_local_experts(
@@ -203,8 +210,14 @@ def open_local_experts(
         if not (Path(store) / "manifest.json").is_file():
             raise InvalidInput(f"--local-store {store} is not a store folder written by "
                                "`shoal shard` (it has no manifest.json)")
-    residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
-                               out=sys.stderr, warm=warm)  # stdout is the generated text's
+    locks = [lock_store(Path(store)) for store in stores]
+    try:
+        residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
+                                   out=sys.stderr, warm=warm)  # stdout is the generated text's
+    except BaseException:
+        for fd in locks:
+            os.close(fd)
+        raise
     try:
         if residency.scan.manifest.fingerprint != manifest.fingerprint:
             raise InvalidInput(
@@ -214,10 +227,28 @@ def open_local_experts(
             )
         node = node_id or load_node_id(node_id_path(),
                                        log=lambda m: print(f"shoal: {m}", file=sys.stderr))
-        return LocalExperts(residency, node)
+        return LocalExperts(residency, node, locks)
     except BaseException:
         residency.close()
+        for fd in locks:
+            os.close(fd)
         raise
+
+
+def lock_store(store: Path) -> int:
+    """Hold the store's lock for this process: two coordinators serving one store would each
+    move and count its experts without the other knowing (a `shoal rebalance --local-store`
+    beside a `shoal serve` of the same folder). Released when the process ends, however."""
+    fd = os.open(store / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise InvalidInput(
+            f"--local-store {store} is served by another shoal process on this Mac; stop it "
+            "first (a store's experts are moved and counted by the one process serving it)"
+        ) from None
+    return fd
 
 
 class WithLocal:

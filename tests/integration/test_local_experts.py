@@ -56,6 +56,21 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
             assert local["prefetch_issued"] > 0  # the router's lookahead reached the cache
 
 
+def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint, tmp_path):
+    from coordinator.local_experts import open_local_experts
+    from engine.errors import InvalidInput
+
+    sharded = tmp_path / "sharded"
+    manifest = shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    first = open_local_experts([sharded / "experts"], manifest, warm=False)
+    try:
+        with pytest.raises(InvalidInput, match="served by another shoal process"):
+            open_local_experts([sharded / "experts"], manifest, warm=False)
+    finally:
+        first.close()
+    open_local_experts([sharded / "experts"], manifest, warm=False).close()  # released
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [None, 4])
 def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
