@@ -226,3 +226,90 @@ def test_experts_move_from_the_coordinator_to_a_worker_and_back_stopped_at_every
         assert remote.cluster.reloads > 0  # the dispatcher followed the members' inventories
     finally:
         remote.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("towards", ["worker", "coordinator"])
+def test_a_worker_killed_mid_copy_to_or_from_the_coordinator_loses_nothing_and_a_rerun_finishes(
+    towards, tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    """Experts move between the coordinator's own store and a worker; the worker is killed in
+    the middle of the second copy (as receiver, or as the source the coordinator reads from).
+    Every expert keeps a verified file; with the worker back, planning again from what the
+    members hold resumes the partial file and finishes, and the tokens are mlx-lm's."""
+    import shutil
+    import time
+
+    from coordinator.rebalance import observe
+    from coordinator.transfer import Executor
+    from engine.errors import ShoalError
+    from engine.migration import plan_migration
+    from engine.rebalance_plan import state_of
+    from worker.store import scan_stores
+
+    source = tiny_checkpoint("qwen3_moe")
+    _, expected = expected_output(source)
+    sharded = tmp_path / "out"
+    manifest = shard(source, sharded, workers=2, progress=False)
+    here, there = tmp_path / "here", tmp_path / "there"
+    shutil.move(sharded / "worker-0", here)
+    shutil.move(sharded / "worker-1", there)
+    sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
+    secret = load_secret(secret_file)
+
+    def migrate_towards(remote, moved, holder, on_event=None):
+        members, by_name = observe(remote.cluster.links)
+        state = state_of(members, sizes, ())
+        target = {k: tuple(sorted(w for w, s in copies.items() if s == "serving"))
+                  for k, copies in state.items()}
+        target.update({key: (holder,) for key in moved})
+        executor = Executor(manifest, by_name, {}, log=lambda m: None, quiet=0.1,
+                            progress=False, chunk_bytes=4096, on_event=on_event)
+        return executor.run(plan_migration(state, target, sizes), "rebalance")
+
+    worker = start_worker([there], "--no-advertise", "--node-id", "w1")
+    remote = open_remote_model(sharded, [worker.address], secret, local_stores=[here])
+    me = remote.local.node_id
+    holder, giver = ("w1", here) if towards == "worker" else (me, there)
+    moved = sorted(scan_stores([giver]).held)[:3]
+    copies, killed = [], []
+
+    def kill(event, step, sent):
+        if event == "step" and step.kind == "copy":
+            copies.append(step)
+        if event == "chunk" and len(copies) == 2 and sent >= 8192 and not killed:
+            killed.append(step)
+            time.sleep(0.3)  # let the receiver write what it was sent
+            worker.proc.kill()
+            worker.proc.wait(10)
+
+    try:
+        with pytest.raises(ShoalError, match="run the command again"):
+            migrate_towards(remote, moved, holder, kill)
+    finally:
+        remote.close()
+    assert killed
+    on_disk = set(scan_stores([here]).held) | set(scan_stores([there]).held)
+    assert on_disk == set(sizes), f"lost {sorted(set(sizes) - on_disk)}"
+    receiver = there if towards == "worker" else here
+    partial = list(receiver.rglob("*.incoming"))
+    assert partial  # kept, to resume from
+    # A worker receiving is killed with part of the file written; the coordinator reading
+    # from a worker has had the whole file in one message of the source's stream (it is
+    # smaller than a chunk), so what it keeps is the next copy's start, which failed at once.
+    resumed_from = 4096 if towards == "worker" else 0
+    assert partial[0].stat().st_size >= resumed_from
+
+    worker = start_worker([there], "--no-advertise", "--node-id", "w1")  # back, new port
+    remote = open_remote_model(sharded, [worker.address], secret, local_stores=[here])
+    try:
+        events = []
+        migrate_towards(remote, moved, holder, lambda *e: events.append(e))
+        if resumed_from:  # a copy that starts at byte 0 is a fresh one, not a resume
+            assert any(e[0] == "resume" and e[2] >= resumed_from for e in events)
+        served = {w.name: w.serving for w in observe(remote.cluster.links)[0]}
+        assert all(key in served[holder] for key in moved)
+        assert greedy_tokens(remote.model, PROMPT, NEW_TOKENS) == expected
+    finally:
+        remote.close()
+    assert not list(here.rglob("*.incoming")) and not list(there.rglob("*.incoming"))
