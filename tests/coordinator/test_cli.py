@@ -228,3 +228,23 @@ def test_heat_of_one_mac_alone_needs_no_worker_or_secret(sharded, tmp_path):
     assert run.returncode == 0, run.stderr
     heat = json.loads(run.stdout)  # layer -> expert -> tokens, counted by the coordinator
     assert sum(sum(experts.values()) for experts in heat.values()) > 0, heat
+
+
+@pytest.mark.slow
+def test_a_cluster_config_names_the_coordinators_own_store_beside_its_worker(
+    sharded, tiny_checkpoint, start_worker, secret_file, tmp_path
+):
+    worker = start_worker([sharded / "worker-1"], "--no-advertise")
+    config = tmp_path / "desk.toml"
+    config.write_text(f'name = "desk"\n[coordinator]\nstores = ["{sharded / "worker-0"}"]\n'
+                      f'memory_budget = "10%"\n[[workers]]\naddress = "{worker.address}"\n')
+    run = shoal("generate", "--model", str(sharded), "--cluster-config", str(config),
+                "--secret-file", str(secret_file), "--max-tokens", "10", "--json", "--stats",
+                "hello world")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    expected = mlx_lm_tokens(tiny_checkpoint("mixtral"), report["prompt_token_ids"], 10)
+    assert report["token_ids"] == expected
+    local = report["stats"]["streaming"]["workers"]["local"]
+    assert local["memory_budget"] < local["expert_bytes"]  # the config's 10%
+    assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}
