@@ -173,6 +173,30 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
     return figures
 
 
+def measure_shoal_local(sharded: Path, settings: dict, secret_file: Path, log_dir: Path,
+                        *, remote_stores: int) -> dict:
+    """The coordinator serving stores itself, in process (coordinator/local_experts.py): every
+    store local ("one Mac, all local"), or the first local and the others behind workers on
+    loopback ("one local + one remote")."""
+    stores = [sharded / f"worker-{k}" for k in range(WORKERS)]
+    local, remote_ones = stores[:WORKERS - remote_stores], stores[WORKERS - remote_stores:]
+    workers = start_workers([[store] for store in remote_ones], secret_file, log_dir) \
+        if remote_ones else []
+    try:
+        remote = open_remote_model(sharded, [w.address for w in workers],
+                                   load_secret(secret_file), local_stores=local)
+        try:
+            return decode_and_prefill(remote.model, remote.tokenizer,
+                                      remote.manifest.config["vocab_size"],
+                                      lengths=settings["lengths"],
+                                      decode_tokens=settings["decode_tokens"],
+                                      runs=settings["runs"], long_runs=settings["long_runs"])
+        finally:
+            remote.close()
+    finally:
+        stop_workers(workers)
+
+
 def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dict:
     """Per-layer dispatch figures of decode, from the dispatcher's own split of decode calls
     (one new position per sequence) from prompt passes, as `generate --stats` reports them."""
@@ -342,6 +366,10 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         ("mlx_lm_single", lambda: measure_single(source, settings)),
         ("shoal", lambda: measure_shoal_on(network, sharded, settings, secret_file, log_dir,
                                            transport)),
+        ("shoal_one_mac_all_local", lambda: measure_shoal_local(
+            sharded, settings, secret_file, log_dir, remote_stores=0)),
+        ("shoal_one_local_one_remote", lambda: measure_shoal_local(
+            sharded, settings, secret_file, log_dir, remote_stores=1)),
         ("mlx_lm_tensor_parallel", lambda: measure_mlx_distributed(source, "tensor", settings)),
         ("mlx_lm_pipeline_parallel",
          lambda: measure_mlx_distributed(source, "pipeline", settings)),
@@ -369,6 +397,10 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         **results,
         "layer_overhead_ms": overhead_ms,
         "decode_ratio_vs_mlx_lm_single": ratio(shoal["decode_tps"], single["decode_tps"]),
+        "all_local_decode_ratio_vs_mlx_lm_single": ratio(
+            results["shoal_one_mac_all_local"]["decode_tps"], single["decode_tps"]),
+        "local_and_remote_decode_ratio_vs_two_remote": ratio(
+            results["shoal_one_local_one_remote"]["decode_tps"], shoal["decode_tps"]),
         f"prefill{longest}_ratio_vs_mlx_lm_single": ratio(shoal["prefill_tps"][longest],
                                                           single["prefill_tps"][longest]),
         "decode_ratio_vs_mlx_lm_tensor_parallel": ratio(shoal["decode_tps"],
@@ -419,7 +451,8 @@ def draw(report: dict, path: Path) -> None:
 def table(report: dict) -> str:
     rows = [("system", "decode tok/s") + tuple(f"prefill {n}" for n in
                                               report["settings"]["lengths"])]
-    for name in ("shoal", "mlx_lm_single", "mlx_lm_tensor_parallel", "mlx_lm_pipeline_parallel"):
+    for name in ("shoal", "shoal_one_mac_all_local", "shoal_one_local_one_remote",
+                 "mlx_lm_single", "mlx_lm_tensor_parallel", "mlx_lm_pipeline_parallel"):
         r = report[name]
         if "error" in r:
             rows.append((name, r["error"][:60]))
@@ -453,7 +486,9 @@ def table(report: dict) -> str:
                      f"relay, {e['relay_without_delay_ms']:.2f} ms through it with no delay")
     for key in ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
                 "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo",
-                "layer_overhead_ratio_vs_lane_echo"):
+                "layer_overhead_ratio_vs_lane_echo",
+                "all_local_decode_ratio_vs_mlx_lm_single",
+                "local_and_remote_decode_ratio_vs_two_remote"):
         value = report.get(key)
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.2f}'}")
     return "\n".join(lines)

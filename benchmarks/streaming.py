@@ -3,6 +3,11 @@
 drive's sequential read speed and against mlx-lm in one process under the same memory limit.
 
     .venv/bin/python benchmarks/streaming.py [--tokens 48] [--budgets 100,50,25]
+    .venv/bin/python -m benchmarks.streaming --local [--rounds 4] [--budgets 100,25]
+
+With --local, the coordinator serves every expert itself from the store (one Mac alone, no
+worker: coordinator/local_experts.py) at each budget, alternated round by round with mlx-lm
+running the same model with every expert in memory, each run a process of its own.
 
 The model is `shoal demo`'s (SmolLM2-135M split into 16 experts per layer, top-4: real
 weights, so routing is as skewed as a trained router makes it). Linux, as root, for dropping
@@ -263,6 +268,100 @@ def run_budget(
     }
 
 
+def local_once(sharded: str, store: str, share: int, ids: list[int], tokens: int) -> None:
+    """Run in a process of its own: the coordinator alone with every expert local at `share`%
+    of their bytes; prints one JSON line. Decode speed as mlx-lm's own loop reports it (the
+    same measure as MLX_LM_SCRIPT's); the cache's figures cover the decode steps only."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    remote = open_remote_model(Path(sharded), [], b"", local_stores=[Path(store)],
+                               memory_budget=f"{share}%")
+    try:
+        out, last = [], None
+        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
+                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
+            out.append(int(response.token))
+            last = response
+            if len(out) == 1:
+                before = read_stats(remote.cluster.links)
+                remote.dispatcher.stats.reset()
+        after = read_stats(remote.cluster.links)
+    finally:
+        remote.close()
+    (summary,) = run_report(before, after, 0, None)["workers"].values()
+    breakdown = remote.dispatcher.stats.decode.breakdown()
+    print(json.dumps({
+        "share": share, "tokens": out, "decode_tps": last.generation_tps,
+        "hit_rate": summary["hit_rate"], "bytes_read_per_token": summary["bytes_read_per_token"],
+        "dispatched_layer_calls": remote.dispatcher.stats.decode.calls,
+        "bookkeeping_us": breakdown["worker_bookkeeping_us"],
+        "matrix_us": breakdown["worker_matrix_us"],
+    }))
+
+
+def run_local(sharded: Path, store: Path, share: int, ids: list[int], tokens: int) -> dict:
+    code = ("from benchmarks.streaming import local_once; "
+            f"local_once({str(sharded)!r}, {str(store)!r}, {share}, {ids!r}, {tokens})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=1800, cwd=REPO)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-300:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_local(sharded: Path, source: Path, shares: list[int], tokens: int,
+                  rounds: int) -> None:
+    """One Mac alone, every expert local, at each budget, against mlx-lm with every expert in
+    memory: alternated round by round (each round starts with another configuration), so a
+    busy machine's slow spells fall on all of them alike."""
+    import statistics
+
+    from mlx_lm.utils import load_tokenizer
+
+    ids = encode_prompt(load_tokenizer(sharded / "dense"), PROMPT, chat=True)
+    store = sharded / "worker-0"
+    configs = ["mlx-lm", *shares]
+    runs: dict = {c: [] for c in configs}
+    for round_ in range(rounds):
+        for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
+            drop_page_cache(sorted(store.glob("L*/E*.safetensors"))
+                            + sorted(source.glob("*.safetensors")))
+            row = (run_mlx_lm(source, ids, tokens, None) if config == "mlx-lm"
+                   else run_local(sharded, store, config, ids, tokens))
+            if "error" in row:
+                raise SystemExit(f"{config}: {row['error']}")
+            runs[config].append(row)
+            print(f"  round {round_ + 1}: {config}{'' if config == 'mlx-lm' else '%'} "
+                  f"{row['decode_tps']:.2f} tok/s", flush=True)
+    reference = statistics.median(r["decode_tps"] for r in runs["mlx-lm"])
+    expected = runs["mlx-lm"][0]["tokens"]
+    print(f"\ndecode {tokens} tokens, prompt {len(ids)} tokens, {rounds} alternated rounds; "
+          "median tok/s, and the per-round ratio to that round's mlx-lm run (min-max)")
+    print(f"{'configuration':>28} {'tok/s':>6} {'x mlx-lm':>8} {'per round':>11} "
+          f"{'same tokens':>11} {'hit':>6} {'read/tok':>10} {'bookkeeping':>11} "
+          f"{'matrix':>7}")
+    print(f"{'mlx-lm, all in memory':>28} {reference:>6.2f} {1:>8.2f}")
+    for share in shares:
+        rows = runs[share]
+        median = statistics.median(r["decode_tps"] for r in rows)
+        ratios = [r["decode_tps"] / m["decode_tps"] for r, m in zip(rows, runs["mlx-lm"],
+                                                                     strict=True)]
+        same = all(r["tokens"] == expected for r in rows)
+        hit = statistics.median(r["hit_rate"] or 0 for r in rows)
+        read = statistics.median(r["bytes_read_per_token"] or 0 for r in rows)
+        calls = rows[0]["dispatched_layer_calls"]
+        keep = ("-" if not calls else
+                f"{statistics.median(r['bookkeeping_us'] for r in rows) / 1e3:.2f} ms")
+        matrix = ("-" if not calls else
+                  f"{statistics.median(r['matrix_us'] for r in rows) / 1e3:.2f} ms")
+        print(f"{f'shoal, all local, {share}% budget':>28} {median:>6.2f} "
+              f"{median / reference:>8.2f} {min(ratios):>5.2f}-{max(ratios):<5.2f} "
+              f"{str(same):>11} {100 * hit:>5.1f}% {format_bytes(read):>10} {keep:>11} "
+              f"{matrix:>7}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
@@ -273,12 +372,20 @@ def main() -> None:
                         help="budgets to run again with no prefetch hints (default 25)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm side")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--local", action="store_true",
+                        help="one Mac alone: the coordinator's own experts at each budget "
+                        "against mlx-lm with every expert in memory, alternated")
+    parser.add_argument("--rounds", type=int, default=4, help="with --local (default 4)")
     args = parser.parse_args()
 
     from coordinator.demo import moe_folder, prepare
 
     sharded = prepare(args.experts, args.top_k, 1)
     source = moe_folder(args.experts, args.top_k)
+    if args.local:
+        compare_local(sharded, source, [int(s) for s in args.budgets.split(",")], args.tokens,
+                      args.rounds)
+        return
     store = sharded / "worker-0"
     manifest = read_manifest(sharded)
     expert_total = sum(e.bytes for e in manifest.experts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake, held
 from engine.auth import Secret
@@ -20,6 +20,9 @@ from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
+
+if TYPE_CHECKING:
+    from coordinator.local_experts import LocalExperts
 
 
 class Members(Protocol):
@@ -119,13 +122,15 @@ class FixedMembers:
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
 
-    def join(self, manifest: Manifest, log: Callable[[str], None] | None = None) -> Cluster:
+    def join(self, manifest: Manifest, log: Callable[[str], None] | None = None,
+             local: LocalExperts | None = None) -> Cluster:
         """Ask every worker what it holds (all at once), refuse mismatches, and build the
-        routing table. A listed worker that does not answer is left out when the others hold
-        every expert (said through `log`; it is routed around for good, as one lost later),
-        else the run fails naming it. Closes the links if the join fails."""
+        routing table, with the coordinator's own experts (`local`) as the first member. A
+        listed worker that does not answer is left out when the others hold every expert
+        (said through `log`; it is routed around for good, as one lost later), else the run
+        fails naming it. Closes the links if the join fails."""
         try:
-            with ThreadPoolExecutor(len(self.links)) as pool:
+            with ThreadPoolExecutor(max(len(self.links), 1)) as pool:
                 answers = list(pool.map(lambda link: _ask(link, manifest), self.links))
             silent = []
             for i, answer in enumerate(answers):
@@ -140,7 +145,7 @@ class FixedMembers:
                 self._holdings[i] = held(inventory)
             self.version += 1
             try:
-                cluster = Cluster.of(self, layer_sizes(manifest))
+                cluster = Cluster.of(with_local(self, local), layer_sizes(manifest))
             except Unavailable as e:
                 raise (Unavailable(f"{silent[0]}; without it, {e}") if silent else e) from None
             for error in silent:
@@ -189,3 +194,13 @@ def parse_addresses(text: str) -> list[str]:
 
 def layer_sizes(manifest: Manifest) -> dict[int, int]:
     return {layer.layer: layer.num_experts for layer in manifest.layers}
+
+
+def with_local(members: Members | None, local: LocalExperts | None) -> Members:
+    """The members, with the coordinator's own experts as the first when it holds some."""
+    if local is None:
+        assert members is not None
+        return members
+    from coordinator.local_experts import WithLocal
+
+    return WithLocal(local, members)

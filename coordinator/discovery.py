@@ -45,15 +45,21 @@ class ClusterConfig:
     name: str
     interface: str | None  # preferred interface for every worker, unless it names its own
     workers: tuple[Candidate, ...]
+    # [coordinator]: store folders of the coordinator's own Mac, served in its process
+    local_stores: tuple[Path, ...] = ()
+    memory_budget: str | None = None  # for those, in shoal-worker's forms
 
 
-_TOP_KEYS = {"name", "interface", "workers"}
+_TOP_KEYS = {"name", "interface", "workers", "coordinator"}
 _WORKER_KEYS = {"address", "addresses", "interface", "node_id"}
+_COORDINATOR_KEYS = {"stores", "memory_budget"}
 
 
-def parse_cluster_config(data: Mapping, origin: str) -> ClusterConfig:
+def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None) -> ClusterConfig:
     """A cluster config, already parsed from TOML: name, interface, [[workers]] with
-    `address = "HOST:PORT"` (or `addresses = [...]`, the path then chosen as for Bonjour)."""
+    `address = "HOST:PORT"` (or `addresses = [...]`, the path then chosen as for Bonjour),
+    and [coordinator] with the `stores` of the coordinator's own Mac (relative to `folder`,
+    the config's) and their `memory_budget`."""
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise InvalidInput(f"{origin}: unknown setting(s) {', '.join(sorted(unknown))}")
@@ -62,9 +68,11 @@ def parse_cluster_config(data: Mapping, origin: str) -> ClusterConfig:
         raise InvalidInput(f'{origin}: give the cluster a name (name = "desk")')
     check_name(name, f"{origin}: cluster name")
     interface = _optional_str(data, "interface", origin)
-    workers = data.get("workers")
-    if not isinstance(workers, list) or not workers:
-        raise InvalidInput(f'{origin}: list the workers, each as [[workers]] address = "HOST:PORT"')
+    stores, memory_budget = _coordinator_table(data.get("coordinator", {}), origin, folder)
+    workers = data.get("workers", [])
+    if not isinstance(workers, list) or not (workers or stores):
+        raise InvalidInput(f'{origin}: list the workers, each as [[workers]] address = "HOST:PORT"'
+                           " (or the coordinator's own stores, [coordinator] stores = [...])")
     candidates = []
     for index, worker in enumerate(workers):
         where = f"{origin}: worker {index + 1}"
@@ -91,7 +99,26 @@ def parse_cluster_config(data: Mapping, origin: str) -> ClusterConfig:
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise InvalidInput(f"{origin}: worker {repeated[0]} is listed twice")
-    return ClusterConfig(name, interface, tuple(candidates))
+    return ClusterConfig(name, interface, tuple(candidates), stores, memory_budget)
+
+
+def _coordinator_table(
+    table: object, origin: str, folder: Path | None
+) -> tuple[tuple[Path, ...], str | None]:
+    where = f"{origin}: [coordinator]"
+    if not isinstance(table, dict):
+        raise InvalidInput(f"{where}: expected a table")
+    unknown = set(table) - _COORDINATOR_KEYS
+    if unknown:
+        raise InvalidInput(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+    stores = table.get("stores", [])
+    if not isinstance(stores, list) or not all(isinstance(s, str) and s for s in stores):
+        raise InvalidInput(f'{where}: stores must be a list of folders, e.g. ["/Volumes/A/w0"]')
+    paths = tuple((folder or Path()) / Path(s).expanduser() for s in stores)
+    memory_budget = _optional_str(table, "memory_budget", where)
+    if memory_budget and not paths:
+        raise InvalidInput(f"{where}: memory_budget needs stores")
+    return paths, memory_budget
 
 
 def parse_endpoint(text: str, where: str) -> tuple[str, int]:
@@ -118,7 +145,7 @@ def read_cluster_config(path: Path) -> ClusterConfig:
         raise ShoalError(f"cannot read {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise InvalidInput(f"{path} is not valid TOML: {e}") from None
-    return parse_cluster_config(data, str(path))
+    return parse_cluster_config(data, str(path), Path(path).parent)
 
 
 # ---------------------------------------------------------------------------------------

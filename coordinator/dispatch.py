@@ -25,6 +25,7 @@ import numpy as np
 
 from coordinator.cluster import Cluster
 from coordinator.link import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT
+from coordinator.local_experts import LocalExperts
 from coordinator.lookahead import Lookahead
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
@@ -237,6 +238,11 @@ class Dispatcher:
     def __call__(
         self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
     ) -> mx.array:
+        # The coordinator's own experts hold the whole layer in memory: mlx-lm's own call, lazy,
+        # as in one process (coordinator/local_experts.py; the member is first when present).
+        local = self.cluster.links[0] if self.cluster.links else None
+        if isinstance(local, LocalExperts) and (out := local.whole(layer, x, inds)) is not None:
+            return out
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
         sync = time.perf_counter() - before
@@ -285,6 +291,13 @@ class Dispatcher:
                     continue
                 pairs, needed, rows = worker_pieces[round_]
                 self._seq += 1
+                link = self.cluster.links[worker]
+                if isinstance(link, LocalExperts):  # the coordinator's own: MLX arrays, no bytes
+                    link.submit(layer, x, needed, rows, experts[pairs], experts.size, self._seq,
+                                hints.pop(worker, None))  # computed when its reply is read
+                    self.stats.worker_requests[link.address] += 1
+                    pending.append((worker, 0, pairs, self._seq, time.perf_counter()))
+                    continue
                 request = EXPERT_REQUEST.write(
                     shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
                                             prefetch=hints.pop(worker, None),
@@ -321,7 +334,10 @@ class Dispatcher:
             link = self.cluster.links[worker]
             pace = self._pace.setdefault(link.address, Pace())
             try:
-                data = link.receive(pace.deadline(pairs.size), lane)
+                if isinstance(link, LocalExperts):  # computed here, now: the others compute too
+                    data, (reply, values, out_dtype) = b"", link.result()
+                else:
+                    data = link.receive(pace.deadline(pairs.size), lane)
             except (Unavailable, Moved) as e:
                 for other, *_ in pending[index + 1:]:
                     self.cluster.links[other].reset()  # their replies to this call are moot
@@ -329,7 +345,11 @@ class Dispatcher:
                     raise _StaleRoute(worker) from None
                 raise _WorkerFailed(worker, e) from None
             received = time.perf_counter()
-            reply, tensors = EXPERT_REPLY.read(data, f"reply of {link.address}")
+            if data:
+                reply, tensors = EXPERT_REPLY.read(data, f"reply of {link.address}")
+                output = tensors.get("output", WireView())
+                values = decode(output, what=f"output of {link.address}", ndim=2)
+                out_dtype = mlx_dtype(output.dtype)
             # a piece waits for its worker's pieces before it: time it from the last one's reply
             pace.observe(received - max(sent, last_read.get(worker, sent)), pairs.size)
             first_sent.setdefault(worker, sent)
@@ -340,15 +360,12 @@ class Dispatcher:
                 changed.append(link)
             if reply.seq != seq:
                 raise ShoalError(f"worker {link.address} answered request {reply.seq}, not {seq}")
-            output = tensors.get("output", WireView())
-            values = decode(output, what=f"output of {link.address}", ndim=2)
             if values.shape != (pairs.size, width):
                 raise ShoalError(
                     f"worker {link.address} returned shape {values.shape} for layer {layer}, "
                     f"expected {(pairs.size, width)}"
                 )
             parts.append(values)
-            out_dtype = mlx_dtype(output.dtype)
             stats.bytes_received += len(data)
             stats.worker_compute_seconds += reply.compute_seconds
             computing[worker] += reply.compute_seconds

@@ -8,7 +8,7 @@ import contextlib
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +20,10 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.cluster import Cluster, FixedMembers
+from coordinator.cluster import Cluster, FixedMembers, layer_sizes, with_local
 from coordinator.dispatch import Dispatcher, DispatchStats, install
 from coordinator.link import LANE, Transport
+from coordinator.local_experts import LocalExperts, open_local_experts
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
@@ -45,10 +46,13 @@ class RemoteModel:
     cluster: Cluster
     dispatcher: Dispatcher
     owned: FixedMembers | None = None  # the workers opened for it from addresses
+    local: LocalExperts | None = None  # the coordinator's own experts, from --local-store
 
     def close(self) -> None:
         if self.owned is not None:  # a Membership is its opener's to close
             self.owned.close()
+        if self.local is not None:
+            self.local.close()
 
 
 def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, TokenizerWrapper]:
@@ -87,23 +91,36 @@ def open_remote_model(
     wait: float = 30.0,
     on_wait: Callable[[str], None] | None = None,
     transport: Transport = LANE,
+    local_stores: Sequence[Path] = (),
+    memory_budget: str | None = None,
 ) -> RemoteModel:
     """The dense model here, the experts on the workers at `addresses`, or, with a
     `membership`, on whichever of its workers are healthy (waiting up to `wait` seconds
-    until every expert has an owner; workers may leave and come back afterwards)."""
+    until every expert has an owner; workers may leave and come back afterwards); and on
+    this Mac's own store folders, `local_stores`, served in this process under
+    `memory_budget` (the worker's forms). With local stores and no workers, this Mac alone."""
     manifest = read_manifest(Path(model_dir))
     model, tokenizer = load_dense(model_dir, manifest)
-    owned = None
-    if membership is None:
-        owned = FixedMembers(addresses, secret, transport)
-        cluster = owned.join(manifest, log=on_wait)
-    else:
-        cluster = membership.join(manifest, wait=wait, on_wait=on_wait)
+    local = owned = None
+    if local_stores:
+        local = open_local_experts(list(local_stores), manifest, memory_budget=memory_budget)
+    try:
+        if membership is None and not addresses and local is not None:
+            cluster = Cluster.of(with_local(None, local), layer_sizes(manifest))
+        elif membership is None:
+            owned = FixedMembers(addresses, secret, transport)
+            cluster = owned.join(manifest, log=on_wait, local=local)
+        else:
+            cluster = membership.join(manifest, wait=wait, on_wait=on_wait, local=local)
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
     dispatcher.lookahead = Lookahead(model, manifest)
     mx.eval(model.parameters())
-    return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned)
+    return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned, local)
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, *, chat: bool) -> list[int]:

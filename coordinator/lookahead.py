@@ -85,6 +85,9 @@ class Lookahead:
                 if here is not None and there is not None and here.shape == there.shape:
                     safe = mx.where(mx.abs(here) > 1e-6, here, 1e-6)
                     scale = (there.astype(mx.float32) / safe.astype(mx.float32)).astype(here.dtype)
+                    # now, on this thread: a graph left lazy belongs to this thread's stream,
+                    # and `shoal serve` predicts on its generation thread, which has another
+                    mx.eval(scale)
             self._next[this.layer] = _Next(nxt.layer, router, scale)
 
     def predict(self, layer: int, x: mx.array, k: int) -> tuple[int, np.ndarray] | None:

@@ -20,14 +20,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from coordinator.cluster import Cluster, layer_sizes
+from coordinator.cluster import Cluster, layer_sizes, with_local
 from coordinator.discovery import Browser, Candidate
 from coordinator.link import LANE, Transport, WorkerLink, handshake, held, incompatibility
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
+
+if TYPE_CHECKING:
+    from coordinator.local_experts import LocalExperts
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0
@@ -352,17 +356,20 @@ class Membership:
         return self.snapshot()
 
     def join(
-        self, manifest: Manifest, *, wait: float, on_wait: Callable[[str], None] | None = None
+        self, manifest: Manifest, *, wait: float, on_wait: Callable[[str], None] | None = None,
+        local: LocalExperts | None = None,
     ) -> Cluster:
-        """A Cluster that follows this membership, once every expert has a live owner.
-        Waits at most `wait` seconds, then raises Unavailable naming the experts missing."""
+        """A Cluster that follows this membership (and the coordinator's own experts, `local`,
+        as its first member), once every expert has a live owner. Waits at most `wait`
+        seconds, then raises Unavailable naming the experts missing."""
         layers = layer_sizes(manifest)
+        members = with_local(self, local)
         deadline = time.monotonic() + wait
         said = None
         with self._changed:
             while True:
                 try:
-                    return Cluster.of(self, layers)
+                    return Cluster.of(members, layers)
                 except Unavailable as e:
                     missing = str(e)
                 healthy = sum(m.state == "healthy" for m in self._members.values())

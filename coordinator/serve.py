@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coordinator.batching import BatchEngine, Event, Sampling
-from coordinator.cluster import layer_sizes
+from coordinator.cluster import Members, layer_sizes
 from coordinator.http_limits import (
     BACKLOG,
     ConnectionGuard,
@@ -41,7 +41,6 @@ from coordinator.http_limits import (
     QuietAcceptErrors,
     guarded_protocol,
 )
-from coordinator.membership import Membership
 from coordinator.openai_api import (
     CompletionRequest,
     answer_meta,
@@ -66,7 +65,7 @@ HEARTBEAT = 15.0  # seconds between SSE comments while a streamed answer waits f
 # Health: every expert must have a live owner
 
 
-def missing_experts(membership: Membership, manifest: Manifest) -> str | None:
+def missing_experts(membership: Members, manifest: Manifest) -> str | None:
     """Why the cluster cannot serve every expert now (naming them), or None."""
     _, _, holdings = membership.live()
     try:
@@ -85,7 +84,7 @@ class Service:
     engine: BatchEngine
     tokenizer: TokenizerWrapper
     manifest: Manifest
-    membership: Membership
+    membership: Members  # the workers, and the coordinator's own experts when it holds some
     model_id: str
     context: int
     api_key: str | None = None

@@ -133,20 +133,20 @@ class ExpertRunner:
         mx.eval([list(t.values()) for t in experts])
         return stacked
 
-    def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray, dtype: mx.Dtype,
-                 rows: np.ndarray, positions: np.ndarray, call_pairs: int = 0) -> mx.array:
-        """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`) through the
-        expert at `positions[i]` of the stack; (m, output width). The stack is given to the
-        module once, not per call; the request's arrays go to MLX as one buffer.
+    def gathered(self, stacked: dict[str, mx.array], hidden: np.ndarray | mx.array,
+                 dtype: mx.Dtype, rows: np.ndarray, positions: np.ndarray,
+                 call_pairs: int = 0) -> mx.array:
+        """Pair i: row `rows[i]` of `hidden` (host bytes, viewed as `dtype`, or an MLX array
+        when the caller is in this process) through the expert at `positions[i]` of the
+        stack; (m, output width). The stack is given to the module once, not per call; a
+        request's host arrays go to MLX as one buffer.
 
         `call_pairs` is the pair count of the caller's whole switch call (all workers'). Where
         the backend's kernels depend on it (`pads`), a call with fewer pairs is padded up to
         min(call_pairs, SORT_PAIRS) with pairs of an expert of the stack that no real pair
         uses, whose outputs are dropped: the call then runs the kernel, and sorts or not, as
         the single-process model's call does, and no real pair shares a group with padding."""
-        if self._loaded is not stacked:
-            self.module.update(tree_unflatten(list(stacked.items())))
-            self._loaded = stacked
+        self._load(stacked)
         n, m = hidden.shape[0], positions.size
         padding = self._padding(stacked, positions, call_pairs)
         if padding:
@@ -157,10 +157,28 @@ class ExpertRunner:
             if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
                 # Each row's pairs together and equally many (always so in decode): the module
                 # takes the rows as they are, as the single-process model does, no gather.
+                if isinstance(hidden, mx.array):
+                    return self.module(hidden, mx.array(positions.reshape(n, per_row))
+                                       ).reshape(m, -1)
                 x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
                 return self.module(x, inds).reshape(m, -1)
-        x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
+        if isinstance(hidden, mx.array):
+            x, (at, inds) = hidden, to_mlx(([rows], mx.int32), ([positions], mx.int32))
+        else:
+            x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
         return self.module(x[at], inds[:, None])[:m, 0, :]
+
+    def whole(self, stacked: dict[str, mx.array], x: mx.array, inds: mx.array) -> mx.array:
+        """The module over a stack of every expert of the layer, in expert order, called on
+        mlx-lm's own arguments as the single-process model calls it: lazy, nothing evaluated."""
+        self._load(stacked)
+        return self.module(x, inds)
+
+    def _load(self, stacked: dict[str, mx.array]) -> None:
+        """Give the module the stack, unless it holds it already."""
+        if self._loaded is not stacked:
+            self.module.update(tree_unflatten(list(stacked.items())))
+            self._loaded = stacked
 
     def _padding(self, stacked: dict[str, mx.array], positions: np.ndarray,
                  call_pairs: int) -> tuple[int, int] | None:

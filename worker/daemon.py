@@ -9,6 +9,7 @@ import sys
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 import mlx.core as mx
@@ -162,12 +163,13 @@ def physical_memory() -> int:
         return 16 << 30
 
 
-def choose_budget(args: argparse.Namespace, expert_bytes: int) -> tuple[int, str]:
-    """The budget in bytes and how it was chosen, for the start-up line."""
-    spec = parse_budget(args.memory_budget) if args.memory_budget else BudgetSpec()
+def choose_budget(memory_budget: str | None, expert_bytes: int) -> tuple[int, str]:
+    """The budget in bytes (--memory-budget's text, or None) and how it was chosen, for the
+    start-up line."""
+    spec = parse_budget(memory_budget) if memory_budget else BudgetSpec()
     physical = physical_memory()
     budget = resolve_budget(spec, expert_bytes, physical)
-    how = (f"--memory-budget {args.memory_budget}" if args.memory_budget else
+    how = (f"--memory-budget {memory_budget}" if memory_budget else
            f"default {DEFAULT_MEMORY_SHARE:.0%} of {format_bytes(physical)} physical memory")
     return budget, how
 
@@ -280,26 +282,38 @@ def serve(args: argparse.Namespace) -> None:
 def load(args: argparse.Namespace) -> Residency:
     """Scan (and verify) the stores and set up the memory budget."""
     hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
-    scan = scan_stores(args.store, verify=not args.no_verify)
+    return open_residency(args.store, args.memory_budget, verify=not args.no_verify,
+                          readers=args.readers, verify_reads=not args.no_verify_reads)
+
+
+def open_residency(
+    stores: list[Path], memory_budget: str | None, *, verify: bool = True,
+    readers: int = READERS_PER_DRIVE, verify_reads: bool = True, name: str = "shoal-worker",
+    out: TextIO | None = None, warm: bool = True,
+) -> Residency:
+    """Scan (and verify) store folders and hold their experts under a memory budget
+    (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
+    coordinator for its own experts: coordinator/local_experts.py), the budget on `out`
+    (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now."""
+    scan = scan_stores(stores, verify=verify)
     for problem in scan.problems:
-        print(f"shoal-worker: warning: {problem}", file=sys.stderr, flush=True)
+        print(f"{name}: warning: {problem}", file=sys.stderr, flush=True)
     if not scan.held:
         # A store folder with only the manifest: `shoal deploy` sends the experts.
-        print(f"shoal-worker: no intact expert files in {', '.join(map(str, args.store))} yet; "
+        print(f"{name}: no intact expert files in {', '.join(map(str, stores))} yet; "
               "waiting for `shoal deploy` to send some", file=sys.stderr, flush=True)
     expert_bytes = scan.expert_bytes()
-    budget, how = choose_budget(args, expert_bytes)
+    budget, how = choose_budget(memory_budget, expert_bytes)
     resident = min(budget, expert_bytes)
     print(
-        f"shoal-worker: memory budget {format_bytes(budget)} ({how}); experts "
+        f"{name}: memory budget {format_bytes(budget)} ({how}); experts "
         f"{format_bytes(expert_bytes)}, {resident / max(expert_bytes, 1):.0%} of them fit in memory"
         + ("" if budget >= expert_bytes else "; the rest are read from the drives when routed"),
-        flush=True,
+        file=out or sys.stdout, flush=True,
     )
     residency = Residency(
-        scan, budget=budget, readers_per_drive=args.readers,
-        verify_reads=not args.no_verify_reads,
-        report=lambda m: print(f"shoal-worker: warning: {m}", file=sys.stderr, flush=True),
+        scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads, warm=warm,
+        report=lambda m: print(f"{name}: warning: {m}", file=sys.stderr, flush=True),
     )
     if residency.streaming:
         # Evicted experts' memory goes back to the system instead of MLX's buffer cache.

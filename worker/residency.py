@@ -41,7 +41,9 @@ class Request:
     """One decoded ExpertRequest: numpy views of the wire bytes."""
 
     layer: int
-    hidden: np.ndarray  # (n, the switch module's input width), wire byte layout of `dtype`
+    # (n, the switch module's input width), wire byte layout of `dtype`; an MLX array when
+    # the caller is in this process (the coordinator's own experts: local_experts.py)
+    hidden: np.ndarray | mx.array
     dtype: str
     rows: np.ndarray  # (m,) int32
     experts: np.ndarray  # (m,) int32
@@ -281,6 +283,26 @@ class Residency:
         self.holdings.asked(request.layer, request.experts)
         return out
 
+    def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+        """mlx-lm's own call `switch(x, inds)` over the layer's stack, lazily, when every
+        expert of the layer is held here and in memory; else None. For a caller in this
+        process (the coordinator's own experts), which has no request to validate (the
+        router picked `inds`) and reports the heat with `counted` once `inds` is evaluated."""
+        held = self._held_mask.get(layer)
+        if held is None or not held.all():
+            return None
+        stack = self._stack(layer)
+        if stack is None:
+            return None
+        with self._lock:
+            return self.runners[layer].whole(stack.params, x, inds)
+
+    def counted(self, layer: int, experts: np.ndarray) -> None:
+        """Count the heat and the cache's resident hits of a `whole` call's pairs."""
+        distinct = int(np.count_nonzero(np.bincount(experts)))
+        self.cache.count_resident(layer, distinct, experts.size)
+        self.holdings.asked(layer, experts)
+
     @contextlib.contextmanager
     def _turn(self, timing: Timing) -> Iterator[None]:
         """This request's turn at MLX: one at a time (MLX work is not thread-safe here)."""
@@ -310,7 +332,9 @@ class Residency:
         arrives."""
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
-        hidden = from_numpy(request.hidden, request.dtype)
+        hidden = request.hidden
+        if not isinstance(hidden, mx.array):
+            hidden = from_numpy(hidden, request.dtype)
         lease = self.cache.demand(request.layer, unique, counts)
         try:
             ready = lease.take()

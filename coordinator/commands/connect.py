@@ -1,18 +1,24 @@
 """How a command reaches the workers its options name (--workers addresses, a cluster config,
-or Bonjour browsing), and what a run leaves behind with them: its heat, recorded."""
+or Bonjour browsing) and the coordinator's own stores (--local-store, a cluster config's
+[coordinator]), and what a run leaves behind with them: its heat, recorded."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.options import browse_seconds, check_one_worker_source, transport_of
+from coordinator.commands.options import (
+    browse_seconds,
+    check_local_store_args,
+    check_one_worker_source,
+    transport_of,
+)
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
-    from pathlib import Path
 
     from coordinator.membership import Membership
     from engine.manifest import Manifest
@@ -76,23 +82,37 @@ def open_membership(
 def open_live_workers(
     args: argparse.Namespace, secret: bytes, manifest: Manifest
 ) -> tuple[list, Callable[[], None]]:
-    """The workers to talk to, and how to let go of them: --workers (each must answer), else
-    the healthy workers of the cluster (Bonjour or --cluster-config) found within --wait."""
+    """The members to talk to, and how to let go of them: the coordinator's own stores
+    (--local-store, a config's [coordinator]) first, as a member in this process; then
+    --workers (each must answer), else the healthy workers of the cluster (Bonjour or
+    --cluster-config) found within --wait, unless the local stores hold every expert."""
     from coordinator.link import WorkerLink
+    from coordinator.local_experts import open_local_experts
     from coordinator.membership import stderr_log
 
     check_one_worker_source(args)
-    if args.workers:
-        links = [WorkerLink(address, secret) for address in worker_addresses(args.workers)]
+    check_local_store_args(args)
+    stores, memory_budget = local_stores(args)
+    local = [open_local_experts(stores, manifest, memory_budget=memory_budget, warm=False)
+             ] if stores else []
+    if args.workers or not needs_workers(args, manifest, stores):
+        addresses = worker_addresses(args.workers) if args.workers else []
+        links = [WorkerLink(address, secret) for address in addresses]
 
         def close() -> None:
-            for link in links:
+            for link in [*local, *links]:
                 link.close()
 
-        return links, close
+        return [*local, *links], close
     membership = open_membership(args, secret, manifest, log=stderr_log)
     membership.settle(args.wait, at_least=browse_seconds(args))
-    return membership.live()[1], membership.close
+
+    def close_all() -> None:
+        membership.close()
+        for link in local:
+            link.close()
+
+    return [*local, *membership.live()[1]], close_all
 
 
 def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
@@ -103,3 +123,32 @@ def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
         record_heat(model_dir, manifest, fetch_readings(links))
     except ShoalError as e:
         print(f"shoal: warning: the heat of this run was not recorded: {e}", file=sys.stderr)
+
+
+def local_stores(args: argparse.Namespace) -> tuple[list[Path], str | None]:
+    """The coordinator's own store folders and their memory budget: --local-store (and
+    --memory-budget), else the [coordinator] table of --cluster-config; none by default."""
+    if args.local_store:
+        return list(args.local_store), args.memory_budget
+    if args.cluster_config:
+        from coordinator.discovery import read_cluster_config
+
+        config = read_cluster_config(args.cluster_config)
+        return list(config.local_stores), args.memory_budget or config.memory_budget
+    return [], None
+
+
+def needs_workers(args: argparse.Namespace, manifest: Manifest, stores: list[Path]) -> bool:
+    """Whether to reach workers at all: when the options name some, or when the local stores
+    lack some expert's file (then they are looked for with Bonjour); one Mac alone needs none."""
+    if args.workers or args.cluster or args.cluster_config:
+        return True
+    present = {e.file for e in manifest.experts for store in stores if (store / e.file).is_file()}
+    return len(present) < len(manifest.experts)
+
+
+def members_secret(args: argparse.Namespace, manifest: Manifest) -> bytes:
+    """The cluster secret, when workers are to be reached; one Mac alone needs none."""
+    from coordinator.commands.options import cluster_secret
+
+    return cluster_secret(args) if needs_workers(args, manifest, local_stores(args)[0]) else b""

@@ -10,12 +10,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import open_membership, record_run_heat, worker_addresses
+from coordinator.commands.connect import (
+    local_stores,
+    needs_workers,
+    open_membership,
+    record_run_heat,
+    worker_addresses,
+)
 from coordinator.commands.options import (
     AddParser,
+    check_local_store_args,
     check_one_worker_source,
     cluster_secret,
     discovery_options,
+    local_store_options,
     secret_option,
     transport_of,
     transport_options,
@@ -30,9 +38,11 @@ if TYPE_CHECKING:
 def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "generate", help="generate text with the experts served by running workers",
-        description="Load the dense part of a sharded model, connect to the workers, and "
-        "generate with mlx-lm's sampling and KV cache. Greedy by default; the prompt is used "
-        "as given unless --chat applies the chat template.",
+        description="Load the dense part of a sharded model, connect to the workers (and "
+        "serve this Mac's own --local-store experts in this process), and generate with "
+        "mlx-lm's sampling and KV cache. Greedy by default; the prompt is used as given "
+        "unless --chat applies the chat template. One Mac alone: `shoal generate --model OUT "
+        "--local-store OUT/experts --memory-budget 25%% PROMPT`.",
     )
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
@@ -43,6 +53,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
                       "expert (default 30)")
     transport_options(p)
+    local_store_options(p)
     p.add_argument("--max-tokens", type=int, default=100, metavar="N",
                    help="stop after N generated tokens, or earlier at the end of the answer "
                    "(default 100)")
@@ -77,7 +88,11 @@ def draft_options(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
-    secret = cluster_secret(args)
+    from engine.manifest import read_manifest
+
+    stores, _ = local_stores(args)
+    alone = not needs_workers(args, read_manifest(args.model), stores)
+    secret = b"" if alone else cluster_secret(args)  # one Mac alone needs no cluster secret
     addresses = worker_addresses(args.workers) if args.workers else []
     report = generate_with_workers(args, secret, addresses, policy, StreamedText())
     if args.json:
@@ -109,6 +124,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if args.wait < 0:
         raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
     check_one_worker_source(args)
+    check_local_store_args(args)
     if not (Path(args.model) / "manifest.json").exists():
         raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
                            "(it has no manifest.json)")
@@ -149,13 +165,15 @@ def generate_with_workers(
         out.end_line()
         stderr_log(message)
 
-    membership = None if args.workers else open_membership(
-        args, secret, read_manifest(args.model), log=say
-    )
+    manifest = read_manifest(args.model)
+    stores, memory_budget = local_stores(args)
+    membership = None if args.workers or not needs_workers(args, manifest, stores) else \
+        open_membership(args, secret, manifest, log=say)
     remote = None
     try:
         remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=say, transport=transport_of(args))
+                                   wait=args.wait, on_wait=say, transport=transport_of(args),
+                                   local_stores=stores, memory_budget=memory_budget)
         return decode(args, remote, policy, out)
     finally:
         out.end_line()  # an error or warning after partial output starts on its own line

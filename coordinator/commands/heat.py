@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from coordinator.commands.connect import open_live_workers
-from coordinator.commands.options import AddParser, cluster_secret, live_options
+from coordinator.commands.connect import members_secret, open_live_workers
+from coordinator.commands.options import AddParser, live_options
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> None:
     if args.offline:
         record = load_record(record_path(args.model), manifest.fingerprint)
     else:
-        links, close = open_live_workers(args, cluster_secret(args), manifest)
+        links, close = open_live_workers(args, members_secret(args, manifest), manifest)
         try:
             record = record_heat(args.model, manifest, fetch_readings(links))
         finally:

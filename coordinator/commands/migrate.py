@@ -7,8 +7,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import open_live_workers
-from coordinator.commands.options import AddParser, cluster_secret, live_options
+from coordinator.commands.connect import members_secret, open_live_workers
+from coordinator.commands.options import AddParser, live_options
 from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> None:
 
     limit = max_bytes(args)
     manifest = read_manifest(args.model)
-    links, close = open_live_workers(args, cluster_secret(args), manifest)
+    links, close = open_live_workers(args, members_secret(args, manifest), manifest)
     try:
         report = migrate(args.model, links, deploy=args.command == "deploy",
                          dry_run=args.dry_run, max_bytes=limit, spare=args.spare / 100,

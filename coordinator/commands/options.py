@@ -1,6 +1,7 @@
 """The options several commands share, and what they mean: where the workers come from
-(--workers, or --cluster / --cluster-config with --interface and --wait) and the cluster
-secret (--secret-file)."""
+(--workers, or --cluster / --cluster-config with --interface and --wait), the experts the
+coordinator serves itself (--local-store, --memory-budget) and the cluster secret
+(--secret-file)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def live_options(p: argparse.ArgumentParser) -> None:
                    help="addresses of the workers (default: those of --cluster found on "
                    "the local network)")
     discovery_options(p, wait=4.0, wait_help="how long to look for workers (default 4)")
+    local_store_options(p)
     secret_option(p)
 
 
@@ -83,3 +85,30 @@ def transport_of(args: argparse.Namespace):
     from coordinator.link import Transport
 
     return Transport(args.transport, args.spin_us / 1e6)
+def local_store_options(p: argparse.ArgumentParser) -> None:
+    """--local-store and --memory-budget: experts this Mac serves in the coordinator's own
+    process (coordinator/local_experts.py), in shoal-worker's forms."""
+    p.add_argument("--local-store", action="append", type=Path, metavar="DIR",
+                   help="a store folder on this Mac (written by `shoal shard`) whose experts "
+                   "the coordinator serves itself, in its own process, with the code a "
+                   "worker runs and no network hop (repeat for one folder per drive); with "
+                   "every expert here and no --workers or --cluster, no worker is needed")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="memory for the --local-store experts, as for shoal-worker: 512M, "
+                   "24G, or 25%% of their bytes; the rest stay on the drives and are read "
+                   "when routed (default: 60%% of physical memory)")
+
+
+def check_local_store_args(args: argparse.Namespace) -> None:
+    """--memory-budget goes with --local-store and is one of the worker's forms."""
+    from engine.cache_policy import parse_budget
+
+    if args.memory_budget is not None:
+        if not args.local_store and not args.cluster_config:
+            raise InvalidInput("--memory-budget is for the coordinator's own experts: give "
+                               "--local-store DIR too")
+        parse_budget(args.memory_budget)
+    for store in args.local_store or ():
+        if not (store / "manifest.json").is_file():
+            raise InvalidInput(f"--local-store {store} is not a store folder written by "
+                               "`shoal shard` (it has no manifest.json)")

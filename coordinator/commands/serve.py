@@ -10,12 +10,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import open_membership, record_run_heat
+from coordinator.commands.connect import (
+    local_stores,
+    needs_workers,
+    open_membership,
+    record_run_heat,
+)
 from coordinator.commands.options import (
     AddParser,
+    check_local_store_args,
     check_one_worker_source,
     cluster_secret,
     discovery_options,
+    local_store_options,
     secret_option,
     transport_options,
 )
@@ -44,6 +51,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     discovery_options(p, wait=60.0, wait_help="how long to wait at start for workers to hold "
                       "every expert (default 60)")
     transport_options(p)
+    local_store_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 "
                    "for every interface, then set --api-key-file)")
@@ -86,6 +94,7 @@ def check_serve_args(args: argparse.Namespace) -> int:
                                f"{getattr(args, name)}")
 
     check_one_worker_source(args)
+    check_local_store_args(args)
     if not 0 <= args.port < 65536:
         raise InvalidInput(f"--port must be between 0 and 65535, got {args.port}")
     if args.context is not None and args.context < 2:
@@ -133,25 +142,30 @@ def main(args: argparse.Namespace) -> None:
     cache_bytes = check_serve_args(args)
     limits = serve_limits(args, raise_file_limit())  # after mlx-lm's import, which sets one
     key = read_api_key(args.api_key_file) if args.api_key_file else None
-    secret = cluster_secret(args)
     manifest = read_manifest(args.model)
+    stores, memory_budget = local_stores(args)
+    alone = not needs_workers(args, manifest, stores)  # one Mac: no workers, no secret
+    secret = b"" if alone else cluster_secret(args)
     context = args.context or int(manifest.config.get("max_position_embeddings") or 4096)
     sock = listen(args.host, args.port)
-    membership = open_membership(args, secret, manifest, log=stderr_log)
+    membership = None if alone else open_membership(args, secret, manifest, log=stderr_log)
     remote = engine = None
     try:
         remote = open_remote_model(args.model, [], secret, membership=membership,
-                                   wait=args.wait, on_wait=stderr_log)
+                                   wait=args.wait, on_wait=stderr_log, local_stores=stores,
+                                   memory_budget=memory_budget)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
-        serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
-                      started=int(time.time()), limits=limits), sock)
+        # the members health reads: the workers, and the coordinator's own experts
+        serve(Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,
+                      context, key, started=int(time.time()), limits=limits), sock)
     finally:
         sock.close()
         if engine is not None:
             engine.close()
         if remote is not None:
-            record_run_heat(args.model, remote.manifest, membership.live()[1])
+            record_run_heat(args.model, remote.manifest, remote.cluster.members.live()[1])
             remote.close()
-        membership.close()
+        if membership is not None:
+            membership.close()

@@ -151,3 +151,100 @@ def test_streamed_text_ends_its_line_before_anything_else_is_said(capsys):
     out.write("is.\n")
     out.end_line()  # already at a line start
     assert capsys.readouterr().out == "The capital is Par\nis.\n"
+
+
+def mlx_lm_tokens(source, prompt_ids: list[int], count: int) -> list[int]:
+    model, _ = load_model(source)
+    eos = load_tokenizer(source).eos_token_ids
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt_ids), model, max_tokens=count)]
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
+def test_one_mac_alone_streams_its_local_stores_without_a_worker_or_secret(
+    sharded, tiny_checkpoint, tmp_path
+):
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(sharded / "worker-0"),
+                "--local-store", str(sharded / "worker-1"), "--memory-budget", "25%",
+                "--secret-file", str(tmp_path / "no-secret"), "--max-tokens", "10",
+                "--json", "--stats", "hello world")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    expected = mlx_lm_tokens(tiny_checkpoint("mixtral"), report["prompt_token_ids"], 10)
+    assert report["token_ids"] == expected
+    local = report["stats"]["streaming"]["workers"]["local"]
+    assert local["bytes_read"] > 0 and len(local["drives"]) == 2
+    assert "memory budget" in run.stdout + run.stderr
+
+
+def test_local_store_mistakes_are_refused_before_loading(sharded, tiny_checkpoint, tmp_path):
+    run = shoal("generate", "--model", str(sharded), "--memory-budget", "25%", "hi")
+    assert run.returncode == 2 and "give --local-store DIR too" in run.stderr
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(sharded / "worker-0"),
+                "--memory-budget", "lots", "hi")
+    assert run.returncode == 2 and "is not a size like 512M" in run.stderr
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(tmp_path), "hi")
+    assert run.returncode == 2 and "is not a store folder" in run.stderr
+    other = tmp_path / "other"
+    shard(tiny_checkpoint("qwen3_moe"), other, progress=False)
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(other / "experts"),
+                "hi")
+    assert run.returncode == 2 and "holds another model" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_one_local_store_and_one_worker_matches_mlx_lm(
+    sharded, tiny_checkpoint, start_worker, secret_file
+):
+    worker = start_worker([sharded / "worker-1"], "--memory-budget", "10%")
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(sharded / "worker-0"),
+                "--memory-budget", "10%", "--workers", worker.address,
+                "--secret-file", str(secret_file), "--max-tokens", "10", "--json", "--stats",
+                "hello world")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    expected = mlx_lm_tokens(tiny_checkpoint("mixtral"), report["prompt_token_ids"], 10)
+    assert report["token_ids"] == expected
+    assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}
+    # the coordinator is one more member for the heat and the rebalance's plan
+    members = ("--local-store", str(sharded / "worker-0"), "--workers", worker.address,
+               "--secret-file", str(secret_file))
+    run = shoal("rebalance", "--model", str(sharded), *members, "--dry-run", "--json")
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(run.stdout)
+    assert len(plan["workers"]) == 2, plan["workers"]
+    run = shoal("heat", "--model", str(sharded), *members, "--json")
+    assert run.returncode == 0 and json.loads(run.stdout), run.stderr
+
+
+def test_heat_of_one_mac_alone_needs_no_worker_or_secret(sharded, tmp_path):
+    stores = ("--local-store", str(sharded / "worker-0"), "--local-store",
+              str(sharded / "worker-1"))
+    run = shoal("generate", "--model", str(sharded), *stores, "--max-tokens", "4",
+                "--secret-file", str(tmp_path / "none"), "hello")
+    assert run.returncode == 0, run.stderr
+    run = shoal("heat", "--model", str(sharded), *stores, "--secret-file",
+                str(tmp_path / "none"), "--json")
+    assert run.returncode == 0, run.stderr
+    heat = json.loads(run.stdout)  # layer -> expert -> tokens, counted by the coordinator
+    assert sum(sum(experts.values()) for experts in heat.values()) > 0, heat
+
+
+@pytest.mark.slow
+def test_a_cluster_config_names_the_coordinators_own_store_beside_its_worker(
+    sharded, tiny_checkpoint, start_worker, secret_file, tmp_path
+):
+    worker = start_worker([sharded / "worker-1"], "--no-advertise")
+    config = tmp_path / "desk.toml"
+    config.write_text(f'name = "desk"\n[coordinator]\nstores = ["{sharded / "worker-0"}"]\n'
+                      f'memory_budget = "10%"\n[[workers]]\naddress = "{worker.address}"\n')
+    run = shoal("generate", "--model", str(sharded), "--cluster-config", str(config),
+                "--secret-file", str(secret_file), "--max-tokens", "10", "--json", "--stats",
+                "hello world")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    expected = mlx_lm_tokens(tiny_checkpoint("mixtral"), report["prompt_token_ids"], 10)
+    assert report["token_ids"] == expected
+    local = report["stats"]["streaming"]["workers"]["local"]
+    assert local["memory_budget"] < local["expert_bytes"]  # the config's 10%
+    assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}

@@ -115,6 +115,9 @@ def test_shipped_cluster_configs_parse():
     assert two.workers[0].endpoints[0] == ("169.254.10.2", 50551)
     four = read_cluster_config(REPO / "cluster-configs" / "four-macs-thunderbolt.toml")
     assert len(four.workers) == 4 and all(w.interface == "bridge0" for w in four.workers)
+    local = read_cluster_config(REPO / "cluster-configs" / "coordinator-and-one-worker.toml")
+    assert len(local.workers) == 1 and local.memory_budget == "40G"
+    assert local.local_stores == (Path("/Volumes/Fast/out/worker-0"),)
 
 
 @pytest.mark.parametrize("data,message", [
@@ -126,6 +129,9 @@ def test_shipped_cluster_configs_parse():
     ({"name": "desk", "nodes": []}, "unknown setting(s) nodes"),
     ({"name": "desk", "workers": [{"address": "a:1"}, {"address": "a:1"}]}, "listed twice"),
     ({"name": "two words", "workers": [{"address": "a:1"}]}, "cluster name"),
+    ({"name": "desk", "coordinator": {"stores": "a"}}, "stores must be a list"),
+    ({"name": "desk", "coordinator": {"store": ["a"]}}, "unknown setting(s) store"),
+    ({"name": "desk", "coordinator": {"memory_budget": "25%"}}, "memory_budget needs stores"),
 ])
 def test_cluster_config_mistakes_are_explained(data, message):
     with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -143,3 +149,11 @@ def test_a_config_worker_interface_applies_unless_the_command_line_names_one():
     assert first.node_id == "10.0.0.9:50551"  # until its handshake says otherwise
     forced = member_for(config.workers[1], LOCAL, prefer="en0", manifest=None, now=0.0)
     assert forced.address == "10.0.0.8:50551"
+
+
+def test_a_config_may_name_the_coordinators_own_stores_relative_to_itself(tmp_path):
+    config = parse_cluster_config({"name": "desk", "coordinator": {
+        "stores": ["out/worker-0", "/Volumes/B/worker-0"], "memory_budget": "25%"}},
+        "desk.toml", tmp_path)
+    assert config.local_stores == (tmp_path / "out/worker-0", Path("/Volumes/B/worker-0"))
+    assert config.memory_budget == "25%" and config.workers == ()  # one Mac alone

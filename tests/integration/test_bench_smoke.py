@@ -15,7 +15,9 @@ from coordinator.generate import BREAKDOWN_PARTS
 
 REPO = Path(__file__).resolve().parents[2]
 RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
-          "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo")
+          "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo",
+          "all_local_decode_ratio_vs_mlx_lm_single",
+          "local_and_remote_decode_ratio_vs_two_remote")
 
 
 @pytest.mark.slow
@@ -31,8 +33,8 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
     report = json.loads(run.stdout)
     for key in RATIOS:
         assert key in report
-    for system in ("shoal", "mlx_lm_single", "mlx_lm_tensor_parallel",
-                   "mlx_lm_pipeline_parallel"):
+    for system in ("shoal", "shoal_one_mac_all_local", "shoal_one_local_one_remote",
+                   "mlx_lm_single", "mlx_lm_tensor_parallel", "mlx_lm_pipeline_parallel"):
         assert report[system].get("decode_tps", 0) > 0, (system, report[system])
         assert set(report[system]["prefill_tps"]) == {"16", "64"}
     dispatch = report["shoal"]["dispatch"]

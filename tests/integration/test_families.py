@@ -1,4 +1,5 @@
-"""Every mlx-lm MoE family, served by two real workers, gives mlx-lm's own greedy ids.
+"""Every mlx-lm MoE family, served by two real workers, and again by one worker with the
+other store served by the coordinator in its own process, gives mlx-lm's own greedy ids.
 
 The families come from mlx-lm's models folder at run time (builders/families.py `discover`), so a
 family that a new mlx-lm adds fails here with "no tiny config for X" until it has one. Each case
@@ -85,8 +86,18 @@ def _check_family(family, bits, tmp_path: Path, secret_file: Path) -> str:
             served = remote.dispatcher.stats.worker_requests
         finally:
             remote.close()
+        # and with the first store served by the coordinator itself, in process
+        beside = open_remote_model(sharded, [workers[1].address], load_secret(secret_file),
+                                   local_stores=[stores[0]])
+        try:
+            local_tokens = greedy_tokens(beside.model, PROMPT, NEW_TOKENS)
+            local_served = beside.dispatcher.stats.worker_requests
+        finally:
+            beside.close()
     assert tokens == expected, f"{family}: Shoal gave {tokens}, mlx-lm {expected}"
     assert all(served[w.address] > 0 for w in workers), served
+    assert local_tokens == expected, f"{family}, one store local: {local_tokens}, {expected}"
+    assert local_served["local"] > 0 and local_served[workers[1].address] > 0, local_served
     return "exact"
 
 

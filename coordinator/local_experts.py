@@ -1,0 +1,288 @@
+"""The coordinator's own experts, served in its own process: `LocalExperts` holds the worker's
+`Residency` over this Mac's store folders (memory budget, drives, prefetch, read checks, heat)
+and stands in the cluster as one more member, link-shaped, with no gRPC and no wire bytes.
+
+The dispatcher hands it a layer call's share as MLX arrays (`submit`) after the remote
+requests are sent and takes its outputs (`result`) before their replies are read, so its
+experts compute while the workers compute theirs; a layer whose every expert is held here in
+memory runs as mlx-lm runs it (`whole`: the switch module over the stack, lazily, no
+evaluation for routing). Inventory, counters, heat and expert files are answered by the
+worker's own servicer methods, called in process, so `shoal heat`, replicas and transfers see
+the coordinator as they see a worker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.errors import InvalidInput, ShoalError
+from engine.manifest import ExpertKey, Manifest
+from engine.tensors import dtype_name, to_numpy
+from proto import EXPERT_REQUEST, error_class_for, shoal_pb2
+from worker.residency import Request, Residency, Timing
+
+LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
+ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
+# `whole` calls whose heat waits to be counted: their routers' picks are read only once
+# evaluated, and mlx-lm builds one forward pass while the one before it runs, so picks two
+# passes old are done (see LocalExperts._note)
+PASSES_KEPT = 2
+
+
+class _Context:
+    """The servicer's context for a call made in process: a refusal raises the ShoalError the
+    worker would have sent (the same table read back, proto.ERROR_CODES)."""
+
+    def abort(self, code, details: str):
+        raise (error_class_for(code) or ShoalError)(details)
+
+
+_CONTEXT = _Context()
+
+
+class _Streamed:
+    """A streamed answer as gRPC's caller holds it: iterated, and cancelled to stop early."""
+
+    def __init__(self, answer: Generator) -> None:
+        self._answer = answer
+
+    def __iter__(self) -> Iterator:
+        return self._answer
+
+    def cancel(self) -> None:
+        self._answer.close()
+
+
+@dataclass(frozen=True)
+class _Work:
+    layer: int
+    hidden: mx.array  # (n, input width): the rows this share needs
+    rows: np.ndarray  # each pair's row among them
+    experts: np.ndarray
+    call_pairs: int
+    seq: int
+
+
+class LocalExperts:
+    """The coordinator's Mac as a member: its experts computed here, its holdings, heat and
+    files answered as a worker's link answers them. One thread computes at a time (the
+    dispatcher's); the residency's lock guards MLX against transfers meanwhile."""
+
+    address = ADDRESS
+    connections = 1
+    open_streams = 1
+
+    def __init__(self, residency: Residency, node_id: str, locks: Sequence[int] = ()) -> None:
+        from worker.service import ExpertServicer
+
+        self._locks = list(locks)
+        self.residency = residency
+        self.node_id = node_id
+        self._servicer = ExpertServicer(residency, node_id, residency.budget)
+        self._work: deque[_Work] = deque()
+        self._noted: deque[tuple[int, mx.array]] = deque()
+        self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
+        self.inventory = self.fetch_inventory()
+
+    # -- the compute path ------------------------------------------------------------------
+
+    def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+        """mlx-lm's own switch call over this layer's experts, when every one is held here in
+        memory (lazy, like the single-process model's); else None."""
+        out = self.residency.whole(layer, x, inds)
+        if out is not None:
+            self._note(layer, inds)
+        return out
+
+    def submit(self, layer: int, x: mx.array, needed: slice | np.ndarray, rows: np.ndarray,
+               experts: np.ndarray, call_pairs: int, seq: int,
+               prefetch: shoal_pb2.PrefetchHint | None = None) -> None:
+        """A share of a layer call on the switch input `x`: its tokens `needed`, each pair's
+        row among them and expert. Computed at `result`; a prefetch hint starts reads now."""
+        if prefetch is not None:
+            self.residency.prefetch(prefetch.layer, prefetch.experts)
+        hidden = x.reshape(-1, x.shape[-1])
+        hidden = hidden[needed if isinstance(needed, slice) else mx.array(needed)]
+        self._work.append(_Work(layer, hidden, rows, experts, call_pairs, seq))
+
+    def result(self) -> tuple[shoal_pb2.ExpertReply, np.ndarray, mx.Dtype]:
+        """Compute the oldest share submitted: the reply a worker would send (its timing,
+        inventory version), the outputs (m, output width) as host arrays and their dtype.
+        Raises what the residency raises (Moved for an expert that left this Mac)."""
+        work = self._work.popleft()
+        started = time.perf_counter()
+        timing = Timing()
+        request = Request(work.layer, work.hidden, dtype_name(work.hidden.dtype), work.rows,
+                          work.experts, work.call_pairs)
+        out = self.residency.compute(request, timing)
+        values = to_numpy(out)
+        done = time.perf_counter()
+        reply = shoal_pb2.ExpertReply(
+            seq=work.seq, compute_seconds=done - started - timing.waited,
+            inventory_version=self.residency.holdings.version,
+            timing=shoal_pb2.WorkerTiming(
+                matrix=timing.matrix, waited=timing.waited,
+                bookkeeping=done - started - timing.matrix - timing.waited),
+        )
+        return reply, values, out.dtype
+
+    def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
+             timeout: float = 0.0) -> None:
+        """A prefetch hint alone, written for a worker's stream (the dispatcher sends those to
+        every member that streams): its reads start here."""
+        message, _ = EXPERT_REQUEST.read(request, "prefetch hint")
+        if message.HasField("prefetch"):
+            self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
+
+    def _note(self, layer: int, inds: mx.array) -> None:
+        """Keep a `whole` call's picks to count once evaluated, and count those old enough."""
+        self._noted.append((layer, inds))
+        while len(self._noted) > self._kept:
+            self._count(*self._noted.popleft())
+
+    def _count(self, layer: int, inds: mx.array) -> None:
+        self.residency.counted(layer, np.asarray(inds).reshape(-1).astype(np.int64))
+
+    def settle(self) -> None:
+        """Count every pick noted (read before the heat or the counters are)."""
+        while self._noted:
+            self._count(*self._noted.popleft())
+
+    # -- what a link answers ---------------------------------------------------------------
+
+    def fetch_inventory(self, timeout: float | None = None) -> shoal_pb2.Inventory:
+        self.inventory = self._servicer.GetInventory(shoal_pb2.InventoryRequest(), _CONTEXT)
+        return self.inventory
+
+    def fetch_stats(self, timeout: float | None = None) -> shoal_pb2.WorkerStats:
+        self.settle()
+        return self._servicer.GetStats(shoal_pb2.StatsRequest(), _CONTEXT)
+
+    def call(self, method: str, request, *, timeout: float | None = None):
+        """Another call of the expert service (heat, expert files), answered by the worker's
+        own servicer method; a refusal raises the ShoalError a worker's link would."""
+        if method == "GetHeat":
+            self.settle()
+        answer = getattr(self._servicer, method)(request, _CONTEXT)
+        return _Streamed(answer) if isinstance(answer, Generator) else answer
+
+    def check_health(self, timeout: float) -> float:
+        return 0.0
+
+    def held(self) -> frozenset[ExpertKey]:
+        return frozenset((h.layer, h.expert) for h in self.inventory.experts)
+
+    def reset(self) -> None:
+        """Forget the shares submitted for a call that is being redone."""
+        self._work.clear()
+
+    def close_lanes(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.settle()
+        self.residency.close()
+        for fd in self._locks:
+            os.close(fd)  # the lock goes with it
+        self._locks = []
+
+
+def open_local_experts(
+    stores: list[Path], manifest: Manifest, *, memory_budget: str | None = None,
+    verify: bool = True, node_id: str | None = None, warm: bool = True,
+) -> LocalExperts:
+    """This Mac's store folders (one per drive) as the coordinator's own member, under a
+    memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
+    False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
+    from worker.advertise import load_node_id, node_id_path
+    from worker.daemon import open_residency
+
+    for store in stores:
+        if not (Path(store) / "manifest.json").is_file():
+            raise InvalidInput(f"--local-store {store} is not a store folder written by "
+                               "`shoal shard` (it has no manifest.json)")
+    locks = [lock_store(Path(store)) for store in stores]
+    try:
+        residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
+                                   out=sys.stderr, warm=warm)  # stdout is the generated text's
+    except BaseException:
+        for fd in locks:
+            os.close(fd)
+        raise
+    try:
+        if residency.scan.manifest.fingerprint != manifest.fingerprint:
+            raise InvalidInput(
+                f"--local-store {', '.join(map(str, stores))} holds another model "
+                f"({residency.scan.manifest.fingerprint[:12]}, expected "
+                f"{manifest.fingerprint[:12]})"
+            )
+        node = node_id or load_node_id(node_id_path(),
+                                       log=lambda m: print(f"shoal: {m}", file=sys.stderr))
+        return LocalExperts(residency, node, locks)
+    except BaseException:
+        residency.close()
+        for fd in locks:
+            os.close(fd)
+        raise
+
+
+def lock_store(store: Path) -> int:
+    """Hold the store's lock for this process: two coordinators serving one store would each
+    move and count its experts without the other knowing (a `shoal rebalance --local-store`
+    beside a `shoal serve` of the same folder). Released when the process ends, however."""
+    fd = os.open(store / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise InvalidInput(
+            f"--local-store {store} is served by another shoal process on this Mac; stop it "
+            "first (a store's experts are moved and counted by the one process serving it)"
+        ) from None
+    return fd
+
+
+class WithLocal:
+    """Members: the coordinator's own experts first, then the workers of `remote` (none for
+    one Mac alone). First, so that in a layer call its share is computed right after every
+    remote request is sent, before any reply is read (the dispatcher reads in member order)."""
+
+    def __init__(self, local: LocalExperts, remote=None) -> None:
+        self.local = local
+        self.remote = remote
+        self._own = 1  # bumped when the local holdings change; both counters only grow
+        self._held = local.held()
+
+    @property
+    def version(self) -> int:
+        return self._own + (self.remote.version if self.remote is not None else 0)
+
+    def live(self) -> tuple[int, list, list[frozenset[ExpertKey]]]:
+        if self.remote is None:
+            return self.version, [self.local], [self._held]
+        version, links, holdings = self.remote.live()
+        return self._own + version, [self.local, *links], [self._held, *holdings]
+
+    def update_inventory(self, link, inventory: shoal_pb2.Inventory) -> None:
+        if link is self.local:
+            self._held = self.local.held()
+            self._own += 1
+        elif self.remote is not None:
+            self.remote.update_inventory(link, inventory)
+
+    def report_failure(self, link, detail: str) -> None:
+        if link is self.local:  # its experts are routed around, like a lost worker's
+            self._held = frozenset()
+            self._own += 1
+        elif self.remote is not None:
+            self.remote.report_failure(link, detail)
