@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -190,6 +191,61 @@ class _StaleRoute(Exception):
         self.worker = worker
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One request of a layer call: to `worker`, on its lane `lane`, for the call's pairs
+    `pairs` (indices into its flattened (token, slot) pairs, ascending), carrying the hidden
+    rows `needed` of the call's tokens and each pair's row among them (`rows`)."""
+
+    worker: int
+    lane: int
+    pairs: np.ndarray
+    needed: slice | np.ndarray
+    rows: np.ndarray
+
+
+def split_share(pairs: np.ndarray, k: int, piece_pairs: int
+                ) -> list[tuple[np.ndarray, slice | np.ndarray, np.ndarray]]:
+    """One worker's pairs of a call (ascending) as requests: (pairs, the tokens whose hidden
+    rows it needs, each pair's row among them). With `piece_pairs` (0: whole) a prompt pass's
+    share goes as pieces of about that many pairs, whole tokens each, so that the worker
+    computes one piece while the next arrives and the reply of the last leaves; a decode
+    step's goes whole."""
+    tokens = pairs // k  # ascending, as pairs are
+    first = np.empty(tokens.size, dtype=bool)
+    first[0] = True
+    np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
+    needed = tokens[first]  # the tokens this worker needs, each sent once
+    rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
+    count = min(needed.size, pairs.size // piece_pairs) if piece_pairs else 1
+    if count <= 1:
+        return [(pairs, _rows_of(needed), rows)]
+    cuts = np.searchsorted(rows, np.arange(1, count) * needed.size // count).tolist()
+    out = []
+    for lo, hi in zip([0, *cuts], [*cuts, pairs.size], strict=True):
+        start, stop = int(rows[lo]), int(rows[hi - 1]) + 1
+        out.append((pairs[lo:hi], _rows_of(needed[start:stop]), rows[lo:hi] - start))
+    return out
+
+
+def plan_call(owner: np.ndarray, k: int, *, piece_pairs: int, lanes: int,
+              whole: Collection[int] = ()) -> list[Piece]:
+    """The requests of one layer call whose pair i goes to worker `owner[i]`, in the order
+    they are sent: every worker's first piece first, workers ascending (the fixed order the
+    replies are then read in), a worker's pieces dealt over its `lanes`. The workers in
+    `whole` get their share whole (one that streams experts from its drives: each piece would
+    read again what its cache could not keep)."""
+    shares = {worker: split_share(np.flatnonzero(owner == worker), k,
+                                  0 if worker in whole else piece_pairs)
+              for worker in np.unique(owner).tolist()}
+    plan = []
+    for round_ in range(max(len(share) for share in shares.values())):
+        for worker, share in shares.items():
+            if round_ < len(share):
+                plan.append(Piece(worker, round_ % lanes, *share[round_]))
+    return plan
+
+
 class Dispatcher:
     """Sends one MoE layer's expert work to the workers and gathers the results."""
 
@@ -207,33 +263,6 @@ class Dispatcher:
         """The worker the next call of `layer` sends each of `experts` to, when each comes
         once (a decode step): where a prefetch hint for them should go."""
         return spread(self.cluster.routes[layer], experts, self._turns[layer] + 1)
-
-    def _pieces(self, pairs: np.ndarray, k: int, worker: int
-                ) -> list[tuple[np.ndarray, slice | np.ndarray, np.ndarray]]:
-        """One worker's pairs of a call (ascending) as requests: (pairs, the tokens whose
-        hidden rows it needs, each pair's row among them). A prompt pass's go as pieces of
-        about `piece_pairs` pairs, whole tokens each, so that the worker computes one piece
-        while the next arrives and the reply of the last leaves; a decode step's go whole,
-        and so does everything for a worker that streams experts from its drives (each piece
-        would read again what its cache could not keep)."""
-        tokens = pairs // k  # ascending, as pairs are
-        first = np.empty(tokens.size, dtype=bool)
-        first[0] = True
-        np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
-        needed = tokens[first]  # the tokens this worker needs, each sent once
-        rows = np.cumsum(first, dtype=np.int32) - 1  # each pair's row among them
-        count = min(needed.size, pairs.size // self.piece_pairs) if self.piece_pairs else 1
-        if count > 1 and self.lookahead is not None \
-                and self.lookahead.streams(self.cluster.links[worker]):
-            count = 1
-        if count <= 1:
-            return [(pairs, _rows_of(needed), rows)]
-        cuts = np.searchsorted(rows, np.arange(1, count) * needed.size // count).tolist()
-        out = []
-        for lo, hi in zip([0, *cuts], [*cuts, pairs.size], strict=True):
-            start, stop = int(rows[lo]), int(rows[hi - 1]) + 1
-            out.append((pairs[lo:hi], _rows_of(needed[start:stop]), rows[lo:hi] - start))
-        return out
 
     def __call__(
         self, layer: int, x: mx.array, inds: mx.array, shared: SharedAhead | None = None
@@ -271,7 +300,6 @@ class Dispatcher:
         width = x.shape[-1]
         # x and inds are evaluated: reshape their buffers in numpy, not as new MLX graph nodes
         hidden = to_numpy(x).reshape(-1, width)
-        wire_dtype = dtype_name(x.dtype)
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
         # Experts with copies on several workers have their tokens dealt over the copies.
         self._turns[layer] += 1
@@ -282,45 +310,72 @@ class Dispatcher:
             hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
         stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
-        pieces = {worker: self._pieces(np.flatnonzero(owner == worker), k, worker)
-                  for worker in np.unique(owner).tolist()}  # ascending: the fixed order
-        pending = []
-        for round_ in range(max(len(p) for p in pieces.values())):
-            for worker, worker_pieces in pieces.items():  # every worker's first piece first
-                if round_ >= len(worker_pieces):
-                    continue
-                pairs, needed, rows = worker_pieces[round_]
-                self._seq += 1
-                link = self.cluster.links[worker]
-                if isinstance(link, LocalExperts):  # the coordinator's own: MLX arrays, no bytes
-                    link.submit(layer, x, needed, rows, experts[pairs], experts.size, self._seq,
-                                hints.pop(worker, None))  # computed when its reply is read
-                    self.stats.worker_requests[link.address] += 1
-                    pending.append((worker, 0, pairs, self._seq, time.perf_counter()))
-                    continue
-                request = EXPERT_REQUEST.write(
-                    shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
-                                            prefetch=hints.pop(worker, None),
-                                            call_pairs=experts.size),
-                    hidden=(hidden[needed], wire_dtype), rows=(rows, "int32"),
-                    experts=(experts[pairs], "int32"),
-                )
-                lane = round_ % self.lanes
-                link = self.cluster.links[worker]
-                pace = self._pace.setdefault(link.address, Pace())
-                link.send(request, lane, timeout=pace.deadline(pairs.size))
-                self.stats.worker_requests[self.cluster.links[worker].address] += 1
-                pending.append((worker, lane, pairs, self._seq, time.perf_counter()))
-                stats.bytes_sent += len(request)
-        for worker, hint in hints.items():  # a hint alone gets no reply
-            self.cluster.links[worker].send(
-                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)),
-                reply=False)
+        links = self.cluster.links
+        streaming = {w for w in np.unique(owner).tolist()
+                     if self.lookahead is not None and self.lookahead.streams(links[w])}
+        plan = plan_call(owner, k, piece_pairs=self.piece_pairs, lanes=self.lanes,
+                         whole=streaming)
+        pending = self._send(layer, x, hidden, experts, plan, hints, stats)
         stats.send_seconds += time.perf_counter() - started
         if shared is not None:
             before = time.perf_counter()
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
+        result, changed = self._gather(layer, pending, (*lead, k, width), stats)
+        stats.calls += 1
+        stats.requests += len(pending)
+        stats.seconds += time.perf_counter() - started
+        self.stats.layer(layer).add(stats)
+        (self.stats.decode if not lead or lead[-1] == 1 else self.stats.prefill).add(stats)
+        workers = {piece.worker for piece in plan}
+        if len(plan) == len(workers):  # one request a worker (decode): the pass is over
+            for worker in workers:
+                links[worker].close_lanes()
+        for link in changed:  # route the next call by what the workers hold now
+            if link in self.cluster.links:
+                self.cluster.reload(self.cluster.links.index(link))
+        return result
+
+    def _send(self, layer: int, x: mx.array, hidden: np.ndarray, experts: np.ndarray,
+              plan: list[Piece], hints: dict, stats: LayerStats) -> list[tuple]:
+        """Send the plan's requests (and the prefetch hints of members not in it); returns
+        what is awaited, in the plan's order: (worker, lane, pairs, seq, when sent)."""
+        wire_dtype = dtype_name(x.dtype)
+        pending = []
+        for piece in plan:
+            worker, pairs = piece.worker, piece.pairs
+            self._seq += 1
+            link = self.cluster.links[worker]
+            if isinstance(link, LocalExperts):  # the coordinator's own: MLX arrays, no bytes
+                link.submit(layer, x, piece.needed, piece.rows, experts[pairs], experts.size,
+                            self._seq, hints.pop(worker, None))  # computed when read
+                self.stats.worker_requests[link.address] += 1
+                pending.append((worker, 0, pairs, self._seq, time.perf_counter()))
+                continue
+            request = EXPERT_REQUEST.write(
+                shoal_pb2.ExpertRequest(seq=self._seq, layer=layer,
+                                        prefetch=hints.pop(worker, None),
+                                        call_pairs=experts.size),
+                hidden=(hidden[piece.needed], wire_dtype), rows=(piece.rows, "int32"),
+                experts=(experts[pairs], "int32"),
+            )
+            pace = self._pace.setdefault(link.address, Pace())
+            link.send(request, piece.lane, timeout=pace.deadline(pairs.size))
+            self.stats.worker_requests[link.address] += 1
+            pending.append((worker, piece.lane, pairs, self._seq, time.perf_counter()))
+            stats.bytes_sent += len(request)
+        for worker, hint in hints.items():  # a hint alone gets no reply
+            self.cluster.links[worker].send(
+                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)),
+                reply=False)
+        return pending
+
+    def _gather(self, layer: int, pending: list[tuple], shape: tuple[int, ...],
+                stats: LayerStats) -> tuple[mx.array, list]:
+        """Read every reply in `pending`'s order and put each pair's output back in its place:
+        the (..., k, width) result, and the links whose worker's inventory changed; this
+        call's worker and wire parts go into `stats`."""
+        width = shape[-1]
         parts = []  # each reply's outputs, in the order of `pending`
         # by worker, over its pieces: first request sent, last reply read, seconds computing,
         # and each reply's timing
@@ -371,14 +426,14 @@ class Dispatcher:
             computing[worker] += reply.compute_seconds
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
-        if len(pieces) == 1:  # one worker computed every pair, its pieces in order
+        if len({worker for worker, *_ in pending}) == 1:  # one worker, its pieces in order
             (result,) = to_mlx((parts, out_dtype))
         else:  # the replies as they came, then each pair put back in its place by one gather
             order = np.concatenate([pairs for _, _, pairs, *_ in pending])
             values, places = to_mlx((parts, out_dtype),
                                     ([np.argsort(order).astype(np.int32)], mx.int32))
             result = values[places]
-        result = result.reshape(*lead, k, width)
+        result = result.reshape(shape)
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before
         # The critical worker: the longest from its first request sent to its last reply read.
@@ -391,18 +446,9 @@ class Dispatcher:
             stats.worker_reply_seconds += timing.reply
             stats.worker_waited_seconds += timing.waited
         stats.slowest_compute_seconds += max(computing.values())
-        stats.calls += 1
-        stats.requests += len(pending)
-        stats.seconds += done - started
-        self.stats.layer(layer).add(stats)
-        (self.stats.decode if not lead or lead[-1] == 1 else self.stats.prefill).add(stats)
-        if len(pending) == len(pieces):  # one request a worker (decode): the pass is over
-            for worker in pieces:
-                self.cluster.links[worker].close_lanes()
-        for link in changed:  # route the next call by what the workers hold now
-            if link in self.cluster.links:
-                self.cluster.reload(self.cluster.links.index(link))
-        return result
+        return result, changed
+
+
 
 
 class SharedAhead(nn.Module):

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
+from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install, plan_call
 from engine.experts import build_skeleton
 from engine.manifest import read_manifest
 from engine.moe_layers import get_module
@@ -217,3 +217,26 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
     dispatcher(0, x[:, :1], mx.array(inds[:, :1]))
     assert dispatcher.stats.decode.requests <= 2
     assert any(hasattr(link, "closed_lanes") for link in links)
+
+
+def test_a_calls_plan_sends_every_workers_first_piece_first_in_whole_tokens_over_its_lanes():
+    k = 2
+    owner = np.array([0, 1] * 8 + [1, 1] * 8)  # 16 tokens: worker 1 has 24 pairs, 0 has 8
+    plan = plan_call(owner, k, piece_pairs=4, lanes=2)
+    assert [p.worker for p in plan[:2]] == [0, 1]  # each worker's first piece before seconds
+    for worker in (0, 1):
+        pieces = [p for p in plan if p.worker == worker]
+        pairs = np.concatenate([p.pairs for p in pieces])
+        assert np.array_equal(pairs, np.flatnonzero(owner == worker))  # all, once, in order
+        assert [p.lane for p in pieces] == [i % 2 for i in range(len(pieces))]
+        for p in pieces:
+            tokens = p.pairs // k
+            assert len(set(tokens.tolist()) & {t for q in pieces if q is not p
+                                               for t in (q.pairs // k).tolist()}) == 0
+            needed = np.arange(16)[p.needed]
+            assert np.array_equal(needed[p.rows], tokens)  # each pair's row is its token's
+    assert len([p for p in plan if p.worker == 1]) == 6
+    # a worker that streams from its drives, and a decode-sized call, go whole
+    assert len([p for p in plan_call(owner, k, piece_pairs=4, lanes=2, whole={1})
+                if p.worker == 1]) == 1
+    assert len(plan_call(owner, k, piece_pairs=0, lanes=4)) == 2
