@@ -360,14 +360,22 @@ class Dispatcher:
                 experts=(experts[pairs], "int32"),
             )
             pace = self._pace.setdefault(link.address, Pace())
-            link.send(request, piece.lane, timeout=pace.deadline(pairs.size))
+            try:
+                link.send(request, piece.lane, timeout=pace.deadline(pairs.size))
+            except Unavailable as e:  # an expert lane that cannot be opened or written
+                for other, *_ in pending:
+                    self.cluster.links[other].reset()  # their replies to this call are moot
+                raise _WorkerFailed(worker, e) from None
             self.stats.worker_requests[link.address] += 1
             pending.append((worker, piece.lane, pairs, self._seq, time.perf_counter()))
             stats.bytes_sent += len(request)
         for worker, hint in hints.items():  # a hint alone gets no reply
-            self.cluster.links[worker].send(
-                EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)),
-                reply=False)
+            try:
+                self.cluster.links[worker].send(
+                    EXPERT_REQUEST.write(shoal_pb2.ExpertRequest(layer=layer, prefetch=hint)),
+                    reply=False)
+            except Unavailable:
+                pass  # only a hint: the worker's next request will say whether it is lost
         return pending
 
     def _gather(self, layer: int, pending: list[tuple], shape: tuple[int, ...],
