@@ -9,7 +9,6 @@ whose client went away, which frees its row in the batch.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import socket
@@ -20,30 +19,34 @@ from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.batching import BatchEngine, Event, Sampling
+from coordinator import anthropic_api, ollama_api
+from coordinator.access_log import AccessLog
+from coordinator.answering import events, gather
+from coordinator.batching import BatchEngine, Event
 from coordinator.cluster import layer_sizes
 from coordinator.membership import Membership
 from coordinator.openai_api import (
+    Chunks,
     CompletionRequest,
     answer_meta,
-    chunk_json,
     completion_json,
     error_json,
     fit_to_context,
+    model_json,
     parse_request,
-    prompt_tokens,
+    prepare,
     usage_chunk_json,
 )
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.placement import replica_routes
-
-HEARTBEAT = 15.0  # seconds between SSE comments while a streamed answer waits for tokens
-
 
 # ---------------------------------------------------------------------------------------
 # Health: every expert must have a live owner
@@ -73,6 +76,7 @@ class Service:
     context: int
     api_key: str | None = None
     started: int = 0
+    cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API
 
     @property
     def vocab(self) -> int:
@@ -92,8 +96,9 @@ def _authorized(service: Service, request: Request) -> bool:
         return True
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              service.api_key.encode())
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        token = request.headers.get("x-api-key", "")
+    return hmac.compare_digest(token.strip().encode(), service.api_key.encode())
 
 
 def _error_response(error: ShoalError) -> JSONResponse:
@@ -109,32 +114,6 @@ def _error_response(error: ShoalError) -> JSONResponse:
 def _sse(data: dict | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {text}\n\n".encode()
-
-
-class _Subscription:
-    """One request's events on this event loop. cancel() (a client that went away) frees
-    its row in the batch; waiting with a timeout does not cancel anything."""
-
-    def __init__(self, service: Service, prompt: list[int], sampling: Sampling) -> None:
-        loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._handle = service.engine.submit(
-            prompt, sampling, lambda e: loop.call_soon_threadsafe(self._queue.put_nowait, e))
-
-    async def next(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None if none came within `timeout` seconds."""
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def make_app(service: Service) -> Starlette:
@@ -166,17 +145,22 @@ def make_app(service: Service) -> Starlette:
         return JSONResponse(body, 200 if problem is None else 503)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.model_id, "object": "model", "created": service.started,
-             "owned_by": "shoal"}]})
+        return JSONResponse({"object": "list",
+                             "data": [model_json(service.model_id, service.started)]})
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model"] != service.model_id:
+            raise NotFound(f"no model {request.path_params['model']!r}: this server has "
+                           f"{service.model_id!r}")
+        return JSONResponse(model_json(service.model_id, service.started))
 
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidInput(f"the request body is not valid JSON: {e}") from None
-        parsed = parse_request(body, chat=chat)
-        prompt = prompt_tokens(service.tokenizer, parsed, service.vocab)
+        parsed, prompt = prepare(service.tokenizer, parse_request(body, chat=chat),
+                                 service.vocab)
         parsed = fit_to_context(parsed, len(prompt), service.context)
         problem = service.health()
         if problem is not None:
@@ -197,69 +181,66 @@ def make_app(service: Service) -> Starlette:
     routes = [
         Route("/health", guard(health), methods=["GET"]),
         Route("/v1/models", guard(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guard(model), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(text_completions), methods=["POST"]),
+        *anthropic_api.routes(service, guard),
+        *ollama_api.routes(service, guard),
     ]
-    return Starlette(routes=routes)
+    middleware = [Middleware(AccessLog)]
+    if service.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["*"]))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own errors (no such route, a method the route does not take) in the
+    OpenAI shape, so that clients can show them."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif error.status_code == 405:
+        message = f"{request.url.path} does not take {request.method}"
+    else:
+        message = error.detail
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_json(message, kind, error.status_code), error.status_code,
+                        headers=error.headers)
 
 
 async def _whole(service: Service, request: Request, parsed: CompletionRequest,
                  prompt: list[int], meta: dict) -> Response:
     """A non-streamed answer: every event gathered, unless the client leaves first."""
-    events: list[Event] = []
-    subscription = _Subscription(service, prompt, parsed.sampling)
-
-    async def gather() -> None:
-        while not events or (events[-1].finish_reason is None and events[-1].error is None):
-            events.append(await subscription.next())
-
-    work = asyncio.create_task(gather())
-    gone = asyncio.create_task(_until_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():  # the client left (or the server is stopping)
-            work.cancel()
-            subscription.cancel()
-    if not events or (events[-1].finish_reason is None and events[-1].error is None):
+    gathered = await gather(service.engine, request, prompt, parsed.sampling)
+    if gathered is None:
         return Response(status_code=499)
-    if events[-1].error is not None:
-        raise events[-1].error
-    return JSONResponse(completion_json(service.tokenizer, parsed, prompt, events, meta))
+    if gathered[-1].error is not None:
+        raise gathered[-1].error
+    return JSONResponse(completion_json(service.tokenizer, parsed, prompt, gathered, meta))
 
 
 async def _stream(service: Service, parsed: CompletionRequest, prompt: list[int],
                   meta: dict) -> AsyncIterator[bytes]:
     """Server-sent events in the OpenAI shape; an error mid-answer is sent as an event
     with an `error` object (the openai client raises it), then the stream ends."""
-    tok = service.tokenizer
-    first = True
+    chunks = Chunks(service.tokenizer, parsed, meta)
     if parsed.echo:
-        yield _sse(chunk_json(tok, parsed, Event(text=tok.decode(prompt)), meta, first=first))
-        first = False
-    subscription = _Subscription(service, prompt, parsed.sampling)
-    try:
-        while True:
-            event = await subscription.next(HEARTBEAT)
-            if event is None:
-                yield b": waiting\n\n"  # keeps proxies and clients from timing out
-                continue
-            if event.error is not None:
-                status = 503 if isinstance(event.error, Unavailable) else 500
-                yield _sse(error_json(str(event.error),
-                                      "unavailable" if status == 503 else "server_error",
-                                      status))
-                break
-            yield _sse(chunk_json(tok, parsed, event, meta, first=first))
-            first = False
-            if event.finish_reason is not None:
-                if parsed.include_usage:
-                    yield _sse(usage_chunk_json(parsed, event, meta))
-                break
-        yield _sse("[DONE]")
-    finally:  # also when the client went away: Starlette cancels this generator
-        subscription.cancel()
+        yield _sse(chunks.chunk(Event(text=service.tokenizer.decode(prompt))))
+    async for event in events(service.engine, prompt, parsed.sampling):
+        if event is None:
+            yield b": waiting\n\n"  # keeps proxies and clients from timing out
+            continue
+        if event.error is not None:  # the last event
+            status = 503 if isinstance(event.error, Unavailable) else 500
+            yield _sse(error_json(str(event.error),
+                                  "unavailable" if status == 503 else "server_error", status))
+            continue
+        yield _sse(chunks.chunk(event))
+        if event.finish_reason is not None and parsed.include_usage:
+            yield _sse(usage_chunk_json(parsed, event, meta))
+    yield _sse("[DONE]")
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,10 +278,14 @@ def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") 
     import uvicorn
 
     config = uvicorn.Config(make_app(service), log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, log_config=None)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    key = ("an API key is required (--api-key-file)" if service.api_key is not None
+           else "no API key is required")
+    cors = (f"; browser pages of {', '.join(service.cors_origins)} may call it"
+            if service.cors_origins else "")
     print(f"shoal serve: {service.model_id} on http://{shown}:{port}/v1 "
           f"(context {service.context} tokens, up to {service.engine.max_batch} requests "
-          "decoded together)", file=sys.stderr, flush=True)
+          f"decoded together); {key}{cors}", file=sys.stderr, flush=True)
     uvicorn.Server(config).run(sockets=[sock])

@@ -5,6 +5,8 @@ coordinator/batching.py)."""
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
-        "answer the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed or "
-        "not), GET /v1/models and /health. Requests in flight are decoded together, so each "
+        "answer the OpenAI API (POST /v1/chat/completions and /v1/completions, streamed or "
+        "not, with tools and structured output; GET /v1/models and /health), Anthropic's "
+        "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags). "
+        "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
         "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
         "see docs/serving.md.",
@@ -55,6 +59,13 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--context", type=int, metavar="TOKENS",
                    help="prompt and answer together at most (default: the model's "
                    "max_position_embeddings)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN (e.g. http://localhost:3000; '*' for "
+                   "any) call the API (repeat for several; default: none)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"],
+                   help="what the server logs to stderr: info (the default) logs a line per "
+                   "request; warning and up only problems")
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -86,6 +97,8 @@ def main(args: argparse.Namespace) -> None:
     from engine.manifest import read_manifest
 
     cache_bytes = check_serve_args(args)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="shoal serve: %(levelname)s %(name)s: %(message)s")
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     secret = cluster_secret(args)
     manifest = read_manifest(args.model)
@@ -100,7 +113,8 @@ def main(args: argparse.Namespace) -> None:
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
         serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
-                      started=int(time.time())), sock)
+                      started=int(time.time()), cors_origins=tuple(args.cors_origin)), sock,
+              log_level=args.log_level)
     finally:
         sock.close()
         if engine is not None:
