@@ -43,9 +43,9 @@ FIELDS: dict[str, str] = {
     "metadata": "ignored", "service_tier": "ignored", "cache_control": "ignored",
     "diagnostics": "ignored", "inference_geo": "ignored", "speed": "ignored",
     "user_profile_id": "ignored", "workspace_id": "ignored",
-    "container": "code execution containers are not supported",
-    "mcp_servers": "MCP servers are not supported: give the tools in 'tools'",
-    "context_management": "context management is not supported",
+    "container": "'container': code execution is not supported",
+    "mcp_servers": "'mcp_servers' is not supported: give the tools in 'tools'",
+    "context_management": "'context_management' is not supported",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 

@@ -53,12 +53,12 @@ CHAT_FIELDS: dict[str, str] = {
     "safety_identifier": "ignored", "prompt_cache_key": "ignored",
     "prompt_cache_retention": "ignored", "prompt_cache_options": "ignored",
     "prediction": "ignored",
-    "moderation": "moderation is not supported: leave 'moderation' out",
-    "audio": "audio output is not supported",
+    "moderation": "'moderation' is not supported: leave it out",
+    "audio": "'audio': audio output is not supported",
     "functions": "the deprecated 'functions' is not supported: send 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: send 'tool_choice'",
     "verbosity": "'verbosity' is not supported: leave it out",
-    "web_search_options": "web search is not supported",
+    "web_search_options": "'web_search_options': web search is not supported",
 }
 COMPLETION_FIELDS: dict[str, str] = {
     "prompt": "yes", "model": "yes", "max_tokens": "yes", "temperature": "yes", "top_p": "yes",
