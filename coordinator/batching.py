@@ -384,6 +384,11 @@ class BatchEngine:
             if handle.cancelled:
                 self._end(handle, None)
                 continue
+            try:  # a request's own settings that fail end that request, not the batch
+                processors = make_request_processors(handle.sampling, self._grammars)
+            except ShoalError as e:
+                self._end(handle, Event(error=e))
+                continue
             cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, handle.prompt)
             if cache is not None and not rest:  # the whole prompt is cached: redo its last
                 if can_trim_prompt_cache(cache):
@@ -396,7 +401,7 @@ class BatchEngine:
                 [rest], max_tokens=[handle.sampling.max_tokens], caches=[cache],
                 all_tokens=[handle.prompt[:cached]],
                 samplers=[make_request_sampler(handle.sampling)],
-                logits_processors=[make_request_processors(handle.sampling, self._grammars)],
+                logits_processors=[processors],
             )
             self._live[uid] = _Live(handle, self.tokenizer, cached)
             self._count(prompt_tokens=len(rest), cached_tokens=cached)

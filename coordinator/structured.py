@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from engine.errors import InvalidInput
+from engine.errors import InvalidInput, ShoalError
 
 # Compact JSON: the answer cannot pad itself with whitespace forever.
 JSON_OPTIONS: dict = {"whitespace_flexible": False, "item_separator": ", ",
@@ -88,20 +88,32 @@ def tool_call_grammar(tools: list[dict], name: str | None, *, start: str, end: s
 
 
 class Grammars:
-    """The tokenizer as llguidance sees it (built once, on first use) and a processor per
-    constrained request."""
+    """The tokenizer as llguidance sees it and a processor per constrained request. The
+    tokenizer's view takes a while for a large vocabulary (docs/serving.md), so it is built
+    on a thread of its own from the start, not by the first constrained request (which
+    would hold up the whole batch meanwhile)."""
 
     def __init__(self, tokenizer: TokenizerWrapper) -> None:
         self._tokenizer = tokenizer
         self._ll: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._error: Exception | None = None
+        self._built = threading.Event()
+        threading.Thread(target=self._build, name="shoal grammars", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            self._ll = llguidance.hf.from_tokenizer(
+                self._tokenizer._tokenizer, eos_token=sorted(self._tokenizer.eos_token_ids))
+        except Exception as e:  # noqa: BLE001 (said to the first request that needs it)
+            self._error = e
+        self._built.set()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._ll is None:
-                self._ll = llguidance.hf.from_tokenizer(
-                    self._tokenizer._tokenizer, eos_token=sorted(self._tokenizer.eos_token_ids))
-            return self._ll
+        self._built.wait()
+        if self._ll is None:
+            raise ShoalError(f"constrained decoding is not available for this tokenizer: "
+                             f"{self._error}")
+        return self._ll
 
     def processor(self, grammar: str) -> GrammarProcessor:
         return GrammarProcessor(llguidance.LLMatcher(self._ll_tokenizer(), grammar),
