@@ -44,8 +44,10 @@ class Turn:
 class Conversation:
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, *,
                  system: str | None = None, max_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0) -> None:
+                 temperature: float = 0.0, top_p: float = 1.0,
+                 kv_cache: dict | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.kv_cache = kv_cache or {}  # mlx-lm's KV-cache quantization, if asked
         self.system, self.max_tokens = system, max_tokens
         self.sampler = make_sampler(temp=temperature, top_p=top_p)
         self.reset()
@@ -73,7 +75,7 @@ class Conversation:
         reply, tokens, speed = "", list(prompt), 0.0
         for r in stream_generate(self.model, self.tokenizer, mx.array(prompt[keep:]),
                                  max_tokens=self.max_tokens, sampler=self.sampler,
-                                 prompt_cache=self.cache):
+                                 prompt_cache=self.cache, **self.kv_cache):
             tokens.append(int(r.token))
             speed = r.generation_tps
             if r.text:

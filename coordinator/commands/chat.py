@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from coordinator.commands.connect import open_membership, record_run_heat
+from coordinator.commands.generate import kv_cache_options, kv_cache_settings
 from coordinator.commands.options import (
     AddParser,
     check_one_worker_source,
@@ -44,6 +45,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling (default 1: off)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    kv_cache_options(p)
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -55,6 +57,7 @@ def check_chat_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise InvalidInput(f"--top-p must be above 0 and at most 1, got {args.top_p}")
+    kv_cache_settings(args)
     check_one_worker_source(args)
     if not (Path(args.model) / "manifest.json").exists():
         raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
@@ -86,7 +89,8 @@ def main(args: argparse.Namespace) -> None:
             mx.random.seed(args.seed)
         conversation = Conversation(remote.model, remote.tokenizer, system=args.system,
                                     max_tokens=args.max_tokens,
-                                    temperature=args.temperature, top_p=args.top_p)
+                                    temperature=args.temperature, top_p=args.top_p,
+                                    kv_cache=kv_cache_settings(args))
         print(f"shoal chat: {Path(args.model).resolve().name}; {HELP}", file=sys.stderr,
               flush=True)
         converse(conversation)

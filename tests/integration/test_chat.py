@@ -1,13 +1,21 @@
 """`shoal chat` end to end: the real command on a pipe, over two real workers. Each reply is
 mlx-lm's greedy reply to the whole conversation so far, computed in one process, the second
-turn takes the first from the KV cache, and /reset starts over."""
+turn takes the first from the KV cache, and /reset starts over. Also the KV-cache
+quantization of `shoal chat` and `shoal generate` against mlx-lm's with the same flags."""
 
+import json
 import subprocess
 import sys
+from dataclasses import replace
+from unittest.mock import patch
 
+import mlx.core as mx
 import pytest
+from mlx_lm.generate import stream_generate
 from mlx_lm.utils import load_model, load_tokenizer
 
+from builders.synthetic import build_checkpoint
+from builders.synthetic_config import SHAPES
 from coordinator.generate import encode_messages, generate
 from coordinator.local import start_workers, stop_workers
 from engine.sharding import shard
@@ -55,3 +63,68 @@ def test_a_conversation_equals_mlx_lm_turn_by_turn(cluster, secret_file):
     assert cached[0] == 0 and cached[1] >= len(encode_messages(tokenizer, first)) and (
         cached[2] == 0)
     assert "starts over" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def wide_heads(secret_file, tmp_path_factory):
+    """The tiny qwen3_moe with 32-wide attention heads: MLX quantizes in groups of 32 at
+    least, which the tiny model's 16-wide heads cannot be."""
+    root = tmp_path_factory.mktemp("wide-heads")
+    with patch.dict(SHAPES, {"tiny": replace(SHAPES["tiny"], head_dim=32)}):
+        source = build_checkpoint(root / "source", "qwen3_moe")
+    shard(source, root / "sharded", workers=2, progress=False)
+    workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
+                            secret_file, root / "logs")
+    yield source, root / "sharded", workers
+    stop_workers(workers)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_quantized_kv_cache_gives_mlx_lms_tokens_with_the_same_flags(wide_heads, secret_file,
+                                                                      command):
+    """--kv-bits 4 from the first token: `shoal generate` and `shoal chat` give the tokens
+    mlx-lm's stream_generate gives with the same settings, and they differ from the
+    unquantized cache's (so the flags reach the cache)."""
+    source, sharded, workers = wide_heads
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    kv = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}
+    messages = [{"role": "user", "content": "Tell me about the fish in the sea"}]
+    prompt = encode_messages(tokenizer, messages)
+
+    def mlx_lm(**settings) -> list[int]:
+        out = []
+        for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=24,
+                                 **settings):
+            if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
+                break
+            out.append(r.token)
+        return out
+
+    quantized, plain = mlx_lm(**kv), mlx_lm()
+    assert quantized != plain
+    flags = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0",
+             "--max-tokens", "24"]
+    common = ["--model", str(sharded), "--workers", ",".join(w.address for w in workers),
+              "--secret-file", str(secret_file), *flags]
+    if command == "generate":
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", "--chat",
+                               messages[0]["content"], "--json", *common],
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["token_ids"] == quantized
+    else:
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "chat", *common],
+                              input=messages[0]["content"] + "\n", capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == generate_text(tokenizer, quantized) + "\n"
+
+
+def generate_text(tokenizer, tokens: list[int]) -> str:
+    """The text mlx-lm's streaming detokenizer makes of `tokens` (the first space dropped)."""
+    detokenizer = tokenizer.detokenizer
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
