@@ -309,9 +309,15 @@ def template_kwargs(tokenizer: TokenizerWrapper, request: CompletionRequest) -> 
     reasoning effort as the template can take it (a thinking model's enable_thinking, or a
     template that reads `reasoning_effort` itself); refused where it can take neither."""
     kwargs = dict(request.template_kwargs)
+    template = tokenizer.chat_template or ""
+    if kwargs.get("enable_thinking") and not tokenizer.has_thinking and (
+        "enable_thinking" not in template
+    ):
+        raise InvalidInput("thinking was asked for, and this model does not reason (its chat "
+                           "template has no thinking switch)")
     effort = request.reasoning_effort
     if effort is not None:
-        reads_effort = "reasoning_effort" in (tokenizer.chat_template or "")
+        reads_effort = "reasoning_effort" in template
         if not tokenizer.has_thinking and not reads_effort:
             raise InvalidInput("'reasoning_effort': this model does not reason (its chat "
                                "template has no thinking switch): leave it out")

@@ -78,6 +78,13 @@ def test_reasoning_effort_needs_a_template_that_takes_it(plain, tooled):
     request = parse_request({"messages": HI, "reasoning_effort": "low"}, chat=True)
     with pytest.raises(InvalidInput, match="does not reason"):
         prepare(plain, request, 300)
+    thinking = parse_request({"messages": HI, "chat_template_kwargs": {
+        "enable_thinking": True}}, chat=True)
+    with pytest.raises(InvalidInput, match="does not reason"):
+        prepare(plain, thinking, 300)
+    no_thinking = parse_request({"messages": HI, "chat_template_kwargs": {
+        "enable_thinking": False}}, chat=True)
+    assert prepare(plain, no_thinking, 300)[1]  # nothing to turn off: fine
     assert prepare(tooled, request, 300)[1] != prepare(
         tooled, parse_request({"messages": HI}, chat=True), 300)[1]
 
