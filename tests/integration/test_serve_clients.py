@@ -9,6 +9,7 @@ import json
 import shutil
 import threading
 import typing
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import anthropic
@@ -22,6 +23,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model, load_tokenizer
 from openai.types import completion_create_params as text_params
 from openai.types.chat import completion_create_params as chat_params
+from playwright.sync_api import sync_playwright
 
 from coordinator.local import start_server, start_workers, stop_workers
 from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
@@ -65,8 +67,34 @@ def source(tiny_checkpoint, tmp_path_factory) -> Path:
                               tmp_path_factory.mktemp("clients") / "source")
 
 
+class _Page(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+        body = b"<!doctype html><html><body>a page</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def server(source, secret_file):
+def pages():
+    """Two web servers on loopback serving a page: a browser page's origins, the first let
+    in by --cors-origin, the second not."""
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Page) for _ in range(2)]
+    for httpd in servers:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{httpd.server_address[1]}" for httpd in servers]
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(source, secret_file, pages):
     root = source.parent
     shard(source, root / "sharded", workers=2, progress=False)
     workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
@@ -77,7 +105,7 @@ def server(source, secret_file):
         local = start_server(root / "sharded", [w.address for w in workers], secret_file,
                              root / "serve.log", ("--api-key-file", str(root / "key"),
                                                   "--model-id", "tiny", "--cors-origin",
-                                                  ORIGIN))
+                                                  ORIGIN, "--cors-origin", pages[0]))
         yield local
     finally:
         if local is not None:
@@ -470,6 +498,44 @@ def test_cors_lets_the_named_origin_in(server):
     other = httpx.get(server.url + "/v1/models", headers={**HEADERS,
                                                           "Origin": "http://elsewhere"})
     assert "access-control-allow-origin" not in other.headers
+
+
+FETCH = """async ({url, key}) => {
+  try {
+    const reply = await fetch(url + "/v1/chat/completions", {
+      method: "POST",
+      headers: {"Authorization": "Bearer " + key, "Content-Type": "application/json"},
+      body: JSON.stringify({messages: [{role: "user", content: "What is the capital of France?"}],
+                            max_tokens: 6, temperature: 0})});
+    const body = await reply.json();
+    return {status: reply.status, content: body.choices[0].message.content};
+  } catch (e) {
+    return {error: e.name};
+  }
+}"""
+
+
+def test_a_browser_page_of_the_named_origin_can_call_the_api_and_others_cannot(server, pages):
+    """Debian's chromium, driven by playwright: fetch() from a page of the --cors-origin
+    origin (a preflight, then the call with its key) gets the answer; from another origin
+    the browser refuses it."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    expected = client(server).chat.completions.create(
+        model="tiny", messages=HI, max_tokens=6, temperature=0).choices[0].message.content
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            results = []
+            for origin in pages:
+                page.goto(origin + "/", timeout=30_000)
+                results.append(page.evaluate(FETCH, {"url": server.url, "key": KEY}))
+        finally:
+            browser.close()
+    assert results[0] == {"status": 200, "content": expected}
+    assert results[1] == {"error": "TypeError"}  # "Failed to fetch": CORS refused it
 
 
 def test_the_log_says_a_key_is_needed_and_has_a_line_per_request(server):
