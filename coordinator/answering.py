@@ -5,13 +5,32 @@ does). Leaving early cancels the request, which frees its row in the batch."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
 from coordinator.batching import BatchEngine, Event, Sampling
+from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 
 HEARTBEAT = 15.0  # seconds between keep-alives while a streamed answer waits for tokens
+
+
+async def read_json(request: Request) -> object:
+    """The request's body as JSON; InvalidInput if it is not."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+
+
+def status_of(error: ShoalError) -> int:
+    """The HTTP status an error is answered with, whichever API's shape it takes."""
+    if isinstance(error, InvalidInput):
+        return 400
+    if isinstance(error, NotFound):
+        return 404
+    return 503 if isinstance(error, Unavailable) else 500
 
 
 class Subscription:

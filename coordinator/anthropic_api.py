@@ -15,20 +15,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import events, gather
+from coordinator.answering import events, gather, read_json, status_of
 from coordinator.batching import Event, Sampling
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
     MAX_STOP_STRINGS,
     CompletionRequest,
-    _field,
-    _number,
     fit_to_context,
+    json_field,
+    number_field,
     prepare,
 )
 from coordinator.structured import response_format_grammar
 from coordinator.tools import CallReader, Piece, ToolUse, tool_use
-from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
+from engine.errors import InvalidInput, ShoalError
 
 if TYPE_CHECKING:
     from coordinator.serve import Service
@@ -145,7 +145,7 @@ def parse_messages(body: object) -> CompletionRequest:
                                "cannot honour it")
         if status not in ("yes", "ignored") and value is not None:
             raise InvalidInput(status)
-    max_tokens = _field(body, "max_tokens", (int,), "an integer")
+    max_tokens = json_field(body, "max_tokens", (int,), "an integer")
     if max_tokens is None or max_tokens < 1:
         raise InvalidInput("'max_tokens' is required, and at least 1")
     stops = body.get("stop_sequences") or []
@@ -153,34 +153,34 @@ def parse_messages(body: object) -> CompletionRequest:
         raise InvalidInput("'stop_sequences' must be a list of non-empty strings")
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidInput(f"'stop_sequences' takes at most {MAX_STOP_STRINGS} strings here")
-    top_p = _number(body, "top_p", 1.0, 0, 1)
+    top_p = number_field(body, "top_p", 1.0, 0, 1)
     if top_p == 0:
         raise InvalidInput("'top_p' must be above 0")
-    thinking = _field(body, "thinking", (dict,), "an object")
+    thinking = json_field(body, "thinking", (dict,), "an object")
     kwargs: tuple = ()
     if thinking is not None:
         if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise InvalidInput("'thinking.type' must be enabled, disabled or adaptive")
         kwargs = (("enable_thinking", thinking["type"] != "disabled"),)
-    top_k = _field(body, "top_k", (int,), "an integer", 0)
+    top_k = json_field(body, "top_k", (int,), "an integer", 0)
     if top_k < 0:
         raise InvalidInput("'top_k' must be at least 0")
-    sampling = Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0,
+    sampling = Sampling(max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0,
                                                                    0, 1),
                         top_p=top_p, top_k=top_k, stop=tuple(stops))
-    _field(body, "model", (str,), "a string")
-    output = _field(body, "output_config", (dict,), "an object", {})
+    json_field(body, "model", (str,), "a string")
+    output = json_field(body, "output_config", (dict,), "an object", {})
     for name in output:
         if name not in ("format", "effort"):
             raise InvalidInput(f"unknown field 'output_config.{name}'")
     if output.get("format") is not None:
         sampling = replace(sampling, grammar=response_format_grammar(
             {"type": "json_schema", "json_schema": output["format"]}))
-    effort = _field(output, "effort", (str,), "a string")
+    effort = json_field(output, "effort", (str,), "a string")
     return CompletionRequest(
         chat=True, messages=tuple(_messages(body.get("system"), body.get("messages"))),
         prompt="", sampling=sampling, max_tokens_given=True,
-        stream=_field(body, "stream", (bool,), "true or false", False), include_usage=True,
+        stream=json_field(body, "stream", (bool,), "true or false", False), include_usage=True,
         tools=_tools(body.get("tools"), body.get("tool_choice")), template_kwargs=kwargs,
         reasoning_effort=effort)
 
@@ -287,29 +287,13 @@ class MessageStream:
 # Routes
 
 
-def _status(error: ShoalError) -> int:
-    if isinstance(error, InvalidInput):
-        return 400
-    if isinstance(error, NotFound):
-        return 404
-    return 503 if isinstance(error, Unavailable) else 500
-
-
 def routes(service: Service, guard: Callable) -> list[Route]:
-    async def read(request: Request) -> tuple[CompletionRequest, list[int]]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"the request body is not valid JSON: {e}") from None
-        parsed, prompt = prepare(service.tokenizer, parse_messages(body), service.vocab)
-        return fit_to_context(parsed, len(prompt), service.context), prompt
-
     async def messages(request: Request) -> Response:
         try:
-            parsed, prompt = await read(request)
-            problem = service.health()
-            if problem is not None:
-                raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+            parsed, prompt = prepare(service.tokenizer, parse_messages(await read_json(request)),
+                                     service.vocab)
+            parsed = fit_to_context(parsed, len(prompt), service.context)
+            service.check_serving()
             if parsed.stream:
                 return StreamingResponse(_stream(parsed, prompt),
                                          media_type="text/event-stream",
@@ -322,7 +306,7 @@ def routes(service: Service, guard: Callable) -> list[Route]:
             return JSONResponse(message_json(service.tokenizer, parsed, gathered,
                                              service.model_id, len(prompt)))
         except ShoalError as e:
-            return JSONResponse(error_json(str(e), _status(e)), _status(e))
+            return JSONResponse(error_json(str(e), status_of(e)), status_of(e))
 
     async def _stream(parsed: CompletionRequest, prompt: list[int]) -> AsyncIterator[bytes]:
         stream = MessageStream(service.tokenizer, parsed, service.model_id, len(prompt))
@@ -331,21 +315,19 @@ def routes(service: Service, guard: Callable) -> list[Route]:
             if event is None:
                 yield _event("ping", {})
             elif event.error is not None:
-                yield _event("error", error_json(str(event.error), _status(event.error)))
+                yield _event("error", error_json(str(event.error), status_of(event.error)))
             else:
                 for chunk in stream.feed(event):
                     yield chunk
 
     async def count_tokens(request: Request) -> Response:
         try:
-            body = await request.json()
-            if isinstance(body, dict):
+            body = await read_json(request)
+            if isinstance(body, dict):  # counting needs no max_tokens
                 body = {"max_tokens": DEFAULT_MAX_TOKENS, **body}
             _, prompt = prepare(service.tokenizer, parse_messages(body), service.vocab)
         except ShoalError as e:
-            return JSONResponse(error_json(str(e), _status(e)), _status(e))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return JSONResponse(error_json(f"the request body is not valid JSON: {e}", 400), 400)
+            return JSONResponse(error_json(str(e), status_of(e)), status_of(e))
         return JSONResponse({"input_tokens": len(prompt)})
 
     return [Route("/v1/messages", guard(messages), methods=["POST"]),

@@ -16,18 +16,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import events, gather
+from coordinator.answering import events, gather, read_json, status_of
 from coordinator.batching import Event, Sampling
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
-    _field,
     fit_to_context,
+    json_field,
     prepare,
 )
 from coordinator.structured import json_schema_grammar
 from coordinator.tools import CallReader, ToolCall, ToolUse, tool_use
-from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
+from engine.errors import InvalidInput, NotFound, ShoalError
 
 if TYPE_CHECKING:
     from coordinator.serve import Service
@@ -81,30 +81,30 @@ def _sampling(options: dict, grammar: str | None) -> tuple[Sampling, bool]:
     """Ollama's options as Shoal's sampling, and whether num_predict was given. Options
     not given take mlx-lm's defaults (the OpenAI routes' too), not a Modelfile's."""
     _check(options, OPTIONS, "option")
-    limit = _field(options, "num_predict", (int,), "an integer")
+    limit = json_field(options, "num_predict", (int,), "an integer")
     given = limit is not None and limit > 0  # -1: no limit but the context's
     stop = options.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidInput("option 'stop' must be a list of non-empty strings")
-    temperature = float(_field(options, "temperature", (int, float), "a number", 1.0))
+    temperature = float(json_field(options, "temperature", (int, float), "a number", 1.0))
     if not 0 <= temperature <= 2:
         raise InvalidInput(f"option 'temperature' must be between 0 and 2, got {temperature}")
-    top_p = float(_field(options, "top_p", (int, float), "a number", 1.0))
+    top_p = float(json_field(options, "top_p", (int, float), "a number", 1.0))
     if not 0 < top_p <= 1:
         raise InvalidInput(f"option 'top_p' must be above 0 and at most 1, got {top_p}")
-    repeat = float(_field(options, "repeat_penalty", (int, float), "a number", 0.0))
+    repeat = float(json_field(options, "repeat_penalty", (int, float), "a number", 0.0))
     return Sampling(
         max_tokens=limit if given else DEFAULT_MAX_TOKENS, temperature=temperature,
-        top_p=top_p, top_k=max(0, _field(options, "top_k", (int,), "an integer", 0)),
-        min_p=float(_field(options, "min_p", (int, float), "a number", 0.0)),
-        seed=_field(options, "seed", (int,), "an integer"), stop=tuple(stop),
+        top_p=top_p, top_k=max(0, json_field(options, "top_k", (int,), "an integer", 0)),
+        min_p=float(json_field(options, "min_p", (int, float), "a number", 0.0)),
+        seed=json_field(options, "seed", (int,), "an integer"), stop=tuple(stop),
         repetition_penalty=0.0 if repeat == 1.0 else repeat,
-        repetition_context_size=_field(options, "repeat_last_n", (int,), "an integer", 64),
-        presence_penalty=float(_field(options, "presence_penalty", (int, float), "a number",
+        repetition_context_size=json_field(options, "repeat_last_n", (int,), "an integer", 64),
+        presence_penalty=float(json_field(options, "presence_penalty", (int, float), "a number",
                                       0.0)),
-        frequency_penalty=float(_field(options, "frequency_penalty", (int, float), "a number",
+        frequency_penalty=float(json_field(options, "frequency_penalty", (int, float), "a number",
                                        0.0)),
         grammar=grammar), given
 
@@ -163,13 +163,13 @@ def parse_chat(body: object) -> tuple[CompletionRequest, bool]:
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
     _check(body, CHAT_FIELDS, "field")
-    sampling, given = _sampling(_field(body, "options", (dict,), "an object", {}),
+    sampling, given = _sampling(json_field(body, "options", (dict,), "an object", {}),
                                 _format(body.get("format")))
     request = CompletionRequest(
         chat=True, messages=tuple(_messages(body.get("messages"))), prompt="",
         sampling=sampling, max_tokens_given=given, stream=False, include_usage=True,
         tools=_tools(body.get("tools")), template_kwargs=_think(body.get("think")))
-    return request, _field(body, "stream", (bool,), "true or false", True)
+    return request, json_field(body, "stream", (bool,), "true or false", True)
 
 
 def parse_generate(body: object) -> tuple[CompletionRequest, bool]:
@@ -178,18 +178,18 @@ def parse_generate(body: object) -> tuple[CompletionRequest, bool]:
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
     _check(body, GENERATE_FIELDS, "field")
-    prompt = _field(body, "prompt", (str,), "a string", "")
+    prompt = json_field(body, "prompt", (str,), "a string", "")
     if not prompt:
         raise InvalidInput("'prompt' must be a non-empty string")
-    sampling, given = _sampling(_field(body, "options", (dict,), "an object", {}),
+    sampling, given = _sampling(json_field(body, "options", (dict,), "an object", {}),
                                 _format(body.get("format")))
-    stream = _field(body, "stream", (bool,), "true or false", True)
-    if _field(body, "raw", (bool,), "true or false", False):
+    stream = json_field(body, "stream", (bool,), "true or false", True)
+    if json_field(body, "raw", (bool,), "true or false", False):
         sampling = replace(sampling, keep_leading_space=True)  # it continues the prompt
         return CompletionRequest(chat=False, messages=(), prompt=prompt, sampling=sampling,
                                  max_tokens_given=given, stream=False,
                                  include_usage=True), stream
-    system = _field(body, "system", (str,), "a string")
+    system = json_field(body, "system", (str,), "a string")
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
     return CompletionRequest(chat=True, messages=tuple(messages), prompt="", sampling=sampling,
@@ -245,14 +245,6 @@ def error_json(message: str) -> dict:
     return {"error": message}
 
 
-def _status(error: ShoalError) -> int:
-    if isinstance(error, InvalidInput):
-        return 400
-    if isinstance(error, NotFound):
-        return 404
-    return 503 if isinstance(error, Unavailable) else 500
-
-
 def model_entry(service: Service) -> dict:
     config = service.manifest.config
     return {"name": service.model_id, "model": service.model_id,
@@ -268,21 +260,13 @@ def model_entry(service: Service) -> dict:
 
 
 def routes(service: Service, guard: Callable) -> list[Route]:
-    async def body_of(request: Request) -> object:
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"the request body is not valid JSON: {e}") from None
-
     async def answer(request: Request, *, chat: bool) -> Response:
         try:
-            body = await body_of(request)
+            body = await read_json(request)
             parsed, stream = (parse_chat if chat else parse_generate)(body)
             parsed, prompt = prepare(service.tokenizer, parsed, service.vocab)
             parsed = fit_to_context(parsed, len(prompt), service.context)
-            problem = service.health()
-            if problem is not None:
-                raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+            service.check_serving()
             shape = Answer(service.tokenizer, parsed, service.model_id, chat=chat)
             if stream:
                 return StreamingResponse(_lines(shape, parsed, prompt),
@@ -294,7 +278,7 @@ def routes(service: Service, guard: Callable) -> list[Route]:
                 raise gathered[-1].error
             return JSONResponse(shape.json(gathered[-1], "".join(e.text for e in gathered)))
         except ShoalError as e:
-            return JSONResponse(error_json(str(e)), _status(e))
+            return JSONResponse(error_json(str(e)), status_of(e))
 
     async def _lines(shape: Answer, parsed: CompletionRequest,
                      prompt: list[int]) -> AsyncIterator[bytes]:
@@ -320,13 +304,13 @@ def routes(service: Service, guard: Callable) -> list[Route]:
 
     async def show(request: Request) -> Response:
         try:
-            body = await body_of(request)
+            body = await read_json(request)
             name = body.get("model") or body.get("name") if isinstance(body, dict) else None
             if name not in (service.model_id, f"{service.model_id}:latest"):
                 raise NotFound(f"model {name!r} not found: this server has "
                                f"{service.model_id!r}")
         except ShoalError as e:
-            return JSONResponse(error_json(str(e)), _status(e))
+            return JSONResponse(error_json(str(e)), status_of(e))
         entry = model_entry(service)
         capabilities = ["completion"] + (["tools"] if service.tokenizer.has_tool_calling
                                          else [])

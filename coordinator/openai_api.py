@@ -92,7 +92,7 @@ class CompletionRequest:
     reasoning_effort: str | None = None
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
+def json_field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
     value = body.get(name, default)
     if value is None:
         return default
@@ -102,9 +102,9 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=No
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float | None = None,
+def number_field(body: dict, name: str, default: float, low: float | None = None,
             high: float | None = None) -> float:
-    value = float(_field(body, name, (int, float), "a number", default))
+    value = float(json_field(body, name, (int, float), "a number", default))
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
         raise InvalidInput(f"'{name}' must be {bounds}, got {value:g}")
@@ -112,7 +112,7 @@ def _number(body: dict, name: str, default: float, low: float | None = None,
 
 
 def _count(body: dict, name: str, default: int) -> int:
-    value = _field(body, name, (int,), "an integer", default)
+    value = json_field(body, name, (int,), "an integer", default)
     if value < 0:
         raise InvalidInput(f"'{name}' must be at least 0, got {value}")
     return value
@@ -157,7 +157,7 @@ def _message(message: object, i: int) -> dict:
         out["tool_calls"] = calls
     for name in ("tool_call_id", "name"):
         if message.get(name) is not None:
-            out[name] = _field(message, name, (str,), "a string")
+            out[name] = json_field(message, name, (str,), "a string")
     if role == "tool" and "tool_call_id" not in out:
         raise InvalidInput(f"messages[{i}]: a tool message needs its 'tool_call_id'")
     return out
@@ -177,7 +177,7 @@ def check_fields(body: dict, known: dict[str, str]) -> None:
 
 def _sampling_knobs(body: dict) -> dict:
     """mlx-lm's sampling fields and the API's penalties, validated as mlx-lm's server does."""
-    bias = _field(body, "logit_bias", (dict,), "an object of token id -> bias", {})
+    bias = json_field(body, "logit_bias", (dict,), "an object of token id -> bias", {})
     try:
         logit_bias = tuple((int(k), float(v)) for k, v in bias.items())
     except (TypeError, ValueError):
@@ -186,13 +186,13 @@ def _sampling_knobs(body: dict) -> dict:
         raise InvalidInput("'logit_bias' takes token ids (0 and up) to biases from -100 "
                            "to 100")
     return {
-        "top_k": _count(body, "top_k", 0), "min_p": _number(body, "min_p", 0.0, 0, 1),
+        "top_k": _count(body, "top_k", 0), "min_p": number_field(body, "min_p", 0.0, 0, 1),
         "logit_bias": logit_bias,
-        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 0),
+        "repetition_penalty": number_field(body, "repetition_penalty", 0.0, 0),
         "repetition_context_size": _count(body, "repetition_context_size", 20),
-        "presence_penalty": _number(body, "presence_penalty", 0.0, -2, 2),
+        "presence_penalty": number_field(body, "presence_penalty", 0.0, -2, 2),
         "presence_context_size": _count(body, "presence_context_size", 20),
-        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2, 2),
+        "frequency_penalty": number_field(body, "frequency_penalty", 0.0, -2, 2),
         "frequency_context_size": _count(body, "frequency_context_size", 20),
     }
 
@@ -227,21 +227,21 @@ def parse_request(body: object, *, chat: bool) -> CompletionRequest:
             prompt = tuple(raw)
         else:
             raise InvalidInput("'prompt' must be a string, or a list of token ids")
-    n = _field(body, "n", (int,), "an integer", 1)
+    n = json_field(body, "n", (int,), "an integer", 1)
     if n != 1:
         raise InvalidInput("'n' must be 1: Shoal returns one choice per request")
-    if _field(body, "best_of", (int,), "an integer", 1) != 1:
+    if json_field(body, "best_of", (int,), "an integer", 1) != 1:
         raise InvalidInput("'best_of' must be 1")
     limit = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if limit is not None else "max_tokens"
-    max_tokens = _field(body, name, (int,), "an integer")
+    max_tokens = json_field(body, name, (int,), "an integer")
     if max_tokens is not None and max_tokens < 1:
         raise InvalidInput(f"'{name}' must be at least 1, got {max_tokens}")
-    temperature = _number(body, "temperature", 1.0, 0, 2)
-    top_p = _field(body, "top_p", (int, float), "a number", 1.0)
+    temperature = number_field(body, "temperature", 1.0, 0, 2)
+    top_p = json_field(body, "top_p", (int, float), "a number", 1.0)
     if not 0 < top_p <= 1:
         raise InvalidInput(f"'top_p' must be above 0 and at most 1, got {top_p}")
-    seed = _field(body, "seed", (int,), "an integer")
+    seed = json_field(body, "seed", (int,), "an integer")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -255,19 +255,19 @@ def parse_request(body: object, *, chat: bool) -> CompletionRequest:
         raise InvalidInput(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings")
     if chat:
         top = None
-        if _field(body, "logprobs", (bool,), "true or false", False):
-            top = _field(body, "top_logprobs", (int,), "an integer", 0)
+        if json_field(body, "logprobs", (bool,), "true or false", False):
+            top = json_field(body, "top_logprobs", (int,), "an integer", 0)
         elif body.get("top_logprobs") is not None:
             raise InvalidInput("'top_logprobs' needs 'logprobs': true")
     else:
-        top = _field(body, "logprobs", (int,), "an integer")
+        top = json_field(body, "logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidInput(f"top log-probabilities must be between 0 and {MAX_TOP_LOGPROBS}")
-    stream = _field(body, "stream", (bool,), "true or false", False)
-    options = _field(body, "stream_options", (dict,), "an object", {})
-    include_usage = _field(options, "include_usage", (bool,), "true or false", False)
-    echo = False if chat else _field(body, "echo", (bool,), "true or false", False)
-    _field(body, "model", (str,), "a string")
+    stream = json_field(body, "stream", (bool,), "true or false", False)
+    options = json_field(body, "stream_options", (dict,), "an object", {})
+    include_usage = json_field(options, "include_usage", (bool,), "true or false", False)
+    echo = False if chat else json_field(body, "echo", (bool,), "true or false", False)
+    json_field(body, "model", (str,), "a string")
     grammar = None
     if body.get("response_format") is not None:
         grammar = response_format_grammar(body["response_format"])
@@ -276,8 +276,8 @@ def parse_request(body: object, *, chat: bool) -> CompletionRequest:
     if grammar is not None and tools.choice in ("required", "function"):
         raise InvalidInput("'response_format' and a forced 'tool_choice' cannot both hold "
                            "the answer: send one of them")
-    kwargs = _field(body, "chat_template_kwargs", (dict,), "an object", {})
-    effort = _field(body, "reasoning_effort", (str,), "a string")
+    kwargs = json_field(body, "chat_template_kwargs", (dict,), "an object", {})
+    effort = json_field(body, "reasoning_effort", (str,), "a string")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise InvalidInput(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
     sampling = Sampling(max_tokens=max_tokens or DEFAULT_MAX_TOKENS,

@@ -1,10 +1,12 @@
 """`shoal serve`'s HTTP server: the OpenAI API's routes on Starlette and uvicorn (chat and
-text completions, streamed as server-sent events or not, the model list, health, the API key),
-with every request decoded in one shared batch (coordinator/batching.py).
+text completions, streamed as server-sent events or not, the models, health, the API key),
+with every request decoded in one shared batch (coordinator/batching.py); Anthropic's and
+Ollama's routes (coordinator/anthropic_api.py, ollama_api.py) are registered beside them,
+with CORS and the access log around all of them.
 
 Requests and answers take their shapes from coordinator/openai_api.py; this module carries
-them: it submits each request to the engine, waits for its events, and cancels a request
-whose client went away, which frees its row in the batch.
+them: it submits each request to the engine (coordinator/answering.py), waits for its events,
+and cancels a request whose client went away, which frees its row in the batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from starlette.routing import Route
 
 from coordinator import anthropic_api, ollama_api
 from coordinator.access_log import AccessLog
-from coordinator.answering import events, gather
+from coordinator.answering import events, gather, read_json, status_of
 from coordinator.batching import BatchEngine, Event
 from coordinator.cluster import layer_sizes
 from coordinator.membership import Membership
@@ -90,6 +92,12 @@ class Service:
             return "the generation thread has stopped; see the server's log"
         return missing_experts(self.membership, self.manifest)
 
+    def check_serving(self) -> None:
+        """Unavailable, naming the problem, unless a request can be answered now."""
+        problem = self.health()
+        if problem is not None:
+            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+
 
 def _authorized(service: Service, request: Request) -> bool:
     if service.api_key is None:
@@ -102,13 +110,10 @@ def _authorized(service: Service, request: Request) -> bool:
 
 
 def _error_response(error: ShoalError) -> JSONResponse:
-    if isinstance(error, InvalidInput):
-        return JSONResponse(error_json(str(error), "invalid_request_error", 400), 400)
-    if isinstance(error, NotFound):
-        return JSONResponse(error_json(str(error), "not_found_error", 404), 404)
-    if isinstance(error, Unavailable):
-        return JSONResponse(error_json(str(error), "unavailable", 503), 503)
-    return JSONResponse(error_json(str(error), "server_error", 500), 500)
+    status = status_of(error)
+    kind = {400: "invalid_request_error", 404: "not_found_error",
+            503: "unavailable"}.get(status, "server_error")
+    return JSONResponse(error_json(str(error), kind, status), status)
 
 
 def _sse(data: dict | str) -> bytes:
@@ -155,16 +160,10 @@ def make_app(service: Service) -> Starlette:
         return JSONResponse(model_json(service.model_id, service.started))
 
     async def completions(request: Request, *, chat: bool) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"the request body is not valid JSON: {e}") from None
-        parsed, prompt = prepare(service.tokenizer, parse_request(body, chat=chat),
-                                 service.vocab)
+        parsed, prompt = prepare(service.tokenizer, parse_request(await read_json(request),
+                                                                  chat=chat), service.vocab)
         parsed = fit_to_context(parsed, len(prompt), service.context)
-        problem = service.health()
-        if problem is not None:
-            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+        service.check_serving()
         meta = answer_meta(chat=chat, model=service.model_id)
         if parsed.stream:
             return StreamingResponse(_stream(service, parsed, prompt, meta),
