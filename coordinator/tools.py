@@ -185,7 +185,7 @@ class CallReader:
         previous = None
         for state, part in segments:
             if previous == "tool" and state != "tool":  # the call's end marker was read
-                self._close(calls, out)
+                self._close(calls, out, ended=True)
             if state == "tool":
                 self._call_text += part
             else:
@@ -195,25 +195,31 @@ class CallReader:
             self._state, rest, state = TextStateMachine.flush(self._state)
             if state == "tool":
                 self._call_text += rest
-                self._close(calls, out)
+                self._close(calls, out, ended=False)
             else:
                 out.append(rest)
         return Piece("".join(out), tuple(calls))
 
-    def _close(self, calls: list[ToolCall], out: list[str]) -> None:
+    def _close(self, calls: list[ToolCall], out: list[str], *, ended: bool) -> None:
+        """The call whose text was gathered, read; as text (what was generated) if the
+        parser cannot read it or its arguments are not a JSON object."""
         text, self._call_text = self._call_text, ""
         try:
             parsed = self._parser(text, self._tools)
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            out.append(self._start + text + (self._end or ""))
+            read = [_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        except (ValueError, KeyError, TypeError, AttributeError):  # JSONDecodeError too
+            out.append(self._start + text + (self._end if ended else ""))
             return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            arguments = call.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    arguments = {"_raw": arguments}
-            calls.append(ToolCall(call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                                  str(call.get("name")), arguments))
-            self.made_calls += 1
+        calls.extend(read)
+        self.made_calls += len(read)
+
+
+def _call(parsed: dict) -> ToolCall:
+    """One call as mlx-lm's parser gives it ({"name", "arguments"[, "id"]})."""
+    arguments = parsed.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError("a call's arguments must be an object")
+    return ToolCall(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}", str(parsed["name"]),
+                    arguments)

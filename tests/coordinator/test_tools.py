@@ -47,7 +47,14 @@ def test_calls_are_read_across_chunk_boundaries_and_text_around_them_kept(tooled
 def test_a_call_cut_short_comes_back_as_text_not_lost(tooled):
     reader = CallReader(tooled, tool_use([F], None, None))
     piece = reader.feed('<tool_call>\n{"name": "f", "argu', last=True)
-    assert piece.calls == () and piece.text == '<tool_call>\n{"name": "f", "argu</tool_call>'
+    assert piece.calls == () and piece.text == '<tool_call>\n{"name": "f", "argu'
+
+
+def test_a_call_whose_arguments_are_not_an_object_comes_back_as_text(tooled):
+    reader = CallReader(tooled, tool_use([F], None, None))
+    text = '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>'
+    piece = reader.feed(text, last=True)
+    assert piece.calls == () and piece.text == text and reader.made_calls == 0
 
 
 def test_without_tools_the_text_is_left_alone(tooled):
