@@ -12,6 +12,7 @@ import sys
 
 from coordinator.commands import (
     bench,
+    cache_prompt,
     chat,
     cluster_init,
     demo,
@@ -28,8 +29,8 @@ from engine.errors import ShoalError
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
-COMMANDS = (cluster_init, shard, generate, chat, workers, demo, bench, plan, serve, doctor,
-            heat, migrate)
+COMMANDS = (cluster_init, shard, generate, chat, cache_prompt, workers, demo, bench, plan,
+            serve, doctor, heat, migrate)
 
 
 def version_text() -> str:

@@ -53,6 +53,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     draft_options(p)
     kv_cache_options(p)
+    p.add_argument("--prompt-cache-file", type=Path, metavar="FILE",
+                   help="continue from the prompt cache in FILE (made by `shoal cache-prompt`, "
+                   "or by mlx-lm's cache_prompt on the checkpoint the model was sharded from): "
+                   "PROMPT is then the question asked after the cached prompt")
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -129,6 +133,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
     if kv_cache_settings(args) and args.draft_model is not None:
         raise InvalidInput("--kv-bits and --draft-model cannot be used together")
+    if args.prompt_cache_file is not None and args.draft_model is not None:
+        raise InvalidInput("--prompt-cache-file and --draft-model cannot be used together")
     if args.wait < 0:
         raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
     check_one_worker_source(args)
@@ -197,7 +203,14 @@ def decode(
     from coordinator.generate import encode_prompt, generate
     from coordinator.worker_stats import read_stats
 
-    prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
+    options = kv_cache_settings(args)
+    if args.prompt_cache_file is not None:
+        from coordinator.prompt_cache_file import load, question_tokens
+
+        options["prompt_cache"] = load(args.prompt_cache_file, remote.model)
+        prompt_ids = question_tokens(remote.tokenizer, args.prompt, chat=args.chat)
+    else:
+        prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
     draft = None
     if policy is not None:
         from coordinator.speculative import load_draft
@@ -207,7 +220,7 @@ def decode(
     result = generate(
         remote.model, remote.tokenizer, prompt_ids,
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        on_text=None if args.json else out.write, draft=draft, **kv_cache_settings(args),
+        on_text=None if args.json else out.write, draft=draft, **options,
     )
     if not args.stats:
         return run_report(result)

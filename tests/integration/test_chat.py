@@ -1,7 +1,8 @@
 """`shoal chat` end to end: the real command on a pipe, over two real workers. Each reply is
 mlx-lm's greedy reply to the whole conversation so far, computed in one process, the second
 turn takes the first from the KV cache, and /reset starts over. Also the KV-cache
-quantization of `shoal chat` and `shoal generate` against mlx-lm's with the same flags."""
+quantization of `shoal chat` and `shoal generate` against mlx-lm's with the same flags, and
+prompt cache files against mlx-lm's."""
 
 import json
 import subprocess
@@ -128,3 +129,42 @@ def generate_text(tokenizer, tokens: list[int]) -> str:
         detokenizer.add_token(t)
     detokenizer.finalize()
     return detokenizer.text
+
+
+def test_prompt_cache_files_are_mlx_lms_both_ways(cluster, secret_file, tmp_path):
+    """`shoal cache-prompt` writes the file mlx-lm's cache_prompt writes (every array bit for
+    bit), and `shoal generate --prompt-cache-file` continues mlx-lm's file as mlx-lm's
+    generate does (the same text), computing only the question."""
+    source, sharded, workers = cluster
+    context = "A shoal of fish moves as one, yet every fish swims on its own."
+    ours, theirs = tmp_path / "shoal.safetensors", tmp_path / "mlx-lm.safetensors"
+    cluster_args = ["--model", str(sharded), "--workers", ",".join(w.address for w in workers),
+                    "--secret-file", str(secret_file)]
+    made = subprocess.run([sys.executable, "-m", "coordinator.cli", "cache-prompt", context,
+                           "--prompt-cache-file", str(ours), *cluster_args],
+                          capture_output=True, text=True, timeout=180)
+    assert made.returncode == 0, made.stderr
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model",
+                           str(source), "--prompt", context, "--prompt-cache-file", str(theirs)],
+                          capture_output=True, text=True, timeout=180)
+    assert made.returncode == 0, made.stderr
+    a, b = mx.load(str(ours)), mx.load(str(theirs))
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert a[key].shape == b[key].shape and mx.array_equal(a[key], b[key]).item(), key
+
+    question = "Why do they swim?"
+    answer = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", "--chat",
+                             question, "--prompt-cache-file", str(theirs), "--json",
+                             "--max-tokens", "12", *cluster_args],
+                            capture_output=True, text=True, timeout=180)
+    assert answer.returncode == 0, answer.stderr
+    report = json.loads(answer.stdout)
+    reference = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model",
+                                str(source), "--prompt-cache-file", str(theirs), "--prompt",
+                                question, "--max-tokens", "12", "--verbose", "F"],
+                               capture_output=True, text=True, timeout=180)
+    assert reference.returncode == 0, reference.stderr
+    assert report["text"] + "\n" == reference.stdout
+    computed = load_tokenizer(source).decode(report["prompt_token_ids"])
+    assert question in computed and "shoal" not in computed  # the question, not the context
