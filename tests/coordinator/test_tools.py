@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from coordinator.openai_api import parse_request, prepare
+from coordinator.openai_api import longest_token, parse_request, prepare
 from coordinator.tools import CallReader, ToolUse, template_messages, tool_use
 from engine.errors import InvalidInput
 
 TEMPLATE = Path(__file__).parents[1] / "integration" / "tool_template.jinja"
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 HI = [{"role": "user", "content": "hi"}]
+
+
+def bind(tokenizer, request):
+    return prepare(tokenizer, request, 300, context=4096, longest=longest_token(tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -67,33 +71,32 @@ def test_without_tools_the_text_is_left_alone(tooled):
 def test_a_template_without_tool_calling_refuses_tools(plain, tooled):
     request = parse_request({"messages": HI, "tools": [F]}, chat=True)
     with pytest.raises(InvalidInput, match="no tool calling"):
-        prepare(plain, request, 300)
-    bound, prompt = prepare(tooled, request, 300)
-    assert len(prompt) > len(prepare(tooled, parse_request({"messages": HI}, chat=True),
-                                     300)[1])
+        bind(plain, request)
+    bound, prompt = bind(tooled, request)
+    assert len(prompt) > len(bind(tooled, parse_request({"messages": HI}, chat=True))[1])
     assert bound.sampling.grammar is None  # "auto": nothing forced
 
 
 def test_a_forced_call_gets_a_grammar_and_a_single_call_a_stop(tooled):
     forced = parse_request({"messages": HI, "tools": [F], "tool_choice": "required",
                             "parallel_tool_calls": False}, chat=True)
-    bound, _ = prepare(tooled, forced, 300)
+    bound, _ = bind(tooled, forced)
     assert bound.sampling.grammar is not None and bound.sampling.stop == ("</tool_call>",)
 
 
 def test_reasoning_effort_needs_a_template_that_takes_it(plain, tooled):
     request = parse_request({"messages": HI, "reasoning_effort": "low"}, chat=True)
     with pytest.raises(InvalidInput, match="does not reason"):
-        prepare(plain, request, 300)
+        bind(plain, request)
     thinking = parse_request({"messages": HI, "chat_template_kwargs": {
         "enable_thinking": True}}, chat=True)
     with pytest.raises(InvalidInput, match="does not reason"):
-        prepare(plain, thinking, 300)
+        bind(plain, thinking)
     no_thinking = parse_request({"messages": HI, "chat_template_kwargs": {
         "enable_thinking": False}}, chat=True)
-    assert prepare(plain, no_thinking, 300)[1]  # nothing to turn off: fine
-    assert prepare(tooled, request, 300)[1] != prepare(
-        tooled, parse_request({"messages": HI}, chat=True), 300)[1]
+    assert bind(plain, no_thinking)[1]  # nothing to turn off: fine
+    assert bind(tooled, request)[1] != bind(
+        tooled, parse_request({"messages": HI}, chat=True))[1]
 
 
 @pytest.mark.parametrize("tools,choice,message", [
