@@ -14,15 +14,16 @@ import hmac
 import json
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from coordinator.batching import BatchEngine, Event, Sampling
 from coordinator.cluster import layer_sizes
@@ -137,8 +138,13 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-def make_app(service: Service) -> Starlette:
-    """The Starlette application: the OpenAI routes over `service`."""
+Guard = Callable[[Callable], Callable]  # wraps a handler in the key check and error mapping
+
+
+def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | None = None,
+             middleware: Sequence[Middleware] = ()) -> Starlette:
+    """The Starlette application: the OpenAI routes over `service`, and those `mount` gives
+    (the dashboard's: coordinator/dashboard.py), which wrap theirs in the same guard."""
 
     def guard(handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:
@@ -200,7 +206,9 @@ def make_app(service: Service) -> Starlette:
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(text_completions), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    if mount is not None:
+        routes += mount(guard)
+    return Starlette(routes=routes, middleware=list(middleware))
 
 
 async def _whole(service: Service, request: Request, parsed: CompletionRequest,
@@ -292,12 +300,14 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") -> None:
+def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
+          mount: Callable[[Guard], list[BaseRoute]] | None = None,
+          middleware: Sequence[Middleware] = ()) -> None:
     """Answer HTTP on `sock` until interrupted (uvicorn handles SIGINT and SIGTERM)."""
     import uvicorn
 
-    config = uvicorn.Config(make_app(service), log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(make_app(service, mount=mount, middleware=middleware),
+                            log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"shoal serve: {service.model_id} on http://{shown}:{port}/v1 "

@@ -24,7 +24,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
         "answer the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed or "
-        "not), GET /v1/models and /health. Requests in flight are decoded together, so each "
+        "not), GET /v1/models and /health, a dashboard of the cluster at GET / and Prometheus "
+        "metrics at GET /metrics. Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
         "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
         "see docs/serving.md.",
@@ -80,6 +81,7 @@ def check_serve_args(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     from coordinator.batching import BatchEngine
+    from coordinator.dashboard import Dashboard
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
     from coordinator.serve import Service, listen, read_api_key, serve
@@ -92,17 +94,21 @@ def main(args: argparse.Namespace) -> None:
     context = args.context or int(manifest.config.get("max_position_embeddings") or 4096)
     sock = listen(args.host, args.port)
     membership = open_membership(args, secret, manifest, log=stderr_log)
-    remote = engine = None
+    remote = engine = dashboard = None
     try:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
-        serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
-                      started=int(time.time())), sock)
+        service = Service(engine, remote.tokenizer, manifest, membership, name, context, key,
+                          started=int(time.time()))
+        dashboard = Dashboard(service, args.model, secret, remote.dispatcher)
+        serve(service, sock, mount=dashboard.routes, middleware=[dashboard.metrics.middleware()])
     finally:
         sock.close()
+        if dashboard is not None:
+            dashboard.close()
         if engine is not None:
             engine.close()
         if remote is not None:
