@@ -19,6 +19,14 @@
     parse_scatter: "#f4a261",
   };
   const STACKED = Object.keys(PART_COLOURS);
+  // each part's colour as one RGBA pixel of a Uint32Array over ImageData (byte order kept)
+  const PART_PIXELS = STACKED.map((p) => {
+    const bytes = new Uint8ClampedArray(4);
+    const hex = PART_COLOURS[p];
+    [1, 3, 5].forEach((at, i) => { bytes[i] = parseInt(hex.slice(at, at + 2), 16); });
+    bytes[3] = 255;
+    return new Uint32Array(bytes.buffer)[0];
+  });
 
   const $ = (id) => document.getElementById(id);
   const state = {
@@ -259,26 +267,33 @@
     axis(ctx, canvas, top / 1.1);
   }
 
+  // Drawn into pixels, not as paths: a few hundred anti-aliased rectangles per part cost the
+  // browser's software raster far more than filling the columns here.
   function drawStacked(canvas, samples) {
     const ctx = chartContext(canvas);
+    const w = canvas.width, h = canvas.height;
     const totals = samples.map((s) => (s.breakdown ? STACKED.reduce(
       (sum, p) => sum + (s.breakdown[`${p}_us`] || 0), 0) : 0));
     const top = Math.max(1e-9, ...totals) * 1.1;
-    const step = canvas.width / Math.max(1, state.history - 1);
-    const x0 = canvas.width - (samples.length - 1) * step;
-    const scale = (canvas.height - 14) / top;
-    const paths = STACKED.map(() => new Path2D()); // one fill per part, not per bar
-    const width = Math.max(1, step);
+    const step = w / Math.max(1, state.history - 1);
+    const x0 = w - (samples.length - 1) * step;
+    const scale = (h - 14) / top;
+    const image = ctx.createImageData(w, h);
+    const px = new Uint32Array(image.data.buffer);
     samples.forEach((s, i) => {
       if (!s.breakdown) return;
-      let y = canvas.height;
+      const left = Math.max(0, Math.round(x0 + (i - 0.5) * step));
+      const right = Math.min(w, Math.max(left + 1, Math.round(x0 + (i + 0.5) * step)));
+      let y = h;
       STACKED.forEach((p, k) => {
-        const h = (s.breakdown[`${p}_us`] || 0) * scale;
-        paths[k].rect(x0 + i * step - step / 2, y - h, width, h);
-        y -= h;
+        const next = y - (s.breakdown[`${p}_us`] || 0) * scale;
+        for (let row = Math.max(0, Math.round(next)); row < Math.round(y); row++) {
+          px.fill(PART_PIXELS[k], row * w + left, row * w + right);
+        }
+        y = next;
       });
     });
-    STACKED.forEach((p, k) => { ctx.fillStyle = PART_COLOURS[p]; ctx.fill(paths[k]); });
+    ctx.putImageData(image, 0, 0);
     axis(ctx, canvas, top / 1.1);
   }
 
