@@ -305,8 +305,8 @@
     const rows = h.layers.length;
     const width = Math.max(1, ...h.experts);
     const room = Math.max(300, $("heat").clientWidth - 16);
-    const cw = Math.max(2, Math.min(24, Math.floor(room / width)));
-    const ch = Math.max(3, Math.min(18, Math.floor(540 / Math.max(1, rows))));
+    const cw = Math.max(2, Math.min(48, Math.floor(room / width)));
+    const ch = Math.max(3, Math.min(28, Math.floor(540 / Math.max(1, rows))));
     canvas.width = width * cw;
     canvas.height = rows * ch;
     const ctx = canvas.getContext("2d");

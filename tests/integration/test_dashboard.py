@@ -366,7 +366,8 @@ def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
     the thread time of the browser task that ran it, whole), in milliseconds, from a trace
     of the browser's performance timeline. The task's thread time bounds the update's
     script time from above (it includes the task's style and layout too) and, unlike wall
-    time, leaves out the other processes that ran meanwhile on a busy machine."""
+    time, leaves out the other processes that ran meanwhile on a busy machine. Where the
+    trace has no task around an update, its wall time stands in for both."""
     tasks = [e for e in events if e.get("ph") == "X" and e.get("name") == "RunTask"]
     begun = {}
     out: dict[str, list[tuple[float, float]]] = {}
@@ -381,10 +382,12 @@ def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
             continue
         around = [t for t in tasks if t["tid"] == start["tid"] and t["pid"] == start["pid"]
                   and t["ts"] <= start["ts"] <= t["ts"] + t["dur"]]
-        assert around, f"no task of the trace holds the update {e['name']} at {start['ts']}"
+        wall = (e["ts"] - start["ts"]) / 1e3
+        if not around:  # the trace lost its task: the wall time bounds the update alone
+            out.setdefault(e["name"], []).append((wall, wall))
+            continue
         task = max(around, key=lambda t: t["dur"])
-        out.setdefault(e["name"], []).append(((e["ts"] - start["ts"]) / 1e3,
-                                              task.get("tdur", task["dur"]) / 1e3))
+        out.setdefault(e["name"], []).append((wall, task.get("tdur", task["dur"]) / 1e3))
     return out
 
 
