@@ -9,7 +9,7 @@ most every HEAT_SECONDS. What the endpoints answer is built by coordinator/dashb
 
 from __future__ import annotations
 
-import json
+import copy
 import threading
 import time
 import traceback
@@ -38,6 +38,7 @@ from coordinator.link import WorkerLink
 from coordinator.metrics import Figures, Metrics
 from coordinator.serve import Guard, Service, _authorized
 from engine.errors import InvalidInput, ShoalError
+from engine.migration import Step
 from proto import shoal_pb2
 
 STATIC = Path(__file__).with_name("static")
@@ -60,7 +61,7 @@ class LiveRebalance:
 
     def status(self) -> dict:
         with self._lock:
-            return json.loads(json.dumps(self._status))  # a copy the thread cannot change
+            return copy.deepcopy(self._status)  # a copy the thread cannot change
 
     def start(self, addresses: list[str]) -> dict:
         """Start a run over the workers at `addresses`; InvalidInput if one is running."""
@@ -76,7 +77,7 @@ class LiveRebalance:
             self._thread = threading.Thread(target=self._run, args=(addresses,),
                                             name="shoal rebalance", daemon=True)
             self._thread.start()
-            return json.loads(json.dumps(self._status))
+            return copy.deepcopy(self._status)
 
     def _update(self, **changes: object) -> None:
         with self._lock:
@@ -86,7 +87,7 @@ class LiveRebalance:
         with self._lock:
             self._status["log"] = [*self._status["log"][-49:], message]
 
-    def _event(self, kind: str, step, size: int) -> None:
+    def _event(self, kind: str, step: Step, size: int) -> None:
         with self._lock:
             s = self._status
             if kind == "step":

@@ -5,6 +5,7 @@ coordinator/batching.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def main(args: argparse.Namespace) -> None:
         service = Service(engine, remote.tokenizer, manifest, membership, name, context, key,
                           started=int(time.time()))
         dashboard = Dashboard(service, args.model, secret, remote.dispatcher)
+        host, port = sock.getsockname()[:2]
+        print(f"shoal serve: the dashboard is at http://{f'[{host}]' if ':' in host else host}"
+              f":{port}/ (docs/dashboard.md)", file=sys.stderr, flush=True)
         serve(service, sock, mount=dashboard.routes, middleware=[dashboard.metrics.middleware()])
     finally:
         sock.close()
