@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,7 +36,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from coordinator import anthropic_api, ollama_api
 from coordinator.access_log import AccessLog
@@ -169,8 +169,14 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def make_app(service: Service) -> Starlette:
-    """The Starlette application: the OpenAI routes over `service`."""
+Guard = Callable[[Callable], Callable]  # wraps a handler in the key check and error mapping
+
+
+def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | None = None,
+             middleware: Sequence[Middleware] = ()) -> Starlette:
+    """The Starlette application: the OpenAI, Anthropic and Ollama routes over `service`, and
+    those `mount` gives (the dashboard's: coordinator/dashboard.py), which wrap theirs in the
+    same guard; `middleware` goes inside the access log."""
 
     def guard(handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:
@@ -237,12 +243,15 @@ def make_app(service: Service) -> Starlette:
         *anthropic_api.routes(service, guard),
         *ollama_api.routes(service, guard),
     ]
-    middleware = [Middleware(AccessLog)]
+    if mount is not None:
+        routes += mount(guard)
+    # The access log outermost, so that its line says what any other layer answered.
+    layers = [Middleware(AccessLog), *middleware]
     if service.cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
+        layers.append(Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["*"]))
-    return Starlette(routes=routes, middleware=middleware,
+    return Starlette(routes=routes, middleware=layers,
                      exception_handlers={HTTPException: _http_error})
 
 
@@ -357,14 +366,17 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
 
 
-def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") -> None:
+def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
+          mount: Callable[[Guard], list[BaseRoute]] | None = None,
+          middleware: Sequence[Middleware] = ()) -> None:
     """Answer HTTP on `sock` until SIGINT or SIGTERM, then drain (bounded) and return."""
 
     def stop() -> None:  # in the signal handler: nothing here may block
         service.stopping = True
         service.engine.close(timeout=0)  # its requests end at once, with an error event
 
-    config = uvicorn.Config(make_app(service), http=guarded_protocol(service.guard),
+    config = uvicorn.Config(make_app(service, mount=mount, middleware=middleware),
+                            http=guarded_protocol(service.guard),
                             log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, backlog=BACKLOG, log_config=None)
     host, port = sock.getsockname()[:2]

@@ -32,7 +32,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         description="Load the dense part of a sharded model, connect to the workers, and "
         "answer the OpenAI API (POST /v1/chat/completions and /v1/completions, streamed or "
         "not, with tools and structured output; GET /v1/models and /health), Anthropic's "
-        "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags). "
+        "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags), "
+        "with a dashboard of the cluster at GET / and Prometheus metrics at GET /metrics. "
         "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
         "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
@@ -134,6 +135,7 @@ def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     from coordinator.batching import BatchEngine
+    from coordinator.dashboard import Dashboard
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
     from coordinator.serve import Service, listen, read_api_key, serve
@@ -150,19 +152,26 @@ def main(args: argparse.Namespace) -> None:
     context = args.context or int(manifest.config.get("max_position_embeddings") or 4096)
     sock = listen(args.host, args.port)
     membership = open_membership(args, secret, manifest, log=stderr_log)
-    remote = engine = None
+    remote = engine = dashboard = None
     try:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
-        serve(Service(engine, remote.tokenizer, manifest, membership, name, context, key,
-                      started=int(time.time()), limits=limits,
-                      cors_origins=tuple(args.cors_origin)), sock,
-              log_level=args.log_level)
+        service = Service(engine, remote.tokenizer, manifest, membership, name, context, key,
+                          started=int(time.time()), limits=limits,
+                          cors_origins=tuple(args.cors_origin))
+        dashboard = Dashboard(service, args.model, secret, remote.dispatcher)
+        host, port = sock.getsockname()[:2]
+        print(f"shoal serve: the dashboard is at http://{f'[{host}]' if ':' in host else host}"
+              f":{port}/ (docs/dashboard.md)", file=sys.stderr, flush=True)
+        serve(service, sock, log_level=args.log_level, mount=dashboard.routes,
+              middleware=[dashboard.metrics.middleware()])
     finally:
         sock.close()
+        if dashboard is not None:
+            dashboard.close()
         if engine is not None:
             engine.close()
         if remote is not None:
