@@ -23,8 +23,15 @@ from proto import shoal_pb2
 
 # Paths counted by name; any other is counted as "other", so a scan of random URLs cannot
 # grow the number of series without bound.
-COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/",
-                 "/metrics")
+# Every route by name, the rest pooled as "other": a label per path a client makes up would
+# grow the registry without bound. /api/ is shared by the dashboard's endpoints and Ollama's.
+COUNTED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+    "/v1/messages/count_tokens", "/health", "/", "/metrics",
+    "/api/auth", "/api/cluster", "/api/speed", "/api/heat", "/api/rebalance",
+    "/api/rebalance/plan",
+    "/api/chat", "/api/generate", "/api/tags", "/api/ps", "/api/show", "/api/version",
+})
 # A MoE layer call takes from tens of microseconds (loopback) to tens of milliseconds.
 TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
                 0.5, 1.0, 2.5)
@@ -85,8 +92,7 @@ class _CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if scope["path"] in COUNTED_PATHS or scope["path"].startswith(
-            "/api/") else "other"
+        path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":

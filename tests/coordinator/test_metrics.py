@@ -70,7 +70,8 @@ def test_requests_are_counted_by_path_and_status_and_unknown_paths_pooled():
     async def ok(request):
         return PlainTextResponse("ok")
 
-    app = Starlette(routes=[Route("/health", ok)], middleware=[metrics.middleware()])
+    app = Starlette(routes=[Route("/health", ok), Route("/api/chat", ok)],
+                    middleware=[metrics.middleware()])
 
     async def call(path: str) -> None:
         sent = []
@@ -86,8 +87,9 @@ def test_requests_are_counted_by_path_and_status_and_unknown_paths_pooled():
                  "server": ("test", 80), "root_path": "", "http_version": "1.1"}
         await app(scope, receive, send)
 
-    for path in ("/health", "/health", "/no/such/1", "/no/such/2"):
+    for path in ("/health", "/health", "/api/chat", "/no/such/1", "/no/such/2", "/api/no-such"):
         asyncio.run(call(path))
     s = samples(metrics)
     assert s[("shoal_requests_total", (("code", "200"), ("path", "/health")))] == 2
-    assert s[("shoal_requests_total", (("code", "404"), ("path", "other")))] == 2
+    assert s[("shoal_requests_total", (("code", "200"), ("path", "/api/chat")))] == 1
+    assert s[("shoal_requests_total", (("code", "404"), ("path", "other")))] == 3
