@@ -19,9 +19,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_top_p, make_sampler
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    StreamingDetokenizer,
+    TokenizerWrapper,
+)
 
+from coordinator.structured import Grammars
 from engine.errors import ShoalError, Unavailable
 
 log = logging.getLogger("shoal.serve")
@@ -31,14 +43,28 @@ IDLE_POLL = 0.5  # seconds an idle engine waits for work before checking it shou
 
 @dataclass(frozen=True)
 class Sampling:
-    """What one request asks of generation (already validated)."""
+    """What one request asks of generation (already validated). The knobs are mlx-lm's
+    (sample_utils.make_sampler and make_logits_processors), with mlx-lm's defaults."""
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None  # None: no log-probabilities; 0: the chosen token's only
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 0.0  # 0: off (mlx-lm's convention)
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    grammar: str | None = None  # an llguidance grammar the answer must match
+    # A text completion continues its prompt, so the first token's leading space is part of
+    # the answer; a chat reply's is not (mlx-lm's detokenizers drop it).
+    keep_leading_space: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,7 @@ class Event:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop" (end of text or a stop string), "length"
+    stop: str | None = None  # the stop string that ended the answer, if one did
     error: ShoalError | None = None
     usage: Usage | None = None  # on the last event
 
@@ -101,22 +128,58 @@ def split_at_stop(pending: str, stops: tuple[str, ...]) -> tuple[str, str, bool]
 def make_request_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array] | None:
     """The request's sampler, or None for greedy (the batch then shares one argmax). With a
     seed, the request draws from its own key, so its samples do not depend on the requests
-    it happens to share a batch with."""
-    if sampling.temperature == 0:
+    it happens to share a batch with; the filters are mlx-lm's, in make_sampler's order."""
+    s = sampling
+    if s.temperature == 0:
         return None
-    if sampling.seed is None:
-        return make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
-    key = mx.random.key(sampling.seed)
-    top_p, scale = sampling.top_p, 1 / sampling.temperature
+    if s.seed is None:
+        return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < s.top_p < 1:
+        filters.append(lambda x: apply_top_p(x, s.top_p))
+    if s.min_p != 0:
+        filters.append(lambda x: apply_min_p(x, s.min_p))
+    if s.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, s.top_k))
+    key = mx.random.key(s.seed)
+    scale = 1 / s.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, draw = mx.random.split(key)
-        if 0 < top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
+        for f in filters:
+            logprobs = f(logprobs)
         return mx.random.categorical(logprobs * scale, key=draw)
 
     return sample
+
+
+def make_request_processors(sampling: Sampling, grammars: Grammars) -> list[Callable]:
+    """The request's logits processors: mlx-lm's (bias and penalties) and then its grammar,
+    so that a constraint has the last word. Empty for a request that asked for none, which
+    then decodes exactly as without them."""
+    s = sampling
+    processors = make_logits_processors(
+        dict(s.logit_bias) or None, s.repetition_penalty, s.repetition_context_size,
+        s.presence_penalty, s.presence_context_size, s.frequency_penalty,
+        s.frequency_context_size)
+    if s.grammar is not None:
+        processors.append(grammars.processor(s.grammar))
+    return processors
+
+
+def make_detokenizer(tokenizer: TokenizerWrapper, *,
+                     keep_leading_space: bool) -> StreamingDetokenizer:
+    """mlx-lm's streaming detokenizer for one answer. mlx-lm's BPE and SPM detokenizers drop
+    the first token's leading space (right after a chat template's assistant header);
+    `keep_leading_space` keeps it, for an answer that continues the prompt's text."""
+    detokenizer = tokenizer.detokenizer  # a fresh copy
+    if keep_leading_space:
+        if isinstance(detokenizer, BPEStreamingDetokenizer):
+            detokenizer._maybe_trim_space = lambda text: text  # the one place it trims
+        elif isinstance(detokenizer, SPMStreamingDetokenizer):
+            detokenizer.trim_space = False
+    return detokenizer
 
 
 class Handle:
@@ -143,7 +206,8 @@ class _Live:
     def __init__(self, handle: Handle, tokenizer: TokenizerWrapper, cached: int) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
-        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer = make_detokenizer(
+            tokenizer, keep_leading_space=handle.sampling.keep_leading_space)
         self.pending = ""  # generated text held back: it may begin a stop string
         self.generated = 0
         self.cached = cached
@@ -164,15 +228,18 @@ class _Live:
             if finish is not None:
                 self.detokenizer.finalize()
         self.pending += self.detokenizer.last_segment
-        text, self.pending, stopped = split_at_stop(self.pending, sampling.stop)
+        pending = self.pending
+        text, self.pending, stopped = split_at_stop(pending, sampling.stop)
+        stop_string = None
         if stopped:
             finish = "stop"
+            stop_string = min((s for s in sampling.stop if s in pending), key=pending.find)
         elif finish is not None:
             text, self.pending = text + self.pending, ""
         scores = ()
         if sampling.top_logprobs is not None and not end_token:
             scores = (self._logprob(token, logprobs),)
-        return Event(text=text, logprobs=scores, finish_reason=finish,
+        return Event(text=text, logprobs=scores, finish_reason=finish, stop=stop_string,
                      usage=self.usage() if finish else None)
 
     def _logprob(self, token: int, logprobs: mx.array) -> TokenLogprob:
@@ -211,6 +278,7 @@ class BatchEngine:
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
         self._cache_key = cache_key
+        self._grammars = Grammars(tokenizer)
         self._prompt_cache = LRUPromptCache(max_size=1 << 16, max_bytes=prompt_cache_bytes)
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
@@ -316,6 +384,11 @@ class BatchEngine:
             if handle.cancelled:
                 self._end(handle, None)
                 continue
+            try:  # a request's own settings that fail end that request, not the batch
+                processors = make_request_processors(handle.sampling, self._grammars)
+            except ShoalError as e:
+                self._end(handle, Event(error=e))
+                continue
             cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, handle.prompt)
             if cache is not None and not rest:  # the whole prompt is cached: redo its last
                 if can_trim_prompt_cache(cache):
@@ -328,6 +401,7 @@ class BatchEngine:
                 [rest], max_tokens=[handle.sampling.max_tokens], caches=[cache],
                 all_tokens=[handle.prompt[:cached]],
                 samplers=[make_request_sampler(handle.sampling)],
+                logits_processors=[processors],
             )
             self._live[uid] = _Live(handle, self.tokenizer, cached)
             self._count(prompt_tokens=len(rest), cached_tokens=cached)

@@ -11,6 +11,8 @@ import sys
 
 from coordinator.commands import (
     bench,
+    cache_prompt,
+    chat,
     cluster_init,
     demo,
     doctor,
@@ -29,8 +31,8 @@ from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
-COMMANDS = (cluster_init, pull, shard, generate, workers, demo, bench, plan, serve, doctor, heat,
-            migrate)
+COMMANDS = (cluster_init, pull, shard, generate, chat, cache_prompt, workers, demo, bench,
+            plan, serve, doctor, heat, migrate)
 
 
 def version_text() -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -258,6 +258,9 @@ class Dispatcher:
         self._pace: dict[str, Pace] = {}  # by worker address
         self.piece_pairs = PIECE_PAIRS  # 0: every call's requests go whole
         self.lanes = LANES  # streams a worker's pieces are dealt over (1: one stream)
+        # Hears (worker address, round trip, compute seconds) of each worker in each call:
+        # `shoal serve`'s /metrics histograms.
+        self.on_worker_timing: Callable[[str, float, float], None] | None = None
 
     def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The worker the next call of `layer` sends each of `experts` to, when each comes
@@ -454,6 +457,10 @@ class Dispatcher:
             stats.worker_reply_seconds += timing.reply
             stats.worker_waited_seconds += timing.waited
         stats.slowest_compute_seconds += max(computing.values())
+        if self.on_worker_timing is not None:
+            for worker, sent in first_sent.items():
+                self.on_worker_timing(self.cluster.links[worker].address,
+                                      last_read[worker] - sent, computing[worker])
         return result, changed
 
 

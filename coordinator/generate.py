@@ -175,9 +175,12 @@ def generate(
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
     draft: Draft | None = None,
+    **mlx_options,
 ) -> GenerationResult:
     """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's.
-    With a `draft`, the draft proposes tokens that `model` verifies several at a time."""
+    With a `draft`, the draft proposes tokens that `model` verifies several at a time.
+    `mlx_options` go to mlx-lm's generate_step: its KV-cache quantization (kv_bits,
+    kv_group_size, quantized_kv_start) and a prompt_cache to continue from."""
     if max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -188,7 +191,8 @@ def generate(
     sampler = make_sampler(temp=temperature)
     if draft is None:
         responses = stream_generate(
-            model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler
+            model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler,
+            **mlx_options,
         )
     else:
         result.speculative = SpeculativeStats()

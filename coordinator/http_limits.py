@@ -2,7 +2,7 @@
 in all, the connection idle longest closed when full, a deadline for a request's headers, the
 request body's limits, and failed accepts said once in a while. Connections are guarded here,
 in the protocol uvicorn serves them with; bodies are read within the limits in
-coordinator/serve.py."""
+coordinator/answering.py."""
 
 from __future__ import annotations
 

@@ -273,6 +273,15 @@ class WithLocal:
         version, links, holdings = self.remote.live()
         return self._own + version, [self.local, *links], [self._held, *holdings]
 
+    # what `shoal serve`'s health and dashboard read of a Membership: the workers alone (the
+    # coordinator's own experts are the coordinator's card)
+    def snapshot(self) -> list:
+        return self.remote.snapshot() if self.remote is not None else []
+
+    @property
+    def cluster(self) -> str:
+        return getattr(self.remote, "cluster", "")
+
     def update_inventory(self, link, inventory: shoal_pb2.Inventory) -> None:
         if link is self.local:
             self._held = self.local.held()

@@ -1,17 +1,20 @@
 """`shoal serve`'s HTTP server: the OpenAI API's routes on Starlette and uvicorn (chat and
-text completions, streamed as server-sent events or not, the model list, health, the API key),
-with every request decoded in one shared batch (coordinator/batching.py).
+text completions, streamed as server-sent events or not, the models, health, the API key),
+with every request decoded in one shared batch (coordinator/batching.py); Anthropic's and
+Ollama's routes (coordinator/anthropic_api.py, ollama_api.py) are registered beside them,
+with CORS and the access log around all of them.
 
 Requests and answers take their shapes from coordinator/openai_api.py; this module carries
-them: it submits each request to the engine, waits for its events, and cancels a request
-whose client went away, which frees its row in the batch.
+them: it reads each request's body within the limits and parses it off the event loop,
+submits it to the engine (both in coordinator/answering.py), waits for its events, and
+cancels a request whose client went away, which frees its row in the batch. SIGINT and
+SIGTERM stop it alike: the requests in flight end, and serve() returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hmac
 import json
 import os
@@ -19,20 +22,26 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
 
 import uvicorn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from coordinator.batching import BatchEngine, Event, Sampling
+from coordinator import anthropic_api, ollama_api
+from coordinator.access_log import AccessLog
+from coordinator.answering import events, gather, read_request, status_of
+from coordinator.batching import BatchEngine, Event
 from coordinator.cluster import Members, layer_sizes
 from coordinator.http_limits import (
     BACKLOG,
@@ -42,24 +51,21 @@ from coordinator.http_limits import (
     guarded_protocol,
 )
 from coordinator.openai_api import (
+    Chunks,
     CompletionRequest,
     answer_meta,
-    chunk_json,
     completion_json,
-    decode_body,
     error_json,
     fit_to_context,
     longest_token,
+    model_json,
     parse_request,
-    prompt_tokens,
+    prepare,
     usage_chunk_json,
 )
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.placement import replica_routes
-
-HEARTBEAT = 15.0  # seconds between SSE comments while a streamed answer waits for tokens
-
 
 # ---------------------------------------------------------------------------------------
 # Health: every expert must have a live owner
@@ -89,6 +95,7 @@ class Service:
     context: int
     api_key: str | None = None
     started: int = 0
+    cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API
     limits: Limits = field(default_factory=Limits)
     stopping: bool = False  # set on SIGINT or SIGTERM: new requests get 503
     buffered: int = 0  # bytes of request bodies held now, read and not yet tokenized
@@ -119,6 +126,18 @@ class Service:
             return "the generation thread has stopped; see the server's log"
         return missing_experts(self.membership, self.manifest)
 
+    def prepare(self, request: CompletionRequest) -> tuple[CompletionRequest, list[int]]:
+        """The request bound to this model (openai_api.prepare): its prompt's token ids,
+        refused before tokenizing when it cannot fit the context. Runs on a parser thread."""
+        return prepare(self.tokenizer, request, self.vocab, context=self.context,
+                       longest=self.longest_token)
+
+    def check_serving(self) -> None:
+        """Unavailable, naming the problem, unless a request can be answered now."""
+        problem = self.health()
+        if problem is not None:
+            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+
 
 def _lowest_priority() -> None:
     """Lower the calling thread's CPU priority where threads have their own (Linux); on
@@ -132,30 +151,16 @@ def _authorized(service: Service, request: Request) -> bool:
         return True
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              service.api_key.encode())
-
-
-class TooLarge(InvalidInput):
-    """A request body over --max-body: 413."""
-
-
-class TooSlow(InvalidInput):
-    """A request body that did not arrive in time: 408."""
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        token = request.headers.get("x-api-key", "")
+    return hmac.compare_digest(token.strip().encode(), service.api_key.encode())
 
 
 def _error_response(error: ShoalError) -> JSONResponse:
-    if isinstance(error, TooLarge):
-        return JSONResponse(error_json(str(error), "invalid_request_error", 413), 413)
-    if isinstance(error, TooSlow):
-        return JSONResponse(error_json(str(error), "invalid_request_error", 408), 408)
-    if isinstance(error, InvalidInput):
-        return JSONResponse(error_json(str(error), "invalid_request_error", 400), 400)
-    if isinstance(error, NotFound):
-        return JSONResponse(error_json(str(error), "not_found_error", 404), 404)
-    if isinstance(error, Unavailable):
-        return JSONResponse(error_json(str(error), "unavailable", 503), 503)
-    return JSONResponse(error_json(str(error), "server_error", 500), 500)
+    status = status_of(error)
+    kind = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
+            413: "invalid_request_error", 503: "unavailable"}.get(status, "server_error")
+    return JSONResponse(error_json(str(error), kind, status), status)
 
 
 def _sse(data: dict | str) -> bytes:
@@ -163,110 +168,14 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-class _Subscription:
-    """One request's events on this event loop. cancel() (a client that went away) frees
-    its row in the batch; waiting with a timeout does not cancel anything."""
-
-    def __init__(self, service: Service, prompt: list[int], sampling: Sampling) -> None:
-        loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._handle = service.engine.submit(
-            prompt, sampling, lambda e: loop.call_soon_threadsafe(self._queue.put_nowait, e))
-
-    async def next(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None if none came within `timeout` seconds."""
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
-
-    def cancel(self) -> None:
-        self._handle.cancel()
+Guard = Callable[[Callable], Callable]  # wraps a handler in the key check and error mapping
 
 
-class _Held:
-    """Bytes of one request's body counted in the service's `buffered` until released."""
-
-    def __init__(self, service: Service) -> None:
-        self.service, self.bytes = service, 0
-
-    def add(self, n: int) -> None:
-        self.bytes += n
-        self.service.buffered += n
-
-    def release(self) -> None:
-        self.service.buffered -= self.bytes
-        self.bytes = 0
-
-
-async def _read_body(service: Service, request: Request, held: _Held) -> bytes:
-    """The request's body, read within the limits (one declared too large is refused before
-    a byte of it is read)."""
-    limits = service.limits
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_body:
-        raise TooLarge(f"the request body has {int(declared)} bytes; this server takes at "
-                       f"most {limits.max_body} (shoal serve --max-body)")
-    chunks: list[bytes] = []
-    try:
-        async with asyncio.timeout(limits.body_timeout):
-            async for chunk in request.stream():
-                held.add(len(chunk))
-                if held.bytes > limits.max_body:
-                    raise TooLarge(f"the request body is over {limits.max_body} bytes, the "
-                                   "most this server takes (shoal serve --max-body)")
-                if service.buffered > limits.max_buffered:
-                    raise Unavailable("the server is reading too many large requests at once; "
-                                      "try again")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise TooSlow(f"the request body did not arrive within {limits.body_timeout:g} s; "
-                      "send it at once") from None
-    return b"".join(chunks)
-
-
-def prepare(service: Service, body: bytes, *,
-            chat: bool) -> tuple[CompletionRequest, list[int]]:
-    """A request body as a validated request and its prompt's token ids, fitted to the
-    context: the CPU-heavy part of a request (JSON, the chat template, tokenizing), run on
-    the service's parser threads so that the event loop goes on answering meanwhile."""
-    parsed = parse_request(decode_body(body), chat=chat)
-    prompt = prompt_tokens(service.tokenizer, parsed, service.vocab, context=service.context,
-                           longest=service.longest_token)
-    return fit_to_context(parsed, len(prompt), service.context), prompt
-
-
-def _prepare_large(service: Service, body: bytes, *,
-                   chat: bool) -> tuple[CompletionRequest, list[int]]:
-    """prepare() for a large body, then the memory its tokenizing freed handed back to the
-    OS: glibc's malloc keeps it otherwise (hundreds of MB for a body of a few MB)."""
-    try:
-        return prepare(service, body, chat=chat)
-    finally:
-        _trim_heap()
-
-
-@cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc only; elsewhere there is none
-    except (OSError, AttributeError):
-        return None
-
-
-def _trim_heap() -> None:
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def make_app(service: Service) -> Starlette:
-    """The Starlette application: the OpenAI routes over `service`."""
+def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | None = None,
+             middleware: Sequence[Middleware] = ()) -> Starlette:
+    """The Starlette application: the OpenAI, Anthropic and Ollama routes over `service`, and
+    those `mount` gives (the dashboard's: coordinator/dashboard.py), which wrap theirs in the
+    same guard; `middleware` goes inside the access log."""
 
     def guard(handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:
@@ -279,6 +188,8 @@ def make_app(service: Service) -> Starlette:
                 return await handler(request)
             except ShoalError as e:
                 return _error_response(e)
+            except ClientDisconnect:  # it left while its body was being read
+                return Response(status_code=499)
 
         return endpoint
 
@@ -295,30 +206,20 @@ def make_app(service: Service) -> Starlette:
         return JSONResponse(body, 200 if problem is None else 503)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.model_id, "object": "model", "created": service.started,
-             "owned_by": "shoal"}]})
+        return JSONResponse({"object": "list",
+                             "data": [model_json(service.model_id, service.started)]})
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model"] != service.model_id:
+            raise NotFound(f"no model {request.path_params['model']!r}: this server has "
+                           f"{service.model_id!r}")
+        return JSONResponse(model_json(service.model_id, service.started))
 
     async def completions(request: Request, *, chat: bool) -> Response:
-        if service.stopping:
-            raise Unavailable("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        held = _Held(service)
-        try:
-            body = await _read_body(service, request, held)
-            if len(body) > service.limits.large_body:
-                parsed, prompt = await loop.run_in_executor(
-                    service.large_parser, lambda: _prepare_large(service, body, chat=chat))
-            else:
-                parsed, prompt = await loop.run_in_executor(
-                    service.parsers, lambda: prepare(service, body, chat=chat))
-        except ClientDisconnect:
-            return Response(status_code=499)
-        finally:
-            held.release()
-        problem = service.health()
-        if problem is not None:
-            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+        parsed, prompt = await read_request(
+            service, request, lambda body: service.prepare(parse_request(body, chat=chat)))
+        parsed = fit_to_context(parsed, len(prompt), service.context)
+        service.check_serving()
         meta = answer_meta(chat=chat, model=service.model_id)
         if parsed.stream:
             return StreamingResponse(_stream(service, parsed, prompt, meta),
@@ -335,69 +236,69 @@ def make_app(service: Service) -> Starlette:
     routes = [
         Route("/health", guard(health), methods=["GET"]),
         Route("/v1/models", guard(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guard(model), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(text_completions), methods=["POST"]),
+        *anthropic_api.routes(service, guard),
+        *ollama_api.routes(service, guard),
     ]
-    return Starlette(routes=routes)
+    if mount is not None:
+        routes += mount(guard)
+    # The access log outermost, so that its line says what any other layer answered.
+    layers = [Middleware(AccessLog), *middleware]
+    if service.cors_origins:
+        layers.append(Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["*"]))
+    return Starlette(routes=routes, middleware=layers,
+                     exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own errors (no such route, a method the route does not take) in the
+    OpenAI shape, so that clients can show them."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif error.status_code == 405:
+        message = f"{request.url.path} does not take {request.method}"
+    else:
+        message = error.detail
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_json(message, kind, error.status_code), error.status_code,
+                        headers=error.headers)
 
 
 async def _whole(service: Service, request: Request, parsed: CompletionRequest,
                  prompt: list[int], meta: dict) -> Response:
     """A non-streamed answer: every event gathered, unless the client leaves first."""
-    events: list[Event] = []
-    subscription = _Subscription(service, prompt, parsed.sampling)
-
-    async def gather() -> None:
-        while not events or (events[-1].finish_reason is None and events[-1].error is None):
-            events.append(await subscription.next())
-
-    work = asyncio.create_task(gather())
-    gone = asyncio.create_task(_until_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():  # the client left (or the server is stopping)
-            work.cancel()
-            subscription.cancel()
-    if not events or (events[-1].finish_reason is None and events[-1].error is None):
+    gathered = await gather(service.engine, request, prompt, parsed.sampling)
+    if gathered is None:
         return Response(status_code=499)
-    if events[-1].error is not None:
-        raise events[-1].error
-    return JSONResponse(completion_json(service.tokenizer, parsed, prompt, events, meta))
+    if gathered[-1].error is not None:
+        raise gathered[-1].error
+    return JSONResponse(completion_json(service.tokenizer, parsed, prompt, gathered, meta))
 
 
 async def _stream(service: Service, parsed: CompletionRequest, prompt: list[int],
                   meta: dict) -> AsyncIterator[bytes]:
     """Server-sent events in the OpenAI shape; an error mid-answer is sent as an event
     with an `error` object (the openai client raises it), then the stream ends."""
-    tok = service.tokenizer
-    first = True
+    chunks = Chunks(service.tokenizer, parsed, meta)
     if parsed.echo:
-        yield _sse(chunk_json(tok, parsed, Event(text=tok.decode(prompt)), meta, first=first))
-        first = False
-    subscription = _Subscription(service, prompt, parsed.sampling)
-    try:
-        while True:
-            event = await subscription.next(HEARTBEAT)
-            if event is None:
-                yield b": waiting\n\n"  # keeps proxies and clients from timing out
-                continue
-            if event.error is not None:
-                status = 503 if isinstance(event.error, Unavailable) else 500
-                yield _sse(error_json(str(event.error),
-                                      "unavailable" if status == 503 else "server_error",
-                                      status))
-                break
-            yield _sse(chunk_json(tok, parsed, event, meta, first=first))
-            first = False
-            if event.finish_reason is not None:
-                if parsed.include_usage:
-                    yield _sse(usage_chunk_json(parsed, event, meta))
-                break
-        yield _sse("[DONE]")
-    finally:  # also when the client went away: Starlette cancels this generator
-        subscription.cancel()
+        yield _sse(chunks.chunk(Event(text=service.tokenizer.decode(prompt))))
+    async for event in events(service.engine, prompt, parsed.sampling):
+        if event is None:
+            yield b": waiting\n\n"  # keeps proxies and clients from timing out
+            continue
+        if event.error is not None:  # the last event
+            status = 503 if isinstance(event.error, Unavailable) else 500
+            yield _sse(error_json(str(event.error),
+                                  "unavailable" if status == 503 else "server_error", status))
+            continue
+        yield _sse(chunks.chunk(event))
+        if event.finish_reason is not None and parsed.include_usage:
+            yield _sse(usage_chunk_json(parsed, event, meta))
+    yield _sse("[DONE]")
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,21 +365,28 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
 
 
-def serve(service: Service, sock: socket.socket, *, log_level: str = "warning") -> None:
+def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
+          mount: Callable[[Guard], list[BaseRoute]] | None = None,
+          middleware: Sequence[Middleware] = ()) -> None:
     """Answer HTTP on `sock` until SIGINT or SIGTERM, then drain (bounded) and return."""
 
     def stop() -> None:  # in the signal handler: nothing here may block
         service.stopping = True
         service.engine.close(timeout=0)  # its requests end at once, with an error event
 
-    config = uvicorn.Config(make_app(service), http=guarded_protocol(service.guard),
+    config = uvicorn.Config(make_app(service, mount=mount, middleware=middleware),
+                            http=guarded_protocol(service.guard),
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, backlog=BACKLOG)
+                            timeout_graceful_shutdown=5, backlog=BACKLOG, log_config=None)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    key = ("an API key is required (--api-key-file)" if service.api_key is not None
+           else "no API key is required")
+    cors = (f"; browser pages of {', '.join(service.cors_origins)} may call it"
+            if service.cors_origins else "")
     print(f"shoal serve: {service.model_id} on http://{shown}:{port}/v1 "
           f"(context {service.context} tokens, up to {service.engine.max_batch} requests "
-          "decoded together)", file=sys.stderr, flush=True)
+          f"decoded together); {key}{cors}", file=sys.stderr, flush=True)
     try:
         _Server(config, stop).run(sockets=[sock])
     finally:

@@ -66,8 +66,36 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "cache hit rate, prefetch recall and drive reads")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     draft_options(p)
+    kv_cache_options(p)
+    p.add_argument("--prompt-cache-file", type=Path, metavar="FILE",
+                   help="continue from the prompt cache in FILE (made by `shoal cache-prompt`, "
+                   "or by mlx-lm's cache_prompt on the checkpoint the model was sharded from): "
+                   "PROMPT is then the question asked after the cached prompt")
     secret_option(p)
     p.set_defaults(main=main)
+
+
+def kv_cache_options(p: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-group-size, --quantized-kv-start: mlx-lm's KV-cache quantization."""
+    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], metavar="BITS",
+                   help="quantize the KV cache to BITS bits, as mlx-lm does (default: not "
+                   "quantized); less memory for long contexts, slightly different answers")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                   metavar="N", help="quantization group size of the KV cache (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=5000, metavar="TOKENS",
+                   help="with --kv-bits, quantize once the cache holds this many tokens "
+                   "(default 5000, mlx-lm's)")
+
+
+def kv_cache_settings(args: argparse.Namespace) -> dict:
+    """The KV-cache options as mlx-lm's generate_step takes them (none without --kv-bits)."""
+    if args.quantized_kv_start < 0:
+        raise InvalidInput(f"--quantized-kv-start must be 0 or more, got "
+                           f"{args.quantized_kv_start}")
+    if args.kv_bits is None:
+        return {}
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "quantized_kv_start": args.quantized_kv_start}
 
 
 def draft_options(p: argparse.ArgumentParser) -> None:
@@ -121,6 +149,10 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if kv_cache_settings(args) and args.draft_model is not None:
+        raise InvalidInput("--kv-bits and --draft-model cannot be used together")
+    if args.prompt_cache_file is not None and args.draft_model is not None:
+        raise InvalidInput("--prompt-cache-file and --draft-model cannot be used together")
     if args.wait < 0:
         raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
     check_one_worker_source(args)
@@ -195,7 +227,14 @@ def decode(
     from coordinator.generate import encode_prompt, generate
     from coordinator.worker_stats import read_stats
 
-    prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
+    options = kv_cache_settings(args)
+    if args.prompt_cache_file is not None:
+        from coordinator.prompt_cache_file import load, question_tokens
+
+        options["prompt_cache"] = load(args.prompt_cache_file, remote.model)
+        prompt_ids = question_tokens(remote.tokenizer, args.prompt, chat=args.chat)
+    else:
+        prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
     draft = None
     if policy is not None:
         from coordinator.speculative import load_draft
@@ -205,7 +244,7 @@ def decode(
     result = generate(
         remote.model, remote.tokenizer, prompt_ids,
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        on_text=None if args.json else out.write, draft=draft,
+        on_text=None if args.json else out.write, draft=draft, **options,
     )
     if not args.stats:
         return run_report(result)

@@ -5,6 +5,7 @@ coordinator/batching.py)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -36,8 +37,11 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
-        "answer the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed or "
-        "not), GET /v1/models and /health. Requests in flight are decoded together, so each "
+        "answer the OpenAI API (POST /v1/chat/completions and /v1/completions, streamed or "
+        "not, with tools and structured output; GET /v1/models and /health), Anthropic's "
+        "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags), "
+        "with a dashboard of the cluster at GET / and Prometheus metrics at GET /metrics. "
+        "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
         "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
         "see docs/serving.md.",
@@ -79,6 +83,13 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--max-connections-per-host", type=int, default=64, metavar="N",
                    help="connections open at once from one address; more get 503 (default "
                    "64; raise it behind a reverse proxy, where every client has its address)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN (e.g. http://localhost:3000; '*' for "
+                   "any) call the API (repeat for several; default: none)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"],
+                   help="what the server logs to stderr: info (the default) logs a line per "
+                   "request; warning and up only problems")
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -133,6 +144,7 @@ def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     from coordinator.batching import BatchEngine
+    from coordinator.dashboard import Dashboard
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
     from coordinator.serve import Service, listen, read_api_key, serve
@@ -141,6 +153,8 @@ def main(args: argparse.Namespace) -> None:
 
     cache_bytes = check_serve_args(args)
     limits = serve_limits(args, raise_file_limit())  # after mlx-lm's import, which sets one
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="shoal serve: %(levelname)s %(name)s: %(message)s")
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     manifest = read_manifest(args.model)
     stores, memory_budget = local_stores(args)
@@ -149,7 +163,7 @@ def main(args: argparse.Namespace) -> None:
     context = args.context or int(manifest.config.get("max_position_embeddings") or 4096)
     sock = listen(args.host, args.port)
     membership = None if alone else open_membership(args, secret, manifest, log=stderr_log)
-    remote = engine = None
+    remote = engine = dashboard = None
     try:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log, local_stores=stores,
@@ -158,10 +172,19 @@ def main(args: argparse.Namespace) -> None:
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
         name = args.model_id or Path(args.model).resolve().name
         # the members health reads: the workers, and the coordinator's own experts
-        serve(Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,
-                      context, key, started=int(time.time()), limits=limits), sock)
+        service = Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,
+                          context, key, started=int(time.time()), limits=limits,
+                          cors_origins=tuple(args.cors_origin))
+        dashboard = Dashboard(service, args.model, secret, remote.dispatcher)
+        host, port = sock.getsockname()[:2]
+        print(f"shoal serve: the dashboard is at http://{f'[{host}]' if ':' in host else host}"
+              f":{port}/ (docs/dashboard.md)", file=sys.stderr, flush=True)
+        serve(service, sock, log_level=args.log_level, mount=dashboard.routes,
+              middleware=[dashboard.metrics.middleware()])
     finally:
         sock.close()
+        if dashboard is not None:
+            dashboard.close()
         if engine is not None:
             engine.close()
         if remote is not None:

@@ -122,3 +122,44 @@ def test_rows_joining_a_running_batch_equal_themselves_alone(family, bits, tiny_
     for i in range(len(prompts)):
         assert together[i] == alone[i], i
         assert len(together[i]) == lengths[i]
+
+
+def test_rows_with_their_own_processors_leave_the_others_bits_alone(model):
+    """A row held to a JSON grammar and a row with a repetition penalty share the batch with
+    two plain rows: the plain rows' tokens and log-probabilities equal themselves alone, the
+    constrained row's answer is JSON, and each special row equals itself alone."""
+    from coordinator.structured import response_format_grammar
+
+    grammar = response_format_grammar({"type": "json_object"})
+    [close] = model[1].encode("}")
+    settings = [Sampling(max_tokens=12, top_logprobs=3),
+                Sampling(max_tokens=12, top_logprobs=3, grammar=grammar,
+                         logit_bias=((close, 30.0),)),  # "}" first: the object closes
+                Sampling(max_tokens=12, top_logprobs=3, repetition_penalty=1.5),
+                Sampling(max_tokens=9, top_logprobs=3)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    alone = []
+    for prompt, sampling in zip(prompts, settings, strict=True):
+        engine = BatchEngine(*model, cache_key="alone")
+        try:
+            alone.append(answer(engine, prompt, sampling))
+        finally:
+            engine.close()
+    engine = BatchEngine(*model, cache_key="together")
+    try:
+        queues: list[queue.Queue[Event]] = [queue.Queue() for _ in prompts]
+        for prompt, sampling, q in zip(prompts, settings, queues, strict=True):
+            engine.submit(prompt, sampling, q.put)
+        together = []
+        for q in queues:
+            events = [q.get(timeout=60)]
+            while events[-1].finish_reason is None and events[-1].error is None:
+                events.append(q.get(timeout=60))
+            together.append(events)
+        assert engine.stats.widest_step == len(prompts)
+    finally:
+        engine.close()
+    for i in range(len(prompts)):
+        assert _scores(together[i]) == _scores(alone[i]), i
+    assert "".join(e.text for e in together[1]) == "{}"
+    assert "".join(e.text for e in alone[0]) != "".join(e.text for e in alone[2])

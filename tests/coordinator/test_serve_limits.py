@@ -15,7 +15,7 @@ from coordinator.openai_api import (
     decode_body,
     longest_token,
     parse_request,
-    prompt_tokens,
+    prepare,
 )
 from engine.errors import InvalidInput
 
@@ -102,12 +102,12 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(tok
                      {"messages": [{"role": "user", "content": "x" * (1 << 20)}]}):
             request = parse_request(body, chat="messages" in body)
             with pytest.raises(InvalidInput, match="at least .* tokens"):
-                prompt_tokens(tokenizer, request, 300, context=4096,
-                              longest=longest_token(tokenizer))
+                prepare(tokenizer, request, 300, context=4096,
+                        longest=longest_token(tokenizer))
         assert not calls
         request = parse_request({"prompt": "hello there"}, chat=False)
-        ids = prompt_tokens(tokenizer, request, 300, context=4096,
-                            longest=longest_token(tokenizer))
+        _, ids = prepare(tokenizer, request, 300, context=4096,
+                         longest=longest_token(tokenizer))
         assert ids == tokenizer.encode("hello there") and calls
     finally:
         tokenizer._tokenizer.encode = original
@@ -148,7 +148,7 @@ def body_request(chunks: list[bytes], *, then_wait: bool = False, declared: int 
 def read(limits: Limits, request, buffered: int = 0):
     from types import SimpleNamespace
 
-    from coordinator.serve import _Held, _read_body
+    from coordinator.answering import _Held, _read_body
 
     service = SimpleNamespace(limits=limits, buffered=buffered)
     held = _Held(service)
@@ -166,7 +166,7 @@ def read(limits: Limits, request, buffered: int = 0):
 
 
 def test_a_body_is_read_within_its_size_and_time():
-    from coordinator.serve import TooLarge, TooSlow
+    from coordinator.answering import TooLarge, TooSlow
     from engine.errors import Unavailable
 
     limits = Limits(max_body=2048, body_timeout=0.2)

@@ -6,8 +6,8 @@ import pytest
 from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
+    Chunks,
     answer_meta,
-    chunk_json,
     completion_json,
     fit_to_context,
     parse_request,
@@ -62,11 +62,30 @@ def test_text_parts_and_prompts_of_token_ids():
     ({"messages": HI, "stop": ["a"] * 5}, True, "at most 4"),
     ({"messages": HI, "top_logprobs": 2}, True, "needs 'logprobs'"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 50}, True, "between 0 and 20"),
-    ({"messages": HI, "presence_penalty": 0.5}, True, "not supported"),
+    ({"messages": HI, "presence_penalty": 5}, True, "between -2 and 2"),
+    ({"messages": HI, "logit_bias": {"x": 1}}, True, "'logit_bias'"),
+    ({"messages": HI, "logit_bias": {"3": 101}}, True, "-100 to 100"),
+    ({"messages": HI, "top_k": -1}, True, "'top_k' must be at least 0"),
+    ({"messages": HI, "min_p": 1.5}, True, "'min_p' must be between 0 and 1"),
+    ({"messages": HI, "functions": []}, True, "'functions'"),
+    ({"messages": HI, "audio": {"voice": "x"}}, True, "audio"),
+    ({"messages": HI, "modalities": ["text", "audio"]}, True, "'modalities'"),
+    ({"messages": HI, "frobnicate": 1}, True, "unknown field 'frobnicate'"),
+    ({"messages": HI, "reasoning_effort": "huge"}, True, "'reasoning_effort'"),
+    ({"messages": HI, "response_format": {"type": "yaml"}}, True, "'response_format.type'"),
+    ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, True, "json_schema"),
+    ({"messages": HI, "tool_choice": "required"}, True, "needs 'tools'"),
+    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, True, "not in"),
+    ({"messages": [{"role": "tool", "content": "4"}]}, True, "'tool_call_id'"),
+    ({"prompt": "x", "suffix": "y"}, False, "'suffix'"),
+    ({"prompt": "x", "tools": []}, False, "unknown field 'tools'"),
     ({"messages": HI, "stream_options": {"include_usage": "yes"}}, True, "true or false"),
     ({"messages": HI, "model": 3}, True, "a string"),
     ({"prompt": 3}, False, "'prompt'"),
     ({"prompt": [1, -2]}, False, "'prompt'"),
+    ({"prompt": "x", "best_of": 2}, False, "'best_of' must be 1"),
     ({"prompt": "x", "logprobs": True}, False, "an integer"),
 ])
 def test_bad_requests_say_which_field(body, chat, message):
@@ -126,11 +145,12 @@ def test_streamed_chat_chunks_name_the_role_first_and_usage_last():
     request = parse_request({"messages": HI, "stream": True,
                              "stream_options": {"include_usage": True}}, chat=True)
     meta = answer_meta(chat=True, model="m")
-    first = chunk_json(Letters(), request, Event(text="a"), meta, first=True)
+    chunks = Chunks(Letters(), request, meta)
+    first = chunks.chunk(Event(text="a"))
     assert first["object"] == "chat.completion.chunk" and first["usage"] is None
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert first["choices"][0]["logprobs"] is None
-    last = chunk_json(Letters(), request, Event(finish_reason="length"), meta, first=False)
+    last = chunks.chunk(Event(finish_reason="length"))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
     usage = usage_chunk_json(request, DONE, meta)
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3

@@ -12,6 +12,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
+from coordinator.batching import make_detokenizer
 from coordinator.generate import encode_messages, encode_text, generate
 from coordinator.local import (
     LocalServer,
@@ -82,13 +83,28 @@ def reference(cluster):
     tokenizer = load_tokenizer(source)
     memo = {}
 
-    def text(prompt_ids: list[int], max_tokens: int) -> str:
+    def result(prompt_ids: list[int], max_tokens: int):
         key = (tuple(prompt_ids), max_tokens)
         if key not in memo:
-            memo[key] = generate(model, tokenizer, prompt_ids, max_tokens=max_tokens).text
+            memo[key] = generate(model, tokenizer, prompt_ids, max_tokens=max_tokens)
         return memo[key]
 
+    def text(prompt_ids: list[int], max_tokens: int) -> str:
+        """A chat reply's text: mlx-lm's detokenizer drops the first leading space."""
+        return result(prompt_ids, max_tokens).text
+
+    def continuation(prompt_ids: list[int], max_tokens: int) -> str:
+        """A text completion's: mlx-lm's detokenizer with the leading space kept."""
+        detokenizer = make_detokenizer(tokenizer, keep_leading_space=True)
+        for t in result(prompt_ids, max_tokens).token_ids:
+            if t not in tokenizer.eos_token_ids:
+                detokenizer.add_token(t)
+        detokenizer.finalize()
+        return detokenizer.text
+
     text.tokenizer = tokenizer
+    text.continuation = continuation
+    text.model = model
     return text
 
 
@@ -133,7 +149,8 @@ def test_completion_stops_at_a_stop_string(server, reference):
     prompt = "the quick brown fox"
     full = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
                                      temperature=0).choices[0]
-    assert full.text == reference(encode_text(reference.tokenizer, prompt), 16)
+    assert full.text == reference.continuation(encode_text(reference.tokenizer, prompt), 16)
+    assert full.text.startswith(" ")  # the first token's space is the answer's
     stop = full.text[4:6]
     assert len(stop) == 2 and full.text.find(stop) >= 1, full.text
     cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
@@ -232,7 +249,8 @@ def test_concurrent_streams_equal_the_same_requests_one_at_a_time(server, refere
         alone = _stream_text(client, prompt, lengths[i])
         assert results[i][0] == alone[0], (i, prompt)
         assert results[i][1] == alone[1], (i, prompt)  # float for float
-        assert alone[0] == reference(encode_text(reference.tokenizer, prompt), lengths[i])
+        assert alone[0] == reference.continuation(encode_text(reference.tokenizer, prompt),
+                                                  lengths[i])
 
 
 def test_a_second_chat_turn_reuses_the_first_turns_cache(server, reference):

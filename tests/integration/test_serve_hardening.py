@@ -303,6 +303,31 @@ def test_a_lone_surrogate_in_a_chat_message_gets_400(server):
     assert _post(server, "/v1/chat/completions", paired.encode()).status_code == 200
 
 
+# Every route that takes a body, in each API's error shape.
+OTHER_APIS = {
+    "/v1/messages": lambda reply: reply.json()["error"]["message"],
+    "/v1/messages/count_tokens": lambda reply: reply.json()["error"]["message"],
+    "/api/chat": lambda reply: reply.json()["error"],
+    "/api/generate": lambda reply: reply.json()["error"],
+    "/api/show": lambda reply: reply.json()["error"],
+}
+
+
+@pytest.mark.parametrize("path", OTHER_APIS)
+def test_the_anthropic_and_ollama_routes_hold_the_same_limits(server, path):
+    message = OTHER_APIS[path]
+    big = _post(server, path, b'{"prompt": "' + b"x" * (5 << 20) + b'"}')
+    assert big.status_code == 413 and "--max-body" in message(big), big.text
+    if path.startswith("/v1/"):
+        assert big.json()["error"]["type"] == "request_too_large"
+    nested = _post(server, path, ("[" * NESTED + "]" * NESTED).encode())
+    assert nested.status_code == 400 and "nests deeper" in message(nested), nested.text
+    lone = '{"model": "x", "max_tokens": 2, "prompt": "\\ud800", "messages": []}'
+    surrogate = _post(server, path, lone.encode())
+    assert surrogate.status_code == 400, surrogate.text
+    assert "not valid Unicode" in message(surrogate)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_ends_every_open_stream_and_records_the_heat(cluster, secret_file, sig):
     sharded = cluster[0]

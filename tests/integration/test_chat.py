@@ -1,0 +1,170 @@
+"""`shoal chat` end to end: the real command on a pipe, over two real workers. Each reply is
+mlx-lm's greedy reply to the whole conversation so far, computed in one process, the second
+turn takes the first from the KV cache, and /reset starts over. Also the KV-cache
+quantization of `shoal chat` and `shoal generate` against mlx-lm's with the same flags, and
+prompt cache files against mlx-lm's."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from unittest.mock import patch
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.utils import load_model, load_tokenizer
+
+from builders.synthetic import build_checkpoint
+from builders.synthetic_config import SHAPES
+from coordinator.generate import encode_messages, generate
+from coordinator.local import start_workers, stop_workers
+from engine.sharding import shard
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    source = tiny_checkpoint("qwen3_moe")
+    shard(source, root / "sharded", workers=2, progress=False)
+    workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
+                            secret_file, root / "logs")
+    yield source, root / "sharded", workers
+    stop_workers(workers)
+
+
+def test_a_conversation_equals_mlx_lm_turn_by_turn(cluster, secret_file):
+    source, sharded, workers = cluster
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+
+    def reply(messages: list[dict]) -> str:
+        return generate(model, tokenizer, encode_messages(tokenizer, messages),
+                        max_tokens=10).text
+
+    first = [{"role": "user", "content": "Hello there"}]
+    one = reply(first)
+    second = [*first, {"role": "assistant", "content": one},
+              {"role": "user", "content": "And then?"}]
+    two = reply(second)
+    assert one and two
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
+         "--workers", ",".join(w.address for w in workers), "--secret-file",
+         str(secret_file), "--max-tokens", "10"],
+        input="Hello there\nAnd then?\n/reset\nHello there\n/quit\n", capture_output=True,
+        text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{one}\n{two}\n{one}\n"
+    turns = [line for line in done.stderr.splitlines() if "from the cache]" in line]
+    assert len(turns) == 3, done.stderr
+    cached = [int(line.split(", ")[-1].split()[0]) for line in turns]
+    assert cached[0] == 0 and cached[1] >= len(encode_messages(tokenizer, first)) and (
+        cached[2] == 0)
+    assert "starts over" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def wide_heads(secret_file, tmp_path_factory):
+    """The tiny qwen3_moe with 32-wide attention heads: MLX quantizes in groups of 32 at
+    least, which the tiny model's 16-wide heads cannot be."""
+    root = tmp_path_factory.mktemp("wide-heads")
+    with patch.dict(SHAPES, {"tiny": replace(SHAPES["tiny"], head_dim=32)}):
+        source = build_checkpoint(root / "source", "qwen3_moe")
+    shard(source, root / "sharded", workers=2, progress=False)
+    workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
+                            secret_file, root / "logs")
+    yield source, root / "sharded", workers
+    stop_workers(workers)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_quantized_kv_cache_gives_mlx_lms_tokens_with_the_same_flags(wide_heads, secret_file,
+                                                                      command):
+    """--kv-bits 4 from the first token: `shoal generate` and `shoal chat` give the tokens
+    mlx-lm's stream_generate gives with the same settings, and they differ from the
+    unquantized cache's (so the flags reach the cache)."""
+    source, sharded, workers = wide_heads
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    kv = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}
+    messages = [{"role": "user", "content": "Tell me about the fish in the sea"}]
+    prompt = encode_messages(tokenizer, messages)
+
+    def mlx_lm(**settings) -> list[int]:
+        out = []
+        for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=24,
+                                 **settings):
+            if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
+                break
+            out.append(r.token)
+        return out
+
+    quantized, plain = mlx_lm(**kv), mlx_lm()
+    assert quantized != plain
+    flags = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0",
+             "--max-tokens", "24"]
+    common = ["--model", str(sharded), "--workers", ",".join(w.address for w in workers),
+              "--secret-file", str(secret_file), *flags]
+    if command == "generate":
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", "--chat",
+                               messages[0]["content"], "--json", *common],
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["token_ids"] == quantized
+    else:
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "chat", *common],
+                              input=messages[0]["content"] + "\n", capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == generate_text(tokenizer, quantized) + "\n"
+
+
+def generate_text(tokenizer, tokens: list[int]) -> str:
+    """The text mlx-lm's streaming detokenizer makes of `tokens` (the first space dropped)."""
+    detokenizer = tokenizer.detokenizer
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def test_prompt_cache_files_are_mlx_lms_both_ways(cluster, secret_file, tmp_path):
+    """`shoal cache-prompt` writes the file mlx-lm's cache_prompt writes (every array bit for
+    bit), and `shoal generate --prompt-cache-file` continues mlx-lm's file as mlx-lm's
+    generate does (the same text), computing only the question."""
+    source, sharded, workers = cluster
+    context = "A shoal of fish moves as one, yet every fish swims on its own."
+    ours, theirs = tmp_path / "shoal.safetensors", tmp_path / "mlx-lm.safetensors"
+    cluster_args = ["--model", str(sharded), "--workers", ",".join(w.address for w in workers),
+                    "--secret-file", str(secret_file)]
+    made = subprocess.run([sys.executable, "-m", "coordinator.cli", "cache-prompt", context,
+                           "--prompt-cache-file", str(ours), *cluster_args],
+                          capture_output=True, text=True, timeout=180)
+    assert made.returncode == 0, made.stderr
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model",
+                           str(source), "--prompt", context, "--prompt-cache-file", str(theirs)],
+                          capture_output=True, text=True, timeout=180)
+    assert made.returncode == 0, made.stderr
+    a, b = mx.load(str(ours)), mx.load(str(theirs))
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert a[key].shape == b[key].shape and mx.array_equal(a[key], b[key]).item(), key
+
+    question = "Why do they swim?"
+    answer = subprocess.run([sys.executable, "-m", "coordinator.cli", "generate", "--chat",
+                             question, "--prompt-cache-file", str(theirs), "--json",
+                             "--max-tokens", "12", *cluster_args],
+                            capture_output=True, text=True, timeout=180)
+    assert answer.returncode == 0, answer.stderr
+    report = json.loads(answer.stdout)
+    reference = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model",
+                                str(source), "--prompt-cache-file", str(theirs), "--prompt",
+                                question, "--max-tokens", "12", "--verbose", "F"],
+                               capture_output=True, text=True, timeout=180)
+    assert reference.returncode == 0, reference.stderr
+    assert report["text"] + "\n" == reference.stdout
+    computed = load_tokenizer(source).decode(report["prompt_token_ids"])
+    assert question in computed and "shoal" not in computed  # the question, not the context
