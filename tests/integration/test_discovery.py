@@ -136,7 +136,7 @@ def test_other_clusters_and_models_are_ignored_and_duplicates_and_secrets_report
                              ["--cluster", cluster, "--node-id", "s"])
     try:
         run = shoal("workers", "--cluster", cluster, "--json", "--interface", LOOPBACK,
-                    "--model", str(sharded), "--secret-file", str(secret_file), "--wait", "8")
+                    "--model", str(sharded), "--secret-file", str(secret_file), "--wait", "15")
     finally:
         stranger.stop()
     assert run.returncode == 0, run.stderr

@@ -205,7 +205,8 @@ def test_thousands_of_idle_connections_lock_out_no_one(server):
     limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
     soft = int(re.search(r"Max open files\s+(\d+)", limits).group(1))
     assert soft > 2048  # raised above mlx-lm's 2048
-    assert figures["connections"]["evicted"] > 0 and figures["connections"]["timed_out"] > 0
+    # the idle ones were closed: evicted for newcomers, or at the header deadline first
+    assert figures["connections"]["evicted"] + figures["connections"]["timed_out"] > 0
     assert figures["most_open_files"] < soft
     alone = _under_flood(server, "idle", sockets=2000, hosts=1)
     _check_flood(alone)
