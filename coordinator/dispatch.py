@@ -124,16 +124,14 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
 LARGE_CALL = 64  # (token, expert) pairs from which a call's time is mostly per pair
 # A worker's share of a prompt pass goes as pieces of about this many pairs, which it computes
-# one after the other while the next arrives and the last's reply leaves (docs/benchmarks.md:
-# 512-token prompt passes 8-50% faster on the H200 in alternated runs; 256 was slower, 1024
-# less fast). The bits are the same: the worker pads and sorts by the whole call's pair count,
-# and each pair's output does not depend on its call (checked on CUDA, and in the tests).
+# one after the other while the next arrives and the last's reply leaves (the size was chosen
+# by measurement: docs/benchmarks.md, "Prompt passes in pieces"). The bits are the same: the
+# worker pads and sorts by the whole call's pair count, and each pair's output does not depend
+# on its call (checked on CUDA, and in the tests).
 PIECE_PAIRS = 512
-# and those pieces are dealt over this many streams per worker, each on a connection of its
-# own (the first: the link's own), which gRPC then moves in parallel: on the H200 machine a
-# bare echo of a prompt pass's pieces took 11.7-16.2 ms over 4 connections a worker against
-# 20.6-23.5 over one; 512-token prompt passes ran 876-922 tok/s against 819-945, about 5%
-# faster on average (docs/benchmarks.md, the "lanes" run).
+# and those pieces are dealt over this many lanes per worker, each a connection of its own, so
+# that their transfers overlap (docs/benchmarks.md, "A prompt pass's pieces over several
+# connections").
 LANES = 4
 
 

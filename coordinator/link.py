@@ -40,7 +40,7 @@ from proto import lane as lane_wire
 
 CONNECT_TIMEOUT = 10.0
 # Until a link has measured its round trips, a reply may take this long (a first prefill
-# chunk on a slow CPU worker, compiling its kernels); afterwards see `reply_deadline`.
+# chunk on a slow CPU worker, compiling its kernels); afterwards see dispatch.py's `Pace`.
 FIRST_REPLY_TIMEOUT = 120.0
 MIN_REPLY_TIMEOUT = 1.5  # above a busy 2-core machine's hiccups; a hung worker costs this
 KEEPALIVE = [  # pings every 10 s on idle links, 5 s to answer one
