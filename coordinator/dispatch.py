@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -227,15 +227,18 @@ def split_share(pairs: np.ndarray, k: int, piece_pairs: int
 
 
 def plan_call(owner: np.ndarray, k: int, *, piece_pairs: int, lanes: int,
-              whole: Collection[int] = ()) -> list[Piece]:
+              whole: Callable[[int], bool] = lambda worker: False) -> list[Piece]:
     """The requests of one layer call whose pair i goes to worker `owner[i]`, in the order
     they are sent: every worker's first piece first, workers ascending (the fixed order the
-    replies are then read in), a worker's pieces dealt over its `lanes`. The workers in
-    `whole` get their share whole (one that streams experts from its drives: each piece would
-    read again what its cache could not keep)."""
-    shares = {worker: split_share(np.flatnonzero(owner == worker), k,
-                                  0 if worker in whole else piece_pairs)
-              for worker in np.unique(owner).tolist()}
+    replies are then read in), a worker's pieces dealt over its `lanes`. A worker for which
+    `whole` is true gets its share whole (one that streams experts from its drives: each piece
+    would read again what its cache could not keep); it is asked only of a share large enough
+    to go in pieces, so a decode step never asks it."""
+    shares = {}
+    for worker in np.unique(owner).tolist():
+        pairs = np.flatnonzero(owner == worker)
+        large = piece_pairs and pairs.size >= 2 * piece_pairs
+        shares[worker] = split_share(pairs, k, piece_pairs if large and not whole(worker) else 0)
     plan = []
     for round_ in range(max(len(share) for share in shares.values())):
         for worker, share in shares.items():
@@ -312,10 +315,9 @@ class Dispatcher:
 
         stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
         links = self.cluster.links
-        streaming = {w for w in np.unique(owner).tolist()
-                     if self.lookahead is not None and self.lookahead.streams(links[w])}
+        lookahead = self.lookahead
         plan = plan_call(owner, k, piece_pairs=self.piece_pairs, lanes=self.lanes,
-                         whole=streaming)
+                         whole=lambda w: lookahead is not None and lookahead.streams(links[w]))
         pending = self._send(layer, x, hidden, experts, plan, hints, stats)
         stats.send_seconds += time.perf_counter() - started
         if shared is not None:

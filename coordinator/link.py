@@ -456,8 +456,7 @@ class WorkerLink:
 
     def __init__(self, address: str, secret: Secret, transport: str = "lane",
                  spin: float = 0.0) -> None:
-        if transport not in TRANSPORTS:
-            raise ShoalError(f"unknown transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        """`transport` and `spin` come from a Transport, which checks them (Transport.link)."""
         self.address = address
         self.transport = transport
         self.spin = spin  # seconds a lane watches its socket busily before blocking on a reply

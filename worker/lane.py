@@ -177,12 +177,6 @@ class LaneServer:
         if self._thread.is_alive():
             self._thread.join(2)
 
-    @property
-    def lanes(self) -> int:
-        """Lanes past their credential now, every host together."""
-        with self._lock:
-            return sum(self._lanes.values())
-
     def _say(self, cause: str, message: str) -> None:
         now = time.monotonic()
         if now - self._said.get(cause, -_QUIET_SECONDS) >= _QUIET_SECONDS:

@@ -7,13 +7,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from coordinator.commands.connect import open_membership, record_run_heat
+from coordinator.commands.connect import members_secret, remote_model
 from coordinator.commands.generate import kv_cache_options, kv_cache_settings
 from coordinator.commands.options import (
     AddParser,
-    check_one_worker_source,
-    cluster_secret,
-    discovery_options,
+    check_model_args,
+    model_options,
     secret_option,
 )
 from engine.errors import InvalidInput
@@ -30,13 +29,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "and the KV cache of earlier turns is kept, so a turn computes only its new "
         f"message. {HELP}.",
     )
-    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
-                   help="the folder written by `shoal shard`")
-    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
-                   help="addresses of the running shoal-worker daemons (default: find the "
-                   "workers of --cluster on the local network with Bonjour)")
-    discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
-                      "expert (default 30)")
+    model_options(p, wait=30.0)
     p.add_argument("--system", metavar="TEXT", help="a system prompt for the conversation")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N",
                    help="at most N tokens a reply (default 256)")
@@ -58,30 +51,19 @@ def check_chat_args(args: argparse.Namespace) -> None:
     if not 0 < args.top_p <= 1:
         raise InvalidInput(f"--top-p must be above 0 and at most 1, got {args.top_p}")
     kv_cache_settings(args)
-    check_one_worker_source(args)
-    if not (Path(args.model) / "manifest.json").exists():
-        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
-                           "(it has no manifest.json)")
+    check_model_args(args)
 
 
 def main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from coordinator.chat import Conversation
-    from coordinator.commands.connect import worker_addresses
-    from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
     from engine.manifest import read_manifest
 
     check_chat_args(args)
-    secret = cluster_secret(args)
-    addresses = worker_addresses(args.workers) if args.workers else []
-    membership = None if args.workers else open_membership(
-        args, secret, read_manifest(args.model), log=stderr_log)
-    remote = None
-    try:
-        remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=stderr_log)
+    secret = members_secret(args, read_manifest(args.model))
+    with remote_model(args, secret, stderr_log) as remote:
         if remote.tokenizer.chat_template is None:
             raise InvalidInput("this model's tokenizer has no chat template: use "
                                "`shoal generate` for plain text")
@@ -94,12 +76,6 @@ def main(args: argparse.Namespace) -> None:
         print(f"shoal chat: {Path(args.model).resolve().name}; {HELP}", file=sys.stderr,
               flush=True)
         converse(conversation)
-    finally:
-        if remote is not None:
-            record_run_heat(args.model, remote.manifest, remote.cluster.links)
-            remote.close()
-        if membership is not None:
-            membership.close()
 
 
 def converse(conversation) -> None:

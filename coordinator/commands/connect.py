@@ -5,8 +5,9 @@ or Bonjour browsing) and the coordinator's own stores (--local-store, a cluster 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from coordinator.commands.options import (
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
-
+    from coordinator.generate import RemoteModel
     from coordinator.membership import Membership
     from engine.manifest import Manifest
 
@@ -152,3 +153,35 @@ def members_secret(args: argparse.Namespace, manifest: Manifest) -> bytes:
     from coordinator.commands.options import cluster_secret
 
     return cluster_secret(args) if needs_workers(args, manifest, local_stores(args)[0]) else b""
+
+
+@contextlib.contextmanager
+def remote_model(args: argparse.Namespace, secret: bytes,
+                 say: Callable[[str], None]) -> Iterator[RemoteModel]:
+    """The model of --model with its experts where the options say (model_options: --workers,
+    the cluster, --local-store, --transport), let go of however the block ends, the run's
+    heat recorded first from the members still serving (a worker given up would only make
+    it wait). `say` hears what is waited for."""
+    from coordinator.generate import open_remote_model
+    from engine.manifest import read_manifest
+
+    manifest = read_manifest(args.model)
+    stores, memory_budget = local_stores(args)
+    addresses = worker_addresses(args.workers) if args.workers else []
+    membership = None if args.workers or not needs_workers(args, manifest, stores) else \
+        open_membership(args, secret, manifest, log=say)
+    remote = None
+    try:
+        remote = open_remote_model(args.model, addresses, secret, membership=membership,
+                                   wait=args.wait, on_wait=say, transport=transport_of(args),
+                                   local_stores=stores, memory_budget=memory_budget)
+        yield remote
+    finally:
+        if remote is not None:
+            cluster = remote.cluster
+            serving = [link for link, holds in zip(cluster.links, cluster.holdings,
+                                                   strict=True) if holds]
+            record_run_heat(args.model, remote.manifest, serving)
+            remote.close()
+        if membership is not None:
+            membership.close()

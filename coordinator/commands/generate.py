@@ -10,23 +10,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import (
-    local_stores,
-    needs_workers,
-    open_membership,
-    record_run_heat,
-    worker_addresses,
-)
+from coordinator.commands.connect import members_secret, remote_model
 from coordinator.commands.options import (
     AddParser,
-    check_local_store_args,
-    check_one_worker_source,
-    cluster_secret,
-    discovery_options,
-    local_store_options,
+    check_model_args,
+    model_options,
     secret_option,
-    transport_of,
-    transport_options,
 )
 from engine.errors import InvalidInput
 
@@ -45,15 +34,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "--local-store OUT/experts --memory-budget 25%% PROMPT`.",
     )
     p.add_argument("prompt", metavar="PROMPT")
-    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
-                   help="the folder written by `shoal shard`")
-    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
-                   help="addresses of the running shoal-worker daemons (default: find the "
-                   "workers of --cluster on the local network with Bonjour)")
-    discovery_options(p, wait=30.0, wait_help="how long to wait for workers to hold every "
-                      "expert (default 30)")
-    transport_options(p)
-    local_store_options(p)
+    model_options(p, wait=30.0)
     p.add_argument("--max-tokens", type=int, default=100, metavar="N",
                    help="stop after N generated tokens, or earlier at the end of the answer "
                    "(default 100)")
@@ -118,11 +99,8 @@ def main(args: argparse.Namespace) -> None:
     check_generate_args(args)
     from engine.manifest import read_manifest
 
-    stores, _ = local_stores(args)
-    alone = not needs_workers(args, read_manifest(args.model), stores)
-    secret = b"" if alone else cluster_secret(args)  # one Mac alone needs no cluster secret
-    addresses = worker_addresses(args.workers) if args.workers else []
-    report = generate_with_workers(args, secret, addresses, policy, StreamedText())
+    secret = members_secret(args, read_manifest(args.model))
+    report = generate_with_workers(args, secret, policy, StreamedText())
     if args.json:
         print(json.dumps(report))
     else:
@@ -153,13 +131,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise InvalidInput("--kv-bits and --draft-model cannot be used together")
     if args.prompt_cache_file is not None and args.draft_model is not None:
         raise InvalidInput("--prompt-cache-file and --draft-model cannot be used together")
-    if args.wait < 0:
-        raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
-    check_one_worker_source(args)
-    check_local_store_args(args)
-    if not (Path(args.model) / "manifest.json").exists():
-        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
-                           "(it has no manifest.json)")
+    check_model_args(args)
 
 
 class StreamedText:
@@ -183,40 +155,22 @@ class StreamedText:
 def generate_with_workers(
     args: argparse.Namespace,
     secret: bytes,
-    addresses: list[str],
     policy: DraftPolicy | None,
     out: StreamedText,
 ) -> dict:
-    """Load the model and reach its workers (the listed `addresses`, else the cluster's),
-    generate, and let go of everything however the run ends, its heat recorded first."""
-    from coordinator.generate import open_remote_model
+    """Load the model and reach its workers, generate, and let go of everything however the
+    run ends, its heat recorded first (connect.remote_model)."""
     from coordinator.membership import stderr_log
-    from engine.manifest import read_manifest
 
     def say(message: str) -> None:
         out.end_line()
         stderr_log(message)
 
-    manifest = read_manifest(args.model)
-    stores, memory_budget = local_stores(args)
-    membership = None if args.workers or not needs_workers(args, manifest, stores) else \
-        open_membership(args, secret, manifest, log=say)
-    remote = None
-    try:
-        remote = open_remote_model(args.model, addresses, secret, membership=membership,
-                                   wait=args.wait, on_wait=say, transport=transport_of(args),
-                                   local_stores=stores, memory_budget=memory_budget)
-        return decode(args, remote, policy, out)
-    finally:
-        out.end_line()  # an error or warning after partial output starts on its own line
-        if remote is not None:  # not from workers given up: they would only make it wait
-            cluster = remote.cluster
-            serving = [link for link, holds in zip(cluster.links, cluster.holdings,
-                                                   strict=True) if holds]
-            record_run_heat(args.model, remote.manifest, serving)
-            remote.close()
-        if membership is not None:
-            membership.close()
+    with remote_model(args, secret, say) as remote:
+        try:
+            return decode(args, remote, policy, out)
+        finally:
+            out.end_line()  # an error or warning after partial output starts on its own line
 
 
 def decode(

@@ -112,3 +112,29 @@ def check_local_store_args(args: argparse.Namespace) -> None:
         if not (store / "manifest.json").is_file():
             raise InvalidInput(f"--local-store {store} is not a store folder written by "
                                "`shoal shard` (it has no manifest.json)")
+
+
+def model_options(p: argparse.ArgumentParser, *, wait: float,
+                  workers_help: str = "addresses of the running shoal-worker daemons "
+                  "(default: find the workers of --cluster on the local network with Bonjour)"
+                  ) -> None:
+    """--model and where its experts are (--workers, the cluster, --transport, --local-store):
+    every command that loads the model to run it (connect.remote_model reads them)."""
+    p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
+                   help="the folder written by `shoal shard`")
+    p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]", help=workers_help)
+    discovery_options(p, wait=wait, wait_help="how long to wait for workers to hold every "
+                      f"expert (default {wait:g})")
+    transport_options(p)
+    local_store_options(p)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """model_options' arguments, refused before anything loads."""
+    if args.wait < 0:
+        raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
+    check_one_worker_source(args)
+    check_local_store_args(args)
+    if not (Path(args.model) / "manifest.json").exists():
+        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
+                           "(it has no manifest.json)")

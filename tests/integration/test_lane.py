@@ -58,6 +58,13 @@ def open_lane(host: str, port: int, secret, credential: str | None = None,
     return sock
 
 
+def ready_lane(host: str, port: int, secret, node: str) -> ssl.SSLSocket:
+    """A lane with a fresh credential for the worker `node`, past its READY."""
+    sock = open_lane(host, port, secret, node=node)
+    assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+    return sock
+
+
 def answer_of(sock: socket.socket) -> bytes:
     """What the worker sends next: b"" when it closed the connection (or reset it)."""
     try:
@@ -140,14 +147,12 @@ def test_a_lane_refuses_strangers_before_reading_their_requests(
         sock.settimeout(10)
         assert answer_of(sock) == b""
         # a request frame over the limit, once authenticated: refused, named, lane closed
-        sock = open_lane(host, port, secret, node=link.node_id)
-        assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+        sock = ready_lane(host, port, secret, link.node_id)
         sock.sendall(wire.HEADER.pack(REQUEST_LIMIT + 1, wire.MESSAGE))
         kind, payload = wire.read_frame(sock, REPLIES)
         assert kind == wire.ERROR and "over the limit" in wire.read_error(payload)[1]
         # and the worker still serves a right request on a new lane
-        sock = open_lane(host, port, secret, node=link.node_id)
-        assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+        sock = ready_lane(host, port, secret, link.node_id)
         wire.write_frame(sock, wire.MESSAGE, request_bytes(manifest, link.inventory, seq=9))
         kind, payload = wire.read_frame(sock, REPLIES)
         reply, tensors = EXPERT_REPLY.read(bytes(payload), "reply")
@@ -180,8 +185,7 @@ def test_malformed_requests_on_a_lane_are_refused_clearly_and_the_worker_serves_
               for dtype in ("float32", "int64", "x" * 300)]
     try:
         for case in cases:
-            sock = open_lane(host, port, secret, node=link.node_id)
-            assert wire.read_frame(sock, REPLIES)[0] == wire.READY
+            sock = ready_lane(host, port, secret, link.node_id)
             wire.write_frame(sock, wire.MESSAGE, case)
             kind, payload = wire.read_frame(sock, REPLIES)
             assert kind == wire.ERROR, case[:40]
