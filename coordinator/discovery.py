@@ -8,6 +8,7 @@ membership (coordinator/membership.py) connects to them and tracks their livenes
 from __future__ import annotations
 
 import sys
+import threading
 import tomllib
 from collections.abc import Callable, Mapping
 from concurrent import futures
@@ -18,6 +19,7 @@ from engine.advert import SERVICE_TYPE, Advert, check_name, decode_txt
 from engine.errors import InvalidInput, NotFound, ShoalError
 
 RESOLVE_TIMEOUT_MS = 3000
+RESOLVE_ATTEMPTS = 2
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class Browser:
             interfaces=interfaces or InterfaceChoice.All, ip_version=IPVersion.V4Only
         )
         self._closed = False
+        self._resolving: set[str] = set()  # names whose resolution has not finished
+        self._lock = threading.Lock()
         # Workers of other clusters, seen and ignored: named when ours cannot be found.
         self.elsewhere: dict[str, tuple[str, str]] = {}  # name -> (cluster, "NODE at ADDRESS")
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._changed])
@@ -189,13 +193,36 @@ class Browser:
         if state_change is ServiceStateChange.Removed:
             self._withdraw(name)
         else:
-            self._pool.submit(self._resolve, name)
+            with self._lock:
+                self._resolving.add(name)
+            self._pool.submit(self._resolve_then_done, name)
+
+    def resolving(self) -> bool:
+        """Whether an announcement heard is still being resolved (so a listing that stopped
+        now would miss a worker that is there)."""
+        with self._lock:
+            return bool(self._resolving)
+
+    def _resolve_then_done(self, name: str) -> None:
+        try:
+            self._resolve(name)
+        finally:
+            with self._lock:
+                self._resolving.discard(name)
 
     def _resolve(self, name: str) -> None:
         from zeroconf import IPVersion, ServiceInfo
 
         info = ServiceInfo(SERVICE_TYPE, name)
-        if self._closed or not info.request(self._zc, RESOLVE_TIMEOUT_MS):
+        # A busy host can miss one answer: ask twice before giving the worker up.
+        for _ in range(RESOLVE_ATTEMPTS):
+            if self._closed:
+                return
+            if info.request(self._zc, RESOLVE_TIMEOUT_MS):
+                break
+        else:
+            self._log(f"shoal: {name} announced itself but did not answer its resolution "
+                      f"within {RESOLVE_ATTEMPTS} x {RESOLVE_TIMEOUT_MS / 1e3:g} s")
             return
         try:
             advert = decode_txt(info.properties)

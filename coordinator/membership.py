@@ -349,7 +349,8 @@ class Membership:
         deadline = started + timeout
         with self._changed:
             while (now := time.monotonic()) < deadline:
-                pending = any(m.state == "connecting" for m in self._members.values())
+                pending = any(m.state == "connecting" for m in self._members.values()) or (
+                    self._browser is not None and self._browser.resolving())
                 if not pending and now - started >= at_least:
                     break
                 self._changed.wait(min(deadline - now, 0.2))

@@ -12,7 +12,10 @@ from pathlib import Path
 from engine.auth import load_secret, secret_path
 from engine.errors import InvalidInput
 
-BROWSE_SECONDS = 1.5  # how long to listen for Bonjour answers at least
+# How long to listen for Bonjour answers at least. A responder that multicast an answer in the
+# last second (to another browser: every worker runs one) sends it again only after a second
+# and an aggregation delay of up to 0.5 s (RFC 6762 section 14), so 1.5 s can miss a worker.
+BROWSE_SECONDS = 2.5
 
 # What a command's setup_arg_parser is given: the `add_parser` of shoal's subcommands.
 AddParser = Callable[..., argparse.ArgumentParser]
