@@ -437,13 +437,8 @@ class Dispatcher:
             computing[worker] += reply.compute_seconds
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
-        if len({worker for worker, *_ in pending}) == 1:  # one worker, its pieces in order
-            (result,) = to_mlx((parts, out_dtype))
-        else:  # the replies as they came, then each pair put back in its place by one gather
-            order = np.concatenate([pairs for _, _, pairs, *_ in pending])
-            values, places = to_mlx((parts, out_dtype),
-                                    ([np.argsort(order).astype(np.int32)], mx.int32))
-            result = values[places]
+        result = _put_back(parts, [pairs for _, _, pairs, *_ in pending], out_dtype,
+                           one_worker=len({worker for worker, *_ in pending}) == 1)
         result = result.reshape(shape)
         done = time.perf_counter()
         stats.parse_scatter_seconds += parse_scatter + done - before
@@ -547,3 +542,30 @@ def install(model: nn.Module, manifest: Manifest, dispatcher: Dispatcher) -> Non
                     and child != "activation":
                 setattr(remote, child, module)
         setattr(block, name, remote)
+
+
+def _put_back(parts: list[np.ndarray | mx.array], pairs: list[np.ndarray], dtype: mx.Dtype,
+              *, one_worker: bool) -> mx.array:
+    """A layer call's outputs, (pairs, width), each pair in its place: `parts` are the replies
+    in the order they were sent (host arrays from workers, MLX arrays from the coordinator's own
+    experts), `pairs` the call's pair indices each reply answers. Host arrays enter MLX through
+    one buffer with the gather index; MLX arrays stay where they are."""
+    host = [part for part in parts if isinstance(part, np.ndarray)]
+    if one_worker and len(host) == len(parts):  # one worker's pieces, in order
+        return to_mlx((parts, dtype))[0]
+    places = np.argsort(np.concatenate(pairs)).astype(np.int32)
+    if not host:
+        values = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return values if one_worker else values[mx.array(places)]
+    arrived, index = to_mlx((host, dtype), ([places], mx.int32))
+    if len(host) < len(parts):  # the coordinator's own outputs, in their turn
+        at, pieces = 0, []
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                pieces.append(arrived[at:at + part.shape[0]])
+                at += part.shape[0]
+            else:
+                pieces.append(part)
+        arrived = mx.concatenate(pieces)
+    return arrived if one_worker else arrived[index]
+

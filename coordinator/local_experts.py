@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
-from engine.tensors import dtype_name, to_numpy
+from engine.tensors import dtype_name
 from proto import EXPERT_REQUEST, error_class_for, shoal_pb2
 from worker.residency import Request, Residency, Timing
 
@@ -115,17 +115,17 @@ class LocalExperts:
         hidden = hidden[needed if isinstance(needed, slice) else mx.array(needed)]
         self._work.append(_Work(layer, hidden, rows, experts, call_pairs, seq))
 
-    def result(self) -> tuple[shoal_pb2.ExpertReply, np.ndarray, mx.Dtype]:
+    def result(self) -> tuple[shoal_pb2.ExpertReply, mx.array, mx.Dtype]:
         """Compute the oldest share submitted: the reply a worker would send (its timing,
-        inventory version), the outputs (m, output width) as host arrays and their dtype.
-        Raises what the residency raises (Moved for an expert that left this Mac)."""
+        inventory version), the outputs (m, output width), evaluated and left where MLX holds
+        them (no copy through host memory), and their dtype. Raises what the residency raises
+        (Moved for an expert that left this Mac)."""
         work = self._work.popleft()
         started = time.perf_counter()
         timing = Timing()
         request = Request(work.layer, work.hidden, dtype_name(work.hidden.dtype), work.rows,
                           work.experts, work.call_pairs)
         out = self.residency.compute(request, timing)
-        values = to_numpy(out)
         done = time.perf_counter()
         reply = shoal_pb2.ExpertReply(
             seq=work.seq, compute_seconds=done - started - timing.waited,
@@ -134,7 +134,7 @@ class LocalExperts:
                 matrix=timing.matrix, waited=timing.waited,
                 bookkeeping=done - started - timing.matrix - timing.waited),
         )
-        return reply, values, out.dtype
+        return reply, out, out.dtype
 
     def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
              timeout: float = 0.0) -> None:
