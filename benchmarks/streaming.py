@@ -297,6 +297,7 @@ def local_once(sharded: str, store: str, share: int, ids: list[int], tokens: int
         "hit_rate": summary["hit_rate"], "bytes_read_per_token": summary["bytes_read_per_token"],
         "dispatched_layer_calls": remote.dispatcher.stats.decode.calls,
         "bookkeeping_us": breakdown["worker_bookkeeping_us"],
+        "reads_us": breakdown["worker_reads_us"],
         "matrix_us": breakdown["worker_matrix_us"],
     }))
 

@@ -55,6 +55,7 @@ class LayerStats:
     worker_parse_seconds: float = 0.0
     worker_matrix_seconds: float = 0.0
     worker_bookkeeping_seconds: float = 0.0
+    worker_reads_seconds: float = 0.0  # waiting for experts being read from its drives
     worker_reply_seconds: float = 0.0
     # waiting while it computed its other streams' requests (a prompt pass's pieces): overlaps
     # those requests' own parts, so not in the round trip's sum
@@ -70,7 +71,8 @@ class LayerStats:
         """Microseconds per call, one number per part (see the fields' comments)."""
         calls = max(self.calls, 1)
         parts = ("sync", "send", "wire", "worker_parse", "worker_matrix",
-                 "worker_bookkeeping", "worker_reply", "worker_waited", "parse_scatter",
+                 "worker_bookkeeping", "worker_reads", "worker_reply", "worker_waited",
+                 "parse_scatter",
                  "shared")
         out = {f"{p}_us": 1e6 * getattr(self, f"{p}_seconds") / calls for p in parts}
         out["round_trip_us"] = 1e6 * self.seconds / calls
@@ -449,6 +451,7 @@ class Dispatcher:
             stats.worker_parse_seconds += timing.parse
             stats.worker_matrix_seconds += timing.matrix
             stats.worker_bookkeeping_seconds += timing.bookkeeping
+            stats.worker_reads_seconds += timing.reads
             stats.worker_reply_seconds += timing.reply
             stats.worker_waited_seconds += timing.waited
         stats.slowest_compute_seconds += max(computing.values())

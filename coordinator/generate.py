@@ -260,6 +260,7 @@ BREAKDOWN_PARTS = (
     ("worker_parse", "worker: parse the request"),
     ("worker_matrix", "worker: matrix work (MLX evaluation alone)"),
     ("worker_bookkeeping", "worker: validation, cache, heat, graph building"),
+    ("worker_reads", "worker: waiting for experts read from its drives"),
     ("worker_reply", "worker: build the reply"),
     ("worker_waited", "worker: waiting for its other streams' pieces (overlaps them)"),
     ("parse_scatter", "coordinator: parse replies, scatter into the result"),

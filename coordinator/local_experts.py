@@ -131,8 +131,8 @@ class LocalExperts:
             seq=work.seq, compute_seconds=done - started - timing.waited,
             inventory_version=self.residency.holdings.version,
             timing=shoal_pb2.WorkerTiming(
-                matrix=timing.matrix, waited=timing.waited,
-                bookkeeping=done - started - timing.matrix - timing.waited),
+                matrix=timing.matrix, waited=timing.waited, reads=timing.reads,
+                bookkeeping=done - started - timing.matrix - timing.waited - timing.reads),
         )
         return reply, out, out.dtype
 

@@ -58,18 +58,20 @@ class ExpertReply(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., inventory_version: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("parse", "matrix", "bookkeeping", "reply", "waited")
+    __slots__ = ("parse", "matrix", "bookkeeping", "reply", "waited", "reads")
     PARSE_FIELD_NUMBER: _ClassVar[int]
     MATRIX_FIELD_NUMBER: _ClassVar[int]
     BOOKKEEPING_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     WAITED_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
     parse: float
     matrix: float
     bookkeeping: float
     reply: float
     waited: float
-    def __init__(self, parse: _Optional[float] = ..., matrix: _Optional[float] = ..., bookkeeping: _Optional[float] = ..., reply: _Optional[float] = ..., waited: _Optional[float] = ...) -> None: ...
+    reads: float
+    def __init__(self, parse: _Optional[float] = ..., matrix: _Optional[float] = ..., bookkeeping: _Optional[float] = ..., reply: _Optional[float] = ..., waited: _Optional[float] = ..., reads: _Optional[float] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ()

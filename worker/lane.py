@@ -108,8 +108,9 @@ class ComputeAnswers:
                 inventory_version=self.residency.holdings.version,
                 timing=shoal_pb2.WorkerTiming(
                     parse=parsed - started, matrix=timing.matrix,
-                    bookkeeping=computed - parsed - timing.matrix - timing.waited,
-                    reply=done - computed, waited=timing.waited),
+                    bookkeeping=computed - parsed - timing.matrix - timing.waited
+                    - timing.reads,
+                    reply=done - computed, waited=timing.waited, reads=timing.reads),
             ),
             output=(output, dtype_name(out.dtype)),
         )

@@ -52,11 +52,13 @@ class Request:
 
 @dataclass
 class Timing:
-    """Seconds of one request spent in MLX evaluation of the experts (the matrix work), and
-    waiting while another request's ran (a prompt pass's pieces come over several streams)."""
+    """Seconds of one request spent in MLX evaluation of the experts (the matrix work),
+    waiting while another request's ran (a prompt pass's pieces come over several streams), and
+    waiting for experts still being read from the drives (streaming)."""
 
     matrix: float = 0.0
     waited: float = 0.0
+    reads: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -337,7 +339,9 @@ class Residency:
             hidden = from_numpy(hidden, request.dtype)
         lease = self.cache.demand(request.layer, unique, counts)
         try:
+            before = time.perf_counter()
             ready = lease.take()
+            timing.reads += time.perf_counter() - before
             return self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
                                             inverse.reshape(-1), counts, timing)
         except NotFound:
@@ -372,7 +376,9 @@ class Residency:
             remaining -= len(ready)
             if not remaining:
                 break
+            before = time.perf_counter()
             ready = lease.take()
+            timing.reads += time.perf_counter() - before
         with self._turn(timing):
             out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
             before = time.perf_counter()

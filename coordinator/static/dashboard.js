@@ -15,7 +15,8 @@
   const COLOURS = Array.from({ length: 256 }, (_, i) => ramp(i / 255).map(Math.round));
   const PART_COLOURS = {
     sync: "#6c757d", send: "#4cc9f0", wire: "#f72585", worker_parse: "#b8c0ff",
-    worker_matrix: "#80ed99", worker_bookkeeping: "#ffd166", worker_reply: "#2ec4b6",
+    worker_matrix: "#80ed99", worker_bookkeeping: "#ffd166", worker_reads: "#c77dff",
+    worker_reply: "#2ec4b6",
     parse_scatter: "#f4a261",
   };
   const STACKED = Object.keys(PART_COLOURS);

@@ -49,8 +49,10 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
     assert breakdown["worker_matrix_us"] > 0 and breakdown["wire_us"] > 0
     # the critical worker's round trip (wire and its own parts) lies inside the call's
     inside = sum(breakdown[f"{p}_us"] for p in ("wire", "worker_parse", "worker_matrix",
-                                                 "worker_bookkeeping", "worker_reply"))
+                                                 "worker_bookkeeping", "worker_reads",
+                                                 "worker_reply"))
     assert inside <= breakdown["round_trip_us"], breakdown
+    assert breakdown["worker_reads_us"] == 0  # every expert resident: nothing waits on a drive
     assert report["layer_overhead_ratio_vs_grpc_echo"] > 0
     assert report["settings"]["network"] == network
     if network == "thunderbolt":  # the echo floor was measured over the same cables
