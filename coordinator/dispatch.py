@@ -491,7 +491,7 @@ class SharedAhead(nn.Module):
             return
         y = self.inner(x)
         # Started, not waited for: the device computes it while this thread goes on to read
-        # the replies (measured on the H200: 413 -> 184 us of this thread per layer).
+        # the replies (docs/benchmarks.md, "Figures behind choices in the code").
         mx.async_eval(y)
         self._ahead = (x, y)
 

@@ -70,9 +70,6 @@ class Lookahead:
         self.stats = LookaheadStats()
         self._next: dict[int, _Next] = {}
         self._guess: dict[int, np.ndarray] = {}  # layer -> distinct experts guessed for it
-        self._sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
-        # link -> (the inventory judged, whether that worker reads experts from its drives)
-        self._streaming: dict[object, tuple[object, bool]] = {}
         layers = list(manifest.layers)
         for this, nxt in zip(layers, layers[1:], strict=False):
             block = get_module(model, nxt.path.rsplit(".", 1)[0])
@@ -150,17 +147,9 @@ class Lookahead:
         self.stats.hints_sent += len(out)
         return out
 
-    def streams(self, link) -> bool:
-        """Whether the link's worker reads some of its experts from its drives (its memory
-        budget is below what it holds), by its inventory; judged again when that changes."""
+    @staticmethod
+    def streams(link) -> bool:
+        """Whether the link's worker reads some of its experts from its drives, as its inventory
+        says (its residency decides); with no inventory yet, True: a hint is harmless."""
         inventory = link.inventory
-        judged = self._streaming.get(link)
-        if judged is not None and judged[0] is inventory:
-            return judged[1]
-        if inventory is None or not inventory.memory_budget:
-            known = True  # a worker that does not say: hints are harmless
-        else:
-            held = sum(self._sizes.get((h.layer, h.expert), 0) for h in inventory.experts)
-            known = inventory.memory_budget < held
-        self._streaming[link] = (inventory, known)
-        return known
+        return inventory is None or inventory.streaming

@@ -39,9 +39,9 @@ class ExpertFile:
     file: str  # relative to a store folder
     bytes: int
     sha256: str  # the authority: checked at start, on arrival, before a migration deletes
-    # CRC-32 (8 hex digits): the fast check of every read while serving, about 2.4x cheaper
-    # than SHA-256 (docs/security.md). Empty in manifests written before it existed, whose
-    # reads are checked with the SHA-256.
+    # CRC-32 (8 hex digits): the fast check of every read while serving, much cheaper than
+    # SHA-256 (docs/security.md gives the figure). Empty in manifests written before it
+    # existed, whose reads are checked with the SHA-256.
     crc32: str = ""
 
 

@@ -4,10 +4,8 @@ them, each unless the user chose otherwise; `launch_directly` runs first thing i
 - **MLX's CUDA backend launches each evaluation's kernels as they come**, instead of capturing
   them into a CUDA graph first (MLX's default). A coordinator evaluates at every MoE layer (it
   must read the router's choice) and a worker at every request: short runs of a few kernels,
-  where capturing and launching a graph costs more than it saves. On the H200 machine
-  (`python -m benchmarks.variants`, docs/benchmarks.md) the coordinator's wait for a layer's
-  attention and router fell from 900-916 to 557-573 us with graphs off in every process, and
-  decode rose from 23.0 to 25.6 and from 23.9 to 27.2 tok/s in two alternated pairs; the same
+  where capturing and launching a graph costs more than it saves (measured with `python -m
+  benchmarks.variants`: docs/benchmarks.md, "Figures behind choices in the code"); the same
   kernels run either way (`python -m benchmarks.greedy_digest`: every logit's bits equal).
   MLX reads the setting once per process, at its first kernel. Elsewhere it means nothing.
 """

@@ -62,8 +62,8 @@ def to_mlx(*segments: tuple[Sequence[np.ndarray], mx.Dtype]) -> list[mx.array]:
     of its arrays, whose bytes are taken as they are and viewed as the segment's MLX dtype.
 
     One buffer because on CUDA, where MLX memory is managed memory, every array made from
-    host memory costs a page migration when the GPU first reads it (about 130 us on the H200
-    machine, against 30 us for a whole small kernel): a request's hidden states and indices,
+    host memory costs a page migration when the GPU first reads it (several times a whole small
+    kernel: docs/benchmarks.md): a request's hidden states and indices,
     or a layer's replies and their gather index, travel as one. Bytes are copied unchanged.
     """
     sizes = [sum(a.nbytes for a in arrays) for arrays, _ in segments]
@@ -87,13 +87,12 @@ def to_mlx(*segments: tuple[Sequence[np.ndarray], mx.Dtype]) -> list[mx.array]:
 # -- On MLX's CUDA backend: let the GPU read an array just made from wire bytes where it lies.
 #
 # MLX makes an array from host memory in CUDA managed memory, and the GPU's first read of such a
-# buffer migrates its pages by faults: on the H200 machine (MLX 0.32.4, `python -m
-# benchmarks.host_arrays`, docs/measurements/h200-host-arrays.json) a kernel on a 4 or 16 KB
-# array fresh from host bytes took 132 and 160 us against 25 us on a resident array, and 26-27 us
-# once the driver was told that the GPU reads it (SetAccessedBy: the GPU maps the pages instead
-# of faulting them over). That is paid once per MoE layer on each end of a link (the worker's
-# request, the coordinator's replies): decode +5 to +12% there (docs/benchmarks.md). Advice moves
-# no data and changes no bits; where the driver library or a call is missing, nothing is done.
+# buffer migrates its pages by faults, which costs a small kernel several times its own time;
+# told that the GPU reads it (SetAccessedBy), the driver maps the pages instead of faulting them
+# over. That is paid once per MoE layer on each end of a link (the worker's request, the
+# coordinator's replies); the figures are in docs/benchmarks.md ("Figures behind choices in the
+# code", `python -m benchmarks.host_arrays`). Advice moves no data and changes no bits; where
+# the driver library or a call is missing, nothing is done.
 #
 # On Metal and on the CPU there is nothing to do: memory is one, and `to_gpu_reader` returns at
 # once. Called by `to_mlx` above.

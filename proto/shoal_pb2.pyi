@@ -86,7 +86,7 @@ class HeldExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk", "inventory_version", "draining", "lane_port")
+    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk", "inventory_version", "draining", "lane_port", "streaming")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Inventory(_message.Message):
     INVENTORY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     fingerprint: str
     model_type: str
@@ -109,7 +110,8 @@ class Inventory(_message.Message):
     inventory_version: int
     draining: _containers.RepeatedCompositeFieldContainer[HeldExpert]
     lane_port: int
-    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ..., inventory_version: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., lane_port: _Optional[int] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ..., inventory_version: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., lane_port: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -86,3 +86,11 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Integration tests start real processes: they carry the `processes` marker without each
+    saying so (`-m "not processes"` runs the unit tests alone)."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.processes)

@@ -32,7 +32,7 @@ from worker.store import StoreScan
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
 # (token, expert) pairs in one request: a 2048-token prompt chunk with top-16 routing is 32768;
-# far more is refused before any work (4M pairs once took 80 s and 4.4 GB).
+# far more is refused before any work (an absurd request costs minutes and gigabytes).
 MAX_PAIRS = 1 << 18
 
 

@@ -42,6 +42,7 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
             draining=[shoal_pb2.HeldExpert(layer=lay, expert=e)
                       for lay, e in self.residency.holdings.draining()],
             lane_port=self.lane_port,
+            streaming=self.residency.streaming,
         )
 
     def Compute(self, request_iterator, context) -> Iterator[bytes]:  # noqa: N802

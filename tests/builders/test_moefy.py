@@ -98,6 +98,7 @@ def test_dense_conversion_answers_paris(smollm2_dense: Path) -> None:
     assert "Paris" in greedy_answer(smollm2_dense, DEMO_PROMPT)
 
 
+@pytest.mark.slow
 def test_all_experts_reproduce_dense_logits(smollm2_dense: Path, smollm2_exact_moe: Path) -> None:
     config = json.loads((smollm2_exact_moe / "config.json").read_text())
     assert (config["model_type"], config["num_local_experts"]) == ("mixtral", 16)
@@ -138,6 +139,7 @@ def routed_experts(model, prompt: mx.array) -> list[np.ndarray]:
     return chosen
 
 
+@pytest.mark.slow  # splits, loads and runs the real demo model twice
 def test_top_8_of_16_routes_each_token_to_one_copy_and_computes_the_dense_model(
     smollm2_dense: Path, tmp_path: Path
 ) -> None:

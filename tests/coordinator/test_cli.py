@@ -27,12 +27,14 @@ def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
     ("workers", "--help"), ("plan", "--help"), ("bench", "--help"), ("demo", "--help"),
     ("doctor", "--help"),
 ])
+@pytest.mark.processes
 def test_every_command_explains_itself(args):
     run = shoal(*args)
     assert run.returncode == 0
     assert "usage: shoal" in run.stdout and len(run.stdout) > 300
 
 
+@pytest.mark.processes
 def test_worker_explains_itself():
     run = shoal("--help", module="worker.daemon")
     assert run.returncode == 0 and "--store" in run.stdout and "checksum" in run.stdout
@@ -40,6 +42,7 @@ def test_worker_explains_itself():
     assert run.returncode == 0 and run.stdout.startswith("shoal-worker 0.")
 
 
+@pytest.mark.processes
 def test_cluster_init_writes_a_private_secret_once(tmp_path):
     path = tmp_path / "cfg" / "secret"
     run = shoal("cluster-init", "--secret-file", str(path))
@@ -50,6 +53,7 @@ def test_cluster_init_writes_a_private_secret_once(tmp_path):
     assert "Traceback" not in again.stderr
 
 
+@pytest.mark.processes
 def test_worker_without_secret_says_how_to_make_one(tmp_path):
     run = shoal("--store", str(tmp_path), "--secret-file", str(tmp_path / "none"),
                 module="worker.daemon")
@@ -64,6 +68,7 @@ def sharded(tiny_checkpoint, tmp_path):
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_generate_json_matches_mlx_lm_and_reports_stats(
     sharded, tiny_checkpoint, start_worker, secret_file
@@ -90,6 +95,7 @@ def test_generate_json_matches_mlx_lm_and_reports_stats(
     assert report["token_ids"] == expected
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_generate_names_missing_experts_and_wrong_secret(
     sharded, start_worker, secret_file, tmp_path
@@ -107,6 +113,7 @@ def test_generate_names_missing_experts_and_wrong_secret(
     assert "cluster secret" in run.stderr
 
 
+@pytest.mark.processes
 def test_version_and_help_say_what_a_newcomer_needs():
     run = shoal("--version")
     assert run.returncode == 0 and run.stdout.startswith("shoal 0.") and "protocol" in run.stdout
@@ -122,6 +129,7 @@ def test_version_and_help_say_what_a_newcomer_needs():
     assert "OUT_DIR where to write" in shard_help
 
 
+@pytest.mark.processes
 def test_generate_refuses_bad_arguments_and_dead_workers_before_loading(sharded, secret_file):
     import time
 
@@ -160,6 +168,7 @@ def mlx_lm_tokens(source, prompt_ids: list[int], count: int) -> list[int]:
     return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
 
 
+@pytest.mark.processes
 def test_one_mac_alone_streams_its_local_stores_without_a_worker_or_secret(
     sharded, tiny_checkpoint, tmp_path
 ):
@@ -176,6 +185,7 @@ def test_one_mac_alone_streams_its_local_stores_without_a_worker_or_secret(
     assert "memory budget" in run.stdout + run.stderr
 
 
+@pytest.mark.processes
 def test_local_store_mistakes_are_refused_before_loading(sharded, tiny_checkpoint, tmp_path):
     run = shoal("generate", "--model", str(sharded), "--memory-budget", "25%", "hi")
     assert run.returncode == 2 and "give --local-store DIR too" in run.stderr
@@ -192,6 +202,7 @@ def test_local_store_mistakes_are_refused_before_loading(sharded, tiny_checkpoin
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_generate_with_one_local_store_and_one_worker_matches_mlx_lm(
     sharded, tiny_checkpoint, start_worker, secret_file
@@ -217,6 +228,7 @@ def test_generate_with_one_local_store_and_one_worker_matches_mlx_lm(
     assert run.returncode == 0 and json.loads(run.stdout), run.stderr
 
 
+@pytest.mark.processes
 def test_heat_of_one_mac_alone_needs_no_worker_or_secret(sharded, tmp_path):
     stores = ("--local-store", str(sharded / "worker-0"), "--local-store",
               str(sharded / "worker-1"))
@@ -230,6 +242,7 @@ def test_heat_of_one_mac_alone_needs_no_worker_or_secret(sharded, tmp_path):
     assert sum(sum(experts.values()) for experts in heat.values()) > 0, heat
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_cluster_config_names_the_coordinators_own_store_beside_its_worker(
     sharded, tiny_checkpoint, start_worker, secret_file, tmp_path

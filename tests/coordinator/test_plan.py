@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -5,14 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.cli import main
 from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    """`shoal plan ARGS` in this process (the command's own main, its exit status and output)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["plan", *args])
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(["shoal", "plan", *args], code, out.getvalue(),
+                                       err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +128,7 @@ def test_plan_reads_decimal_tb_as_drives_are_sold_and_prints_both(sharded):
     assert "300.0 MiB" in text and " 0G " not in text
 
 
+@pytest.mark.processes
 def test_every_command_keeps_its_exit_status_when_its_reader_goes_away(tmp_path):
     """`shoal plan ... | head`: the pipe closes before the output is written."""
     config = deepseek_config(tmp_path)

@@ -43,6 +43,9 @@ def test_tokens_identical_at_budgets_of_100_50_and_10_percent(
                    start_worker([second, other_drive], "--memory-budget", share)]
         remote = open_remote_model(sharded, [w.address for w in workers], secret)
         try:
+            # The worker says whether it streams; the coordinator's hints follow what it says.
+            assert [link.inventory.streaming for link in remote.cluster.links] == [
+                share != "100%"] * 2, share
             before = read_stats(remote.cluster.links)
             tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
             after = read_stats(remote.cluster.links)
@@ -55,6 +58,7 @@ def test_tokens_identical_at_budgets_of_100_50_and_10_percent(
         summaries = [report["workers"][w.address] for w in workers]
         if share == "100%":
             assert all(s["hit_rate"] == 1.0 and s["bytes_read"] == 0 for s in summaries)
+            assert report["hints"]["predictions"] == 0  # no worker streams: no guessing
         else:
             assert all(s["bytes_read"] > 0 and s["hit_rate"] < 1.0 for s in summaries), share
             assert report["hints"]["predictions"] > 0

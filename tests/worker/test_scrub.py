@@ -82,7 +82,7 @@ def test_rates_are_sizes_per_second():
             parse_rate(bad)
 
 
-@pytest.mark.slow
+@pytest.mark.processes  # 1.2 s here: not slow
 def test_a_worker_started_with_scrub_finds_rot_on_its_own(stores, start_worker, secret_file):
     _, first, _ = stores
     worker = start_worker([first], "--no-advertise", "--scrub", "64M")
