@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.auth import METADATA_KEY, UNBOUND_METHODS, Secret, make_credential
+from engine.auth import HEALTH_CHECK, METADATA_KEY, UNBOUND_METHODS, Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.tls import Identity
@@ -542,9 +542,11 @@ class WorkerLink:
         or Unauthenticated when the TLS handshake fails (another cluster's identity)."""
         started = time.perf_counter()
         try:
+            # the credential is not needed, but spares the check the small share a worker
+            # keeps for checks without one (worker/interceptors.py: CHECKS_PER_PEER)
             reply = self._health.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=timeout
-            )
+                health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=timeout,
+                metadata=[(METADATA_KEY, make_credential(self._secret, HEALTH_CHECK))])
         except grpc.RpcError as e:
             raise error_for(e, self.address, HEALTH) from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:

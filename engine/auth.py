@@ -140,8 +140,9 @@ class Secret(bytes):
 # particular (a coordinator's first call, GetInventory, learns the worker's node id); every
 # other call's credential is bound to the node id of the worker it was made for, so that a
 # credential seen by one worker cannot be presented to another.
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # answered without a credential too
 UNBOUND_METHODS = frozenset(f"/shoal.v1.ExpertService/{name}" for name in (
-    "GetInventory", "GetStats", "GetHeat", "ExpertFileStatus", "ReadExpert"))
+    "GetInventory", "GetStats", "GetHeat", "ExpertFileStatus", "ReadExpert")) | {HEALTH_CHECK}
 
 
 def _mac(secret: bytes, stamp: str, nonce: str, method: str, node: str = "") -> str:

@@ -221,7 +221,7 @@ def bind(
     """
     server = grpc.server(
         executor,
-        interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit()],
+        interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit(checker)],
         options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=MAX_CALLS,
     )

@@ -10,14 +10,16 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from engine.auth import METADATA_KEY, CredentialChecker
+from engine.auth import HEALTH_CHECK, METADATA_KEY, CredentialChecker
 from engine.errors import MAX_MESSAGE, Unauthenticated, clip
 from proto import HANDLER_KINDS
 
 # Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
 # (no more than the Bonjour advert does), and it keeps "alive but holding another secret"
 # (unauthenticated) apart from "not answering" (unreachable). Every Shoal method needs it.
-UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
+# The one-shot Check only: Health/Watch streams never end, so a peer without a credential
+# could hold every call the worker serves at once (MAX_CALLS) with them.
+UNAUTHENTICATED_METHODS = frozenset({HEALTH_CHECK})
 
 
 def _same_kind(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
@@ -48,33 +50,79 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 
 MAX_CALLS_PER_PEER = 24  # calls at once from one host: enough for a coordinator and tools
+# Liveness checks without a valid credential at once from one host, and how long a check may
+# take to send its request: a check is answered at once, so these bound only a peer that opens
+# checks and never finishes them, which would otherwise hold the worker's calls (MAX_CALLS).
+# A coordinator's checks carry a credential and count as its other calls do.
+CHECKS_PER_PEER = 8
+CHECK_BODY_SECONDS = 2.0
 
 
 class PeerLimit(grpc.ServerInterceptor):
     """At most MAX_CALLS_PER_PEER calls at once from one host (RESOURCE_EXHAUSTED beyond),
     so that one client, however many connections it opens, cannot take every thread of the
-    worker from the others; the server's own cap bounds the total (worker/daemon.py)."""
+    worker from the others; the server's own cap bounds the total (worker/daemon.py). The
+    liveness check has a small count of its own, and a deadline for its request."""
 
-    def __init__(self, limit: int = MAX_CALLS_PER_PEER) -> None:
+    def __init__(self, checker: CredentialChecker | None = None,
+                 limit: int = MAX_CALLS_PER_PEER) -> None:
+        self.checker = checker
         self.limit = limit
-        self._calls: dict[str, int] = {}
+        self._calls: dict[tuple[str, bool], int] = {}  # (host, liveness check?) -> calls
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
-        host = context.peer().rsplit(":", 1)[0]
+    def _slot(self, context: grpc.ServicerContext, *, check: bool = False) -> Iterator[None]:
+        key = (context.peer().rsplit(":", 1)[0], check)
+        limit = CHECKS_PER_PEER if check else self.limit
         with self._lock:
-            count = self._calls.get(host, 0)
-            if count < self.limit:
-                self._calls[host] = count + 1
-        if count >= self.limit:
+            count = self._calls.get(key, 0)
+            if count < limit:
+                self._calls[key] = count + 1
+        if count >= limit:
+            what = "liveness checks" if check else "calls"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{count} calls from {host} at once already; the limit is {self.limit}")
+                          f"{count} {what} from {key[0]} at once already; the limit is {limit}")
         try:
             yield
         finally:
             with self._lock:
-                self._calls[host] -= 1
+                self._calls[key] -= 1
+
+    def _credentialed(self, context: grpc.ServicerContext) -> bool:
+        if self.checker is None:
+            return False
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            self.checker.check(metadata.get(METADATA_KEY), HEALTH_CHECK)
+        except Unauthenticated:
+            return False  # answered all the same, from the small share
+        return True
+
+    def _check(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The liveness check as a streaming-request handler, so that it runs (and counts)
+        from the call's headers: its request must follow within CHECK_BODY_SECONDS, or the
+        call is cancelled."""
+        behavior = handler.unary_unary
+
+        def check(requests, context):
+            with self._slot(context, check=not self._credentialed(context)):
+                timer = threading.Timer(CHECK_BODY_SECONDS, context.cancel)
+                timer.daemon = True
+                timer.start()
+                try:
+                    request = next(requests, None)
+                except grpc.RpcError:  # cancelled by the timer: the slot is free again
+                    return None
+                finally:
+                    timer.cancel()
+                if request is None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a check without a request")
+                return behavior(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            check, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
     def intercept_service(
         self,
@@ -82,8 +130,10 @@ class PeerLimit(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
-            return handler  # liveness checks are short and must always answer
+        if handler is None:
+            return handler
+        if handler_call_details.method in UNAUTHENTICATED_METHODS:
+            return self._check(handler)
         behavior = _behavior(handler)
         if handler.response_streaming:
             def limited(request, context):
@@ -132,7 +182,7 @@ class BoundedErrors(grpc.ServerInterceptor):
 
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call whose `shoal-auth` credential does not prove the cluster secret,
-    except the liveness checks (UNAUTHENTICATED_PREFIXES)."""
+    except the liveness check (UNAUTHENTICATED_METHODS)."""
 
     def __init__(self, checker: CredentialChecker) -> None:
         self.checker = checker
@@ -143,7 +193,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
+        if handler is None or handler_call_details.method in UNAUTHENTICATED_METHODS:
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         try:

@@ -23,6 +23,7 @@ from proto import SERVICE, secure_channel, shoal_pb2
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 from tests.wire import tensor_fields
 from worker.daemon import listen_host
+from worker.interceptors import CHECK_BODY_SECONDS, CHECKS_PER_PEER
 from worker.residency import MAX_PAIRS
 
 METHOD = "/shoal.v1.ExpertService/GetInventory"
@@ -98,6 +99,55 @@ def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, s
         for stream in streams:
             stream.cancel()
         link.close()
+
+
+def test_never_ending_health_calls_without_a_credential_lock_nobody_out(
+    sharded, start_worker, secret_file
+):
+    """Health calls need no credential, but cannot hold the worker's 64 calls: Health/Watch
+    (whose streams never end) is refused without one, and checks whose request never comes
+    are refused beyond a few per host and cancelled after CHECK_BODY_SECONDS."""
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    channel = secure_channel(worker.address, load_secret(secret_file).identity, [])
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(service=SERVICE.full_name))
+               for _ in range(70)]
+    release = threading.Event()
+
+    def never():  # a check's headers go out, its request never does
+        release.wait(30)
+        yield b""
+
+    check = channel.stream_unary("/grpc.health.v1.Health/Check", request_serializer=bytes,
+                                 response_deserializer=bytes)
+    held = [check.future(never()) for _ in range(70)]
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        for watch in watches:
+            with pytest.raises(grpc.RpcError) as refused:
+                next(watch)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        started = time.monotonic()
+        assert link.check_health(timeout=5) < 5  # the coordinator's check carries a credential
+        assert link.fetch_inventory(timeout=5).experts
+        assert time.monotonic() - started < 5
+        codes = []
+        for future in held:  # all end within the body deadline (and the test's margin)
+            with pytest.raises(grpc.RpcError) as ended:
+                future.result(timeout=CHECK_BODY_SECONDS + 8)
+            codes.append(ended.value.code())
+        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+        assert codes.count(grpc.StatusCode.CANCELLED) <= CHECKS_PER_PEER
+        # and a check without a credential is still answered: "alive, not ours" stays visible
+        plain = health.Check(health_pb2.HealthCheckRequest(service=SERVICE.full_name),
+                             timeout=5)
+        assert plain.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        release.set()
+        for watch in watches:
+            watch.cancel()
+        link.close()
+        channel.close()
 
 
 def test_requests_too_large_to_be_honest_are_refused_clearly(sharded, start_worker, secret_file):
