@@ -22,6 +22,7 @@ REQUEST_LIMIT = 256 << 20
 # Bytes of an expert file one ExpertChunk carries (PushExpert, ReadExpert; the last may be
 # shorter): the size both senders, the coordinator's and a worker's, cut a file into.
 CHUNK_BYTES = 1 << 20
+HANDSHAKE_SECONDS = 5  # as the expert lane gives a connection to prove itself (worker/lane.py)
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", REQUEST_LIMIT),
@@ -29,6 +30,10 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # A connection must finish its TLS handshake within this (gRPC's default is 120 s): idle
+    # connections from a peer without the cluster's identity are closed before they add up
+    # to the process's file limit and lock coordinators out.
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_SECONDS * 1000),
 ]
 
 # Shoal's errors on the wire: a worker answers each with its status code and the same message,

@@ -4,6 +4,7 @@ experts elsewhere), and requests too large to be honest."""
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -19,7 +20,7 @@ from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from proto import SERVICE, secure_channel, shoal_pb2
+from proto import HANDSHAKE_SECONDS, SERVICE, secure_channel, shoal_pb2
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 from tests.wire import tensor_fields
 from worker.daemon import listen_host
@@ -98,6 +99,31 @@ def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, s
         release.set()
         for stream in streams:
             stream.cancel()
+        link.close()
+
+
+def test_idle_connections_that_never_handshake_are_closed_and_lock_nobody_out(
+    sharded, start_worker, secret_file
+):
+    """Connections that never start TLS are closed after HANDSHAKE_SECONDS (gRPC's own default
+    is 120 s), so a flood of them cannot reach the worker's file limit."""
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    host, port = worker.address.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        started = time.monotonic()
+        assert link.fetch_inventory(timeout=5).experts  # served meanwhile
+        for sock in idle:  # closed by the worker: the read ends (b"" or a reset), in time
+            sock.settimeout(max(HANDSHAKE_SECONDS + 10 - (time.monotonic() - started), 0.1))
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - started < HANDSHAKE_SECONDS + 10
+    finally:
+        for sock in idle:
+            sock.close()
         link.close()
 
 
