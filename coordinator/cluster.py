@@ -9,8 +9,10 @@ members' `version` changed.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -111,6 +113,10 @@ class Cluster:
             raise Unavailable(f"{error}; {e}") from None
 
 
+# Seconds a listed worker may still answer its handshake once the others hold every expert.
+LATE_GRACE = 1.0
+
+
 class FixedMembers:
     """The workers at the addresses --workers lists. Each keeps its place in the links for
     good; one that fails holds nothing from then on, and one whose inventory changed holds
@@ -130,8 +136,7 @@ class FixedMembers:
         (said through `log`; it is routed around for good, as one lost later), else the run
         fails naming it. Closes the links if the join fails."""
         try:
-            with ThreadPoolExecutor(max(len(self.links), 1)) as pool:
-                answers = list(pool.map(lambda link: _ask(link, manifest), self.links))
+            answers = self._ask_all(manifest, local)
             silent = []
             for i, answer in enumerate(answers):
                 if isinstance(answer, Unavailable):
@@ -155,6 +160,42 @@ class FixedMembers:
         except BaseException:
             self.close()
             raise
+
+    def _ask_all(self, manifest: Manifest, local: LocalExperts | None) -> list:
+        """Every worker's handshake, asked at once: once those that answered hold every
+        expert, the others get LATE_GRACE seconds more, then count as silent (a stopped
+        worker would otherwise hold the start for CONNECT_TIMEOUT). Each is asked on a daemon
+        thread of its own, so that one still waiting never holds the process's exit."""
+        answers: list = [None] * len(self.links)
+        arrived: queue.Queue = queue.Queue()
+        for i, link in enumerate(self.links):
+            threading.Thread(target=lambda i=i, link=link: arrived.put((i, _ask(link, manifest))),
+                             name=f"handshake {link.address}", daemon=True).start()
+        covered_at = None
+        for _ in self.links:
+            left = None if covered_at is None else covered_at + LATE_GRACE - time.monotonic()
+            try:
+                i, answer = arrived.get(timeout=left if left is None else max(left, 0.0))
+            except queue.Empty:
+                break
+            answers[i] = answer
+            if isinstance(answer, tuple) and not answer[1]:
+                self._holdings[i] = held(answer[0])
+            if covered_at is None and self._covers(manifest, local):
+                covered_at = time.monotonic()
+        for i, answer in enumerate(answers):
+            if answer is None:
+                answers[i] = Unavailable(
+                    f"worker {self.links[i].address} did not answer its handshake within "
+                    f"{LATE_GRACE:g} s of the others")
+        return answers
+
+    def _covers(self, manifest: Manifest, local: LocalExperts | None) -> bool:
+        try:
+            Cluster.of(with_local(self, local), layer_sizes(manifest))
+        except Unavailable:
+            return False
+        return True
 
     def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]:
         return self.version, list(self.links), list(self._holdings)
