@@ -132,7 +132,7 @@ def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
 
 
 @dataclass(frozen=True)
-class Reading:
+class ErrorWording:
     """How one kind of call on a link words a failed gRPC call for the user.
 
     A status code in `refusals` is the worker's own answer: it raised that ShoalError there
@@ -156,29 +156,29 @@ _OTHER_IDENTITY = (
 # never refuses; any other call (heat, expert files) answers with the worker's refusals; on
 # the Compute stream only "an expert moved" is an answer (see Cluster.reload), any other
 # failure loses the worker for this call.
-INVENTORY = Reading(identity=True)
-STATS = Reading()
-HEALTH = Reading(identity=True)
-CALL = Reading(_REFUSALS, failed="worker {address}: {details}")
-STREAM = Reading(frozenset({grpc.StatusCode.ABORTED}),
+INVENTORY = ErrorWording(identity=True)
+STATS = ErrorWording()
+HEALTH = ErrorWording(identity=True)
+CALL = ErrorWording(_REFUSALS, failed="worker {address}: {details}")
+STREAM = ErrorWording(frozenset({grpc.StatusCode.ABORTED}),
                  failed="worker {address} failed: {code}: {details}")
 
 
-def error_for(error: grpc.RpcError, address: str, reading: Reading = CALL) -> ShoalError:
+def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) -> ShoalError:
     """A failed call to the worker at `address` as the ShoalError the user is shown."""
-    return error_for_code(error.code(), error.details() or error.code().name, address, reading)
+    return error_for_code(error.code(), error.details() or error.code().name, address, wording)
 
 
 def error_for_code(code: grpc.StatusCode, details: str, address: str,
-                   reading: Reading = CALL) -> ShoalError:
+                   wording: ErrorWording = CALL) -> ShoalError:
     """The same, from a status code and its details (an expert lane's ERROR frame)."""
-    if code in reading.refusals:
+    if code in wording.refusals:
         return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
-    if reading.identity and "handshake failed" in details.lower():
+    if wording.identity and "handshake failed" in details.lower():
         return Unauthenticated(_OTHER_IDENTITY.format(address=address))
-    refused = reading.identity and code == grpc.StatusCode.UNAUTHENTICATED
+    refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
     kind = Unauthenticated if refused else Unavailable
-    return kind(reading.failed.format(address=address, code=code.name, details=details))
+    return kind(wording.failed.format(address=address, code=code.name, details=details))
 
 
 def handshake(
