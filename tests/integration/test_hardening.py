@@ -72,6 +72,12 @@ def test_calls_that_never_send_a_body_are_refused_at_once_and_starve_nobody(
         channel.close()
 
 
+def assert_serving(health: health_pb2_grpc.HealthStub) -> None:
+    """A liveness check through `health` answers SERVING within 5 s."""
+    reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def silent(release: threading.Event):
     """A request stream that sends nothing until released (at most a minute)."""
     release.wait(60)
@@ -92,9 +98,7 @@ def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, s
         time.sleep(0.5)  # and no more than 6
         ended = [s for s in streams if s.done()]
         assert [s.code() for s in ended] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
-        health = link._health.Check(health_pb2.HealthCheckRequest(service=SERVICE.full_name),
-                                    timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert_serving(link._health)
     finally:
         release.set()
         for stream in streams:
@@ -165,9 +169,7 @@ def test_never_ending_health_calls_without_a_credential_lock_nobody_out(
         assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
         assert codes.count(grpc.StatusCode.CANCELLED) <= CHECKS_PER_PEER
         # and a check without a credential is still answered: "alive, not ours" stays visible
-        plain = health.Check(health_pb2.HealthCheckRequest(service=SERVICE.full_name),
-                             timeout=5)
-        assert plain.status == health_pb2.HealthCheckResponse.SERVING
+        assert_serving(health)
     finally:
         release.set()
         for watch in watches:
