@@ -123,6 +123,15 @@ def hub(tiny_checkpoint):
     thread.join(10)
 
 
+def as_from_a_terminal() -> None:
+    """In the child, before it runs: SIGINT as a command started from a terminal gets it
+    (a process inherits SIGINT ignored or blocked). In two whole-suite runs the child did
+    not act on the Ctrl-C for over 10 s, while runs of this file alone always did; the
+    suspect, not proven, is a library an earlier test loaded into the suite's process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def hub_env(tmp_path: Path, endpoint: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     return {**env, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint,
@@ -195,7 +204,7 @@ def test_ctrl_c_stops_a_pull_at_once_and_it_keeps_the_files_it_finished(hub, tmp
     env = hub_env(tmp_path, hub.url, HF_HUB_DOWNLOAD_WORKERS="1")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "pull", REPO_ID,
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=REPO, env=env)
+                            cwd=REPO, env=env, preexec_fn=as_from_a_terminal)
     try:
         assert hub.stalled.wait(60), "the download never reached the big file"
         proc.send_signal(signal.SIGINT)  # Ctrl-C, while the big file is half there
