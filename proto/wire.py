@@ -141,7 +141,10 @@ def split_message(
     while at < end:
         start = at
         number, kind, value, at = _field(data, at, end, what)
-        if number in tensor_fields and kind == _LEN:
+        if number in tensor_fields:
+            if kind != _LEN:  # protobuf would keep it as an unknown field: read as absent
+                raise InvalidInput(f"{what}: tensor field {number} has wire type {kind}, not "
+                                   "a length-delimited Tensor")
             if number in tensors:
                 raise InvalidInput(f"{what}: tensor field {number} appears twice")
             tensors[number] = _tensor_view(data, view, value, at, what)

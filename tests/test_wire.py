@@ -93,6 +93,7 @@ def test_the_reader_takes_any_valid_encoding_and_skips_fields_it_does_not_know()
     (b"\x08" + b"\xff" * 11, "cut short"),  # a varint longer than any
     (b"\x0b\x0c", "wire type 3"),  # a group: not in proto3
     (b"\x1a\x00\x1a\x00", "appears twice"),
+    (b"\x08\x07\x18\x05", "tensor field 3 has wire type 0"),  # `hidden` as a varint
     (b"\x1a\x24\x12\x22" + b"\x01" * 34, "more than 32 dimensions"),
     (b"\x00\x01", "malformed"),  # field number 0
 ])

@@ -19,7 +19,7 @@ from engine.auth import create_secret, load_secret, make_credential
 from engine.errors import Unauthenticated
 from engine.manifest import read_manifest
 from engine.sharding import shard
-from proto import EXPERT_REPLY, EXPERT_REQUEST, REQUEST_LIMIT, shoal_pb2
+from proto import COMPUTE, EXPERT_REPLY, EXPERT_REQUEST, REQUEST_LIMIT, shoal_pb2
 from proto import lane as wire
 from tests.integration.test_equivalence import PROMPT, greedy_tokens
 from tests.wire import tensor_fields
@@ -253,3 +253,29 @@ def test_a_prompt_pass_in_pieces_on_lanes_equals_the_whole_call(
         assert remote.dispatcher.stats.prefill.requests > 8 * remote.dispatcher.stats.prefill.calls
     finally:
         remote.close()
+
+
+def test_a_tensor_field_of_the_wrong_wire_type_is_refused_on_both_transports(
+    sharded, start_worker, secret_file
+):
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    host, port, link = lane_of(worker, secret_file)
+    secret = load_secret(secret_file)
+    # seq = 3, then `hidden` (field 3) as a varint: protobuf keeps such a field as an unknown
+    # one, and a reader that took it as absent would answer nothing (a prefetch hint alone)
+    data = b"\x08\x03\x18\x05"
+    try:
+        sock = ready_lane(host, port, secret, link.node_id)
+        wire.write_frame(sock, wire.MESSAGE, data)
+        kind, payload = wire.read_frame(sock, REPLIES)
+        assert kind == wire.ERROR
+        code, message = wire.read_error(payload)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "wire type 0" in message, message
+        sock.close()
+        compute = link._channel.stream_stream(COMPUTE, _registered_method=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(compute(iter([data]), metadata=link._metadata("Compute"), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "wire type 0" in refused.value.details()
+    finally:
+        link.close()
