@@ -32,10 +32,11 @@ class _Link:
         self.inventory = None
         self._requests: list[bytes] = []
 
-    def send(self, request: bytes) -> None:
+    def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
+             timeout: float = 0.0) -> None:
         self._requests.append(request)
 
-    def receive(self, timeout: float) -> bytes:
+    def receive(self, timeout: float, lane: int = 0) -> bytes:
         request, tensors = EXPERT_REQUEST.read(self._requests.pop(0), "request")
         output = np.zeros((tensors["experts"].shape[0], WIDTH), np.float32)
         return EXPERT_REPLY.write(
@@ -44,6 +45,9 @@ class _Link:
 
     def reset(self) -> None:
         self._requests.clear()
+
+    def close_lanes(self) -> None:
+        pass
 
 
 class _Cluster:

@@ -1,13 +1,14 @@
-"""Which way a decode layer call's wire time goes: the request's way (from the dispatcher
-queueing it to the worker's servicer holding it), the worker's own time, and the reply's way
-(from the servicer handing it to gRPC to the dispatcher holding it), median us per call and
-worker, in the real cluster (coordinator and 2 local workers, bench checkpoint, 32 decode
-tokens at a 16-token prompt).
+"""Which way a decode layer call's wire time goes: the coordinator's write of the request, the
+request's way (from written to the worker's ComputeAnswers holding it), the worker's own time,
+its write of the reply (on the expert lane; 0 on the gRPC stream, which has no hook), and the
+reply's way (to the dispatcher holding it), median us per call and worker, in the real
+cluster (coordinator and 2 local workers, bench checkpoint, 32 decode tokens at a 16-token
+prompt).
 
 The two processes' clocks are one (`time.perf_counter` is the host's monotonic clock), so this
 holds on one machine only. The workers run through this module (`--as-worker`), which times
-their Compute stream's messages where the servicer sees them and writes the times to a file
-twice a second; the servicer's own code is unchanged.
+their Compute messages where ComputeAnswers sees them and writes the times to a file
+twice a second; the worker's own code is unchanged.
 
     python -m benchmarks.wire_directions [--quick]
 """
@@ -29,21 +30,24 @@ TIMES_DIR = "SHOAL_WIRE_DIRECTIONS_DIR"  # parent -> worker: where each worker w
 
 def as_worker(argv: list[str]) -> None:
     """Run worker.daemon with argv, its Compute messages timed (see the module's docstring)."""
-    from worker import service
+    from proto import lane as lane_wire
+    from worker import lane
     from worker.daemon import main
 
     times: list[tuple[str, float]] = []
-    compute = service.ExpertServicer.Compute
+    answer, write_frame = lane.ComputeAnswers.answer, lane.write_frame
 
-    def timed_compute(self, request_iterator, context):
-        def requests():
-            for message in request_iterator:
-                times.append(("received", time.perf_counter()))
-                yield message
+    def timed_answer(self, data):
+        times.append(("received", time.perf_counter()))
+        reply = answer(self, data)
+        if reply is not None:
+            times.append(("answered", time.perf_counter()))
+        return reply
 
-        for reply in compute(self, requests(), context):
+    def timed_write_frame(sock, kind, payload):
+        write_frame(sock, kind, payload)
+        if kind == lane_wire.MESSAGE:
             times.append(("replied", time.perf_counter()))
-            yield reply
 
     def keep_writing() -> None:
         path = Path(os.environ[TIMES_DIR]) / f"{os.getpid()}.json"
@@ -51,7 +55,7 @@ def as_worker(argv: list[str]) -> None:
             time.sleep(0.5)
             path.write_text(json.dumps(times))
 
-    service.ExpertServicer.Compute = timed_compute
+    lane.ComputeAnswers.answer, lane.write_frame = timed_answer, timed_write_frame
     threading.Thread(target=keep_writing, daemon=True).start()
     sys.argv = ["shoal-worker", *argv]
     main()
@@ -68,12 +72,16 @@ def run(quick: bool) -> dict:
     events: dict[str, list[tuple[str, float]]] = {}
     send, receive = link.WorkerLink.send, link.WorkerLink.receive
 
-    def timed_send(self, request: bytes) -> None:
-        events.setdefault(self.address, []).append(("queued", time.perf_counter()))
-        send(self, request)
+    def timed_send(self, request: bytes, lane: int = 0, *, reply: bool = True,
+                   timeout: float = link.FIRST_REPLY_TIMEOUT) -> None:
+        queued = time.perf_counter()
+        send(self, request, lane, reply=reply, timeout=timeout)
+        if reply:
+            events.setdefault(self.address, []).append(("queued", queued))
+            events[self.address].append(("written", time.perf_counter()))
 
-    def timed_receive(self, timeout: float) -> bytes:
-        reply = receive(self, timeout)
+    def timed_receive(self, timeout: float, lane: int = 0) -> bytes:
+        reply = receive(self, timeout, lane)
         events.setdefault(self.address, []).append(("held", time.perf_counter()))
         return reply
 
@@ -103,14 +111,18 @@ def run(quick: bool) -> dict:
         queued = [t for kind, t in seen if kind == "queued"]
         held = [t for kind, t in seen if kind == "held"]
         theirs = json.loads((Path(folder) / f"{pids[address]}.json").read_text())
+        written = [t for kind, t in seen if kind == "written"]
         received = [t for kind, t in theirs if kind == "received"]
-        replied = [t for kind, t in theirs if kind == "replied"]
+        answered = [t for kind, t in theirs if kind == "answered"]
+        replied = [t for kind, t in theirs if kind == "replied"] or answered  # gRPC: no hook
         calls = range(skip[address], min(len(queued), len(held), len(received), len(replied)))
 
         out[f"worker-{len(out)}"] = {
             "calls": len(calls),
-            "request_way_us": _median_us(received, queued, calls),
-            "worker_us": _median_us(replied, received, calls),
+            "write_us": _median_us(written, queued, calls),
+            "request_way_us": _median_us(received, written, calls),
+            "worker_us": _median_us(answered, received, calls),
+            "reply_write_us": _median_us(replied, answered, calls),
             "reply_way_us": _median_us(held, replied, calls),
             "round_trip_us": _median_us(held, queued, calls),
         }
