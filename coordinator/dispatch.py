@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,29 +79,51 @@ class LayerStats:
         return out
 
 
-@dataclass
 class DispatchStats:
-    """Counters for `--stats`; per layer, summed over every call since the last reset."""
+    """Counters for `--stats`; per layer, summed over every call since the last reset.
 
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    worker_requests: Counter[str] = field(default_factory=Counter)  # by worker address
-    decode: LayerStats = field(default_factory=LayerStats)  # calls of one new token per sequence
-    prefill: LayerStats = field(default_factory=LayerStats)  # calls of several (prompt passes)
+    A call adds to one slot, its layer's decode or prompt-pass figures (`slot`); the views
+    by layer and by kind are sums of slots, made when read."""
 
-    def layer(self, layer: int) -> LayerStats:
-        return self.layers.setdefault(layer, LayerStats())
+    def __init__(self) -> None:
+        self.worker_requests: Counter[str] = Counter()  # by worker address
+        self._slots: dict[tuple[int, bool], LayerStats] = {}  # (layer, decode) -> totals
 
-    def total(self) -> LayerStats:
+    def slot(self, layer: int, decode: bool) -> LayerStats:
+        """Where a call of `layer` adds its figures: decode calls (one new token per
+        sequence) apart from prompt passes."""
+        slot = self._slots.get((layer, decode))
+        if slot is None:
+            slot = self._slots[(layer, decode)] = LayerStats()
+        return slot
+
+    def _sum(self, decode: bool | None = None, layer: int | None = None) -> LayerStats:
         total = LayerStats()
-        for s in self.layers.values():
-            total.add(s)
+        for (at, kind), s in list(self._slots.items()):
+            if (decode is None or kind == decode) and (layer is None or at == layer):
+                total.add(s)
         return total
 
+    @property
+    def layers(self) -> dict[int, LayerStats]:
+        return {layer: self._sum(layer=layer) for layer in sorted({at for at, _ in self._slots})}
+
+    @property
+    def decode(self) -> LayerStats:
+        """Calls of one new token per sequence, every layer summed (a copy)."""
+        return self._sum(decode=True)
+
+    @property
+    def prefill(self) -> LayerStats:
+        """Calls of several tokens a sequence (prompt passes), every layer summed (a copy)."""
+        return self._sum(decode=False)
+
+    def total(self) -> LayerStats:
+        return self._sum()
+
     def reset(self) -> None:
-        self.layers.clear()
+        self._slots.clear()
         self.worker_requests.clear()
-        self.decode = LayerStats()
-        self.prefill = LayerStats()
 
 
 def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarray:
@@ -212,6 +234,9 @@ def split_share(pairs: np.ndarray, k: int, piece_pairs: int
     computes one piece while the next arrives and the reply of the last leaves; a decode
     step's goes whole."""
     tokens = pairs // k  # ascending, as pairs are
+    if tokens[0] == tokens[-1]:  # one token's pairs (a decode step's): its row, once
+        token = int(tokens[0])
+        return [(pairs, slice(token, token + 1), np.zeros(pairs.size, np.int32))]
     first = np.empty(tokens.size, dtype=bool)
     first[0] = True
     np.not_equal(tokens[1:], tokens[:-1], out=first[1:])
@@ -228,6 +253,21 @@ def split_share(pairs: np.ndarray, k: int, piece_pairs: int
     return out
 
 
+def group_pairs(owner: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Each worker's pairs of a call whose pair i goes to `owner[i]`: (worker, its pair
+    indices ascending), workers ascending."""
+    if owner.size < LARGE_CALL:  # a decode step's few pairs: Python's lists are quicker here
+        groups: dict[int, list[int]] = {}
+        for i, worker in enumerate(owner.tolist()):
+            groups.setdefault(worker, []).append(i)
+        return [(worker, np.array(groups[worker], dtype=np.intp)) for worker in sorted(groups)]
+    order = np.argsort(owner, kind="stable")
+    ranked = owner[order]
+    cuts = (np.flatnonzero(ranked[1:] != ranked[:-1]) + 1).tolist()
+    return [(int(ranked[lo]), order[lo:hi])
+            for lo, hi in zip([0, *cuts], [*cuts, owner.size], strict=True)]
+
+
 def plan_call(owner: np.ndarray, k: int, *, piece_pairs: int, lanes: int,
               whole: Callable[[int], bool] = lambda worker: False) -> list[Piece]:
     """The requests of one layer call whose pair i goes to worker `owner[i]`, in the order
@@ -237,8 +277,7 @@ def plan_call(owner: np.ndarray, k: int, *, piece_pairs: int, lanes: int,
     would read again what its cache could not keep); it is asked only of a share large enough
     to go in pieces, so a decode step never asks it."""
     shares = {}
-    for worker in np.unique(owner).tolist():
-        pairs = np.flatnonzero(owner == worker)
+    for worker, pairs in group_pairs(owner):
         large = piece_pairs and pairs.size >= 2 * piece_pairs
         shares[worker] = split_share(pairs, k, piece_pairs if large and not whole(worker) else 0)
     plan = []
@@ -264,6 +303,12 @@ class Dispatcher:
         # Hears (worker address, round trip, compute seconds) of each worker in each call:
         # `shoal serve`'s /metrics histograms.
         self.on_worker_timing: Callable[[str, float, float], None] | None = None
+
+    def _pace_of(self, address: str) -> Pace:
+        pace = self._pace.get(address)
+        if pace is None:
+            pace = self._pace[address] = Pace()
+        return pace
 
     def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The worker the next call of `layer` sends each of `experts` to, when each comes
@@ -308,14 +353,15 @@ class Dispatcher:
         hidden = to_numpy(x).reshape(-1, width)
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
         # Experts with copies on several workers have their tokens dealt over the copies.
-        self._turns[layer] += 1
-        owner = spread(self.cluster.routes[layer], experts, self._turns[layer])
+        turn = self._turns[layer] = self._turns[layer] + 1
+        owner = spread(self.cluster.routes[layer], experts, turn)
         hints = {}
         if self.lookahead is not None:
             self.lookahead.score(layer, experts)
             hints = self.lookahead.hints(layer, x, k, self.next_owners, self.cluster.links)
 
-        stats = LayerStats(sync_seconds=sync)  # this call's, added to the totals at the end
+        # where this call's figures are added (a failed attempt's parts stay counted there)
+        stats = self.stats.slot(layer, decode=not lead or lead[-1] == 1)
         links = self.cluster.links
         lookahead = self.lookahead
         plan = plan_call(owner, k, piece_pairs=self.piece_pairs, lanes=self.lanes,
@@ -328,10 +374,9 @@ class Dispatcher:
             stats.shared_seconds += time.perf_counter() - before
         result, changed = self._gather(layer, pending, (*lead, k, width), stats)
         stats.calls += 1
+        stats.sync_seconds += sync
         stats.requests += len(pending)
         stats.seconds += time.perf_counter() - started
-        self.stats.layer(layer).add(stats)
-        (self.stats.decode if not lead or lead[-1] == 1 else self.stats.prefill).add(stats)
         workers = {piece.worker for piece in plan}
         if len(plan) == len(workers):  # one request a worker (decode): the pass is over
             for worker in workers:
@@ -364,7 +409,7 @@ class Dispatcher:
                 hidden=(hidden[piece.needed], wire_dtype), rows=(piece.rows, "int32"),
                 experts=(experts[pairs], "int32"),
             )
-            pace = self._pace.setdefault(link.address, Pace())
+            pace = self._pace_of(link.address)
             try:
                 link.send(request, piece.lane, timeout=pace.deadline(pairs.size))
             except Unavailable as e:  # an expert lane that cannot be opened or written
@@ -394,13 +439,13 @@ class Dispatcher:
         # and each reply's timing
         first_sent: dict[int, float] = {}
         last_read: dict[int, float] = {}
-        computing: Counter[int] = Counter()
+        computing: dict[int, float] = {}
         timings: dict[int, list[shoal_pb2.WorkerTiming]] = {}
         parse_scatter = 0.0
         changed = []  # links whose worker's inventory changed since we fetched it
         for index, (worker, lane, pairs, seq, sent) in enumerate(pending):
             link = self.cluster.links[worker]
-            pace = self._pace.setdefault(link.address, Pace())
+            pace = self._pace_of(link.address)
             try:
                 if isinstance(link, LocalExperts):  # computed here, now: the others compute too
                     data, (reply, values, out_dtype) = b"", link.result()
@@ -436,7 +481,7 @@ class Dispatcher:
             parts.append(values)
             stats.bytes_received += len(data)
             stats.worker_compute_seconds += reply.compute_seconds
-            computing[worker] += reply.compute_seconds
+            computing[worker] = computing.get(worker, 0.0) + reply.compute_seconds
             parse_scatter += time.perf_counter() - received
         before = time.perf_counter()
         result = _put_back(parts, [pairs for _, _, pairs, *_ in pending], out_dtype,
@@ -551,11 +596,18 @@ def _put_back(parts: list[np.ndarray | mx.array], pairs: list[np.ndarray], dtype
               *, one_worker: bool) -> mx.array:
     """A layer call's outputs, (pairs, width), each pair in its place: `parts` are the replies
     in the order they were sent (host arrays from workers, MLX arrays from the coordinator's own
-    experts), `pairs` the call's pair indices each reply answers. Host arrays enter MLX through
-    one buffer with the gather index; MLX arrays stay where they are."""
+    experts), `pairs` the call's pair indices each reply answers. Workers' replies alone are put
+    in place on the host and enter MLX as one array; beside the coordinator's own (MLX arrays,
+    which stay where they are) they enter through one buffer with the gather index."""
     host = [part for part in parts if isinstance(part, np.ndarray)]
-    if one_worker and len(host) == len(parts):  # one worker's pieces, in order
-        return to_mlx((parts, dtype))[0]
+    if len(host) == len(parts):  # every reply from a worker: put in place on the host
+        if one_worker or len(parts) == 1:  # one worker's pieces, in order
+            return to_mlx((parts, dtype))[0]
+        values = np.empty((sum(part.shape[0] for part in parts), parts[0].shape[1]),
+                          parts[0].dtype)
+        for part, at in zip(parts, pairs, strict=True):
+            values[at] = part
+        return to_mlx(([values], dtype))[0]
     places = np.argsort(np.concatenate(pairs)).astype(np.int32)
     if not host:
         values = parts[0] if len(parts) == 1 else mx.concatenate(parts)

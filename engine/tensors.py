@@ -58,14 +58,23 @@ def mlx_dtype(dtype_name_: str) -> mx.Dtype:
 
 
 def to_mlx(*segments: tuple[Sequence[np.ndarray], mx.Dtype]) -> list[mx.array]:
-    """Host arrays into MLX through one buffer: for each segment, the concatenation (axis 0)
-    of its arrays, whose bytes are taken as they are and viewed as the segment's MLX dtype.
+    """Host arrays into MLX: for each segment, the concatenation (axis 0) of its arrays, whose
+    bytes are taken as they are and viewed as the segment's MLX dtype. Bytes are copied
+    unchanged.
 
-    One buffer because on CUDA, where MLX memory is managed memory, every array made from
-    host memory costs a page migration when the GPU first reads it (several times a whole small
-    kernel: docs/benchmarks.md): a request's hidden states and indices,
-    or a layer's replies and their gather index, travel as one. Bytes are copied unchanged.
+    On CUDA, where MLX memory is managed memory, every array made from host memory costs a
+    page migration when the GPU first reads it, or a call to the driver to avoid one (several
+    times a whole small kernel: docs/benchmarks.md), so there all segments travel in one buffer
+    viewed apart on the device: a request's hidden states and indices, or a layer's replies and
+    their gather index, as one. Where memory is one (Metal, the CPU) each segment is an array
+    of its own, which costs fewer calls.
     """
+    if not _managed_memory():
+        return [_as_mlx(arrays[0] if len(arrays) == 1 else np.concatenate(arrays), dtype)
+                for arrays, dtype in segments]
+    if len(segments) == 1 and len(segments[0][0]) == 1:  # one array: no staging buffer
+        (array,), dtype = segments[0]
+        return [_as_mlx(array, dtype)]
     sizes = [sum(a.nbytes for a in arrays) for arrays, _ in segments]
     starts = np.cumsum([0] + [-(-n // 8) * 8 for n in sizes])  # 8-byte aligned views
     buffer = np.empty(int(starts[-1]), dtype=np.uint8)
@@ -82,6 +91,24 @@ def to_mlx(*segments: tuple[Sequence[np.ndarray], mx.Dtype]) -> list[mx.array]:
         view = device[int(start) : int(start) + size].view(dtype)
         out.append(view.reshape(rows, *arrays[0].shape[1:]))
     return out
+
+
+def _as_mlx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """One host array into MLX, its bytes viewed as `dtype` (of the same item size)."""
+    if array.dtype.itemsize != dtype.size:
+        raise InvalidInput(f"{array.dtype} bytes cannot be read as {dtype}")
+    device = mx.array(array)
+    to_gpu_reader(device)
+    return device if device.dtype == dtype else device.view(dtype)
+
+
+@functools.cache
+def _managed_memory() -> bool:
+    """Whether MLX keeps arrays in CUDA managed memory (its CUDA backend)."""
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
 
 
 # -- On MLX's CUDA backend: let the GPU read an array just made from wire bytes where it lies.

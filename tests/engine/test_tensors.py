@@ -2,6 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import tensors
 from engine.tensors import dtype_name, from_numpy, to_mlx, to_numpy
 from proto import shoal_pb2
 from proto.wire import decode
@@ -18,7 +19,9 @@ def test_round_trip_is_bit_exact(dtype):
     assert mx.array_equal(back, array).item()
 
 
-def test_to_mlx_keeps_every_byte_of_every_segment_whatever_their_sizes():
+@pytest.mark.parametrize("one_buffer", [False, True])  # True: CUDA's way, staged in one buffer
+def test_to_mlx_keeps_every_byte_of_every_segment_whatever_their_sizes(one_buffer, monkeypatch):
+    monkeypatch.setattr(tensors, "_managed_memory", lambda: one_buffer)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((3, 5)).astype(np.float32)  # 60 bytes: the next starts aligned
     b = rng.standard_normal((1, 5)).astype(np.float32)
@@ -32,3 +35,5 @@ def test_to_mlx_keeps_every_byte_of_every_segment_whatever_their_sizes():
     assert brain.dtype == mx.bfloat16 and brain.shape == (3, 3)
     assert mx.array_equal(brain, mx.array(half).astype(mx.bfloat16)).item()
     assert np.array_equal(np.asarray(values[places]), np.concatenate([a, b])[index])
+    (single,) = to_mlx(([index], mx.int32))
+    assert np.array_equal(np.asarray(single), index)
