@@ -13,7 +13,7 @@ import io
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
@@ -104,6 +104,12 @@ class ExpertRunner:
                     f"the model expects {shape}"
                 )
         self.input_width, self.output_width = switch_widths(self.module)
+        # where each parameter lives in the module: (its module, its name there), so that an
+        # expert's tensors are put in place without walking the module tree at every call
+        self._places = {}
+        for name in expected:
+            path, _, leaf = name.rpartition(".")
+            self._places[name] = (get_module(self.module, path) if path else self.module, leaf)
         self._loaded: dict[str, mx.array] | None = None  # the stack the module holds now
         self._index_cache: dict[int, mx.array] = {}
         # On a GPU a pair's bits depend on how many pairs its call has (measured on CUDA: a
@@ -154,7 +160,9 @@ class ExpertRunner:
             positions = np.concatenate([positions, np.full(padding[0], padding[1], np.int32)])
         else:
             per_row = m // n
-            if per_row * n == m and (rows.reshape(n, per_row) == np.arange(n)[:, None]).all():
+            # rows are checked to lie in [0, n): with one row (a decode step) all are 0
+            if per_row * n == m and (n == 1 or (rows.reshape(n, per_row)
+                                                == np.arange(n)[:, None]).all()):
                 # Each row's pairs together and equally many (always so in decode): the module
                 # takes the rows as they are, as the single-process model does, no gather.
                 if isinstance(hidden, mx.array):
@@ -177,8 +185,14 @@ class ExpertRunner:
     def _load(self, stacked: dict[str, mx.array]) -> None:
         """Give the module the stack, unless it holds it already."""
         if self._loaded is not stacked:
-            self.module.update(tree_unflatten(list(stacked.items())))
+            self._put(stacked)
             self._loaded = stacked
+
+    def _put(self, params: dict[str, mx.array]) -> None:
+        """Give the module these parameters (every one of the layer's)."""
+        for name, array in params.items():
+            module, leaf = self._places[name]
+            module[leaf] = array
 
     def _padding(self, stacked: dict[str, mx.array], positions: np.ndarray,
                  call_pairs: int) -> tuple[int, int] | None:
@@ -192,7 +206,7 @@ class ExpertRunner:
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""
-        self.module.update(tree_unflatten([(name, a[None]) for name, a in tensors.items()]))
+        self._put({name: a[None] for name, a in tensors.items()})
         self._loaded = None
         n = hidden.shape[0]
         if n not in self._index_cache:

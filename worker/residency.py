@@ -10,10 +10,9 @@ tensors: the budget changes the speed, never the result.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +58,39 @@ class Timing:
     matrix: float = 0.0
     waited: float = 0.0
     reads: float = 0.0
+
+
+class _Turn:
+    """Holds the lock for one request's MLX work, its wait for the lock added to `waited`."""
+
+    def __init__(self, lock: threading.Lock, timing: Timing) -> None:
+        self._lock, self._timing = lock, timing
+
+    def __enter__(self) -> None:
+        before = time.perf_counter()
+        self._lock.acquire()
+        self._timing.waited += time.perf_counter() - before
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+SMALL = 64  # values from which numpy's calls are quicker than Python's over a list
+
+
+def bounds(values: np.ndarray) -> tuple[int, int]:
+    """The least and the largest of a non-empty integer array."""
+    if values.size < SMALL:
+        listed = values.tolist()
+        return min(listed), max(listed)
+    return int(values.min()), int(values.max())
+
+
+def distinct(values: np.ndarray) -> int:
+    """How many distinct values a non-negative integer array holds."""
+    if values.size < SMALL:
+        return len(set(values.tolist()))
+    return int(np.count_nonzero(np.bincount(values)))
 
 
 @dataclass(frozen=True)
@@ -256,17 +288,19 @@ class Residency:
         if request.rows.size > MAX_PAIRS:
             raise InvalidInput(f"request carries {request.rows.size} (token, expert) pairs; "
                                f"allowed at most {MAX_PAIRS}")
-        if request.rows.min() < 0 or request.rows.max() >= n:
+        low, high = bounds(request.rows)
+        if low < 0 or high >= n:
             raise InvalidInput(f"a row index is outside the {n} hidden states sent")
         held = self._held_mask[request.layer]
         experts = request.experts
-        inside = np.clip(experts, 0, held.size - 1)
-        bad = experts[(experts < 0) | (experts >= held.size) | ~held[inside]]
-        if bad.size:
+        low, high = bounds(experts)
+        if low < 0 or high >= held.size or not held[experts].all():
+            inside = np.clip(experts, 0, held.size - 1)
+            bad = experts[(experts < 0) | (experts >= held.size) | ~held[inside]]
             shown = ", ".join(str(e) for e in sorted(set(bad.tolist()))[:8])
             if all(self.holdings.was_deleted((request.layer, e)) for e in bad.tolist()):
                 raise Moved(f"layer {request.layer}: expert(s) {shown} moved to another "
-                               "worker; fetch the inventory again")
+                            "worker; fetch the inventory again")
             raise InvalidInput(
                 f"layer {request.layer}: this worker does not hold expert(s) {shown}"
             )
@@ -301,25 +335,19 @@ class Residency:
 
     def counted(self, layer: int, experts: np.ndarray) -> None:
         """Count the heat and the cache's resident hits of a `whole` call's pairs."""
-        distinct = int(np.count_nonzero(np.bincount(experts)))
-        self.cache.count_resident(layer, distinct, experts.size)
+        self.cache.count_resident(layer, distinct(experts), experts.size)
         self.holdings.asked(layer, experts)
 
-    @contextlib.contextmanager
-    def _turn(self, timing: Timing) -> Iterator[None]:
+    def _turn(self, timing: Timing) -> _Turn:
         """This request's turn at MLX: one at a time (MLX work is not thread-safe here)."""
-        before = time.perf_counter()
-        with self._lock:
-            timing.waited += time.perf_counter() - before
-            yield
+        return _Turn(self._lock, timing)
 
     def _gathered(
         self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing
     ) -> mx.array:
         """Every expert of the layer is in memory, stacked: one call, no cache lease (nothing
         is evicted while the budget holds them all; a removed expert takes its stack along)."""
-        distinct = int(np.count_nonzero(np.bincount(request.experts)))
-        self.cache.count_resident(request.layer, distinct, request.experts.size)
+        self.cache.count_resident(request.layer, distinct(request.experts), request.experts.size)
         positions = stack.positions[request.experts]
         with self._turn(timing):
             out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
@@ -359,32 +387,34 @@ class Residency:
         timing: Timing,
     ) -> mx.array:
         """Run each distinct expert on its rows as its tensors become ready (streaming), then
-        put the outputs back in request order."""
+        put the outputs back in request order. When every expert is ready at once (all of them
+        cache hits), the whole request is evaluated once."""
         order = np.argsort(inverse, kind="stable")
-        rows_of = np.split(rows[order], np.cumsum(counts)[:-1])
+        grouped = rows[order]  # each expert's rows, experts in ascending order
+        sizes = counts.tolist()
+        ends = np.cumsum(counts).tolist()
+        one_row = hidden.shape[0] == 1  # a decode step: every pair's row is row 0
         parts: list[mx.array | None] = [None] * counts.size
         remaining = counts.size
         while True:
+            last = len(ready) == remaining
             with self._turn(timing):
-                outs = [runner(tensors, hidden[mx.array(rows_of[pos])]) for pos, tensors in ready]
+                for pos, tensors in ready:
+                    x = hidden if one_row and sizes[pos] == 1 else \
+                        hidden[mx.array(grouped[ends[pos] - sizes[pos]:ends[pos]])]
+                    parts[pos] = runner(tensors, x)
+                if last:  # the outputs back in request order
+                    out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
                 before = time.perf_counter()
-                mx.eval(outs)
+                mx.eval(out if last else [parts[pos] for pos, _ in ready])
                 timing.matrix += time.perf_counter() - before
-            for (pos, _), out in zip(ready, outs, strict=True):
-                parts[pos] = out
             lease.done(pos for pos, _ in ready)
             remaining -= len(ready)
             if not remaining:
-                break
+                return out
             before = time.perf_counter()
             ready = lease.take()
             timing.reads += time.perf_counter() - before
-        with self._turn(timing):
-            out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
-            before = time.perf_counter()
-            mx.eval(out)
-            timing.matrix += time.perf_counter() - before
-        return out
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:
         """A hint: these experts of `layer` will probably be asked for next. Never fails."""
