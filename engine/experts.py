@@ -156,8 +156,10 @@ class ExpertRunner:
         n, m = hidden.shape[0], positions.size
         padding = self._padding(stacked, positions, call_pairs)
         if padding:
-            rows = np.concatenate([rows, np.zeros(padding[0], np.int32)])
             positions = np.concatenate([positions, np.full(padding[0], padding[1], np.int32)])
+            if n == 1:  # one row (a decode step): its pairs and the padding as one row
+                return self._by_row(hidden, dtype, positions.reshape(1, -1))[:m]
+            rows = np.concatenate([rows, np.zeros(padding[0], np.int32)])
         else:
             per_row = m // n
             # rows are checked to lie in [0, n): with one row (a decode step) all are 0
@@ -165,16 +167,22 @@ class ExpertRunner:
                                                 == np.arange(n)[:, None]).all()):
                 # Each row's pairs together and equally many (always so in decode): the module
                 # takes the rows as they are, as the single-process model does, no gather.
-                if isinstance(hidden, mx.array):
-                    return self.module(hidden, mx.array(positions.reshape(n, per_row))
-                                       ).reshape(m, -1)
-                x, inds = to_mlx(([hidden], dtype), ([positions.reshape(n, per_row)], mx.int32))
-                return self.module(x, inds).reshape(m, -1)
+                return self._by_row(hidden, dtype, positions.reshape(n, per_row))
         if isinstance(hidden, mx.array):
             x, (at, inds) = hidden, to_mlx(([rows], mx.int32), ([positions], mx.int32))
         else:
             x, at, inds = to_mlx(([hidden], dtype), ([rows], mx.int32), ([positions], mx.int32))
         return self.module(x[at], inds[:, None])[:m, 0, :]
+
+    def _by_row(self, hidden: np.ndarray | mx.array, dtype: mx.Dtype,
+                positions: np.ndarray) -> mx.array:
+        """Row r of `hidden` through the experts at `positions[r]` (n, per row), as mlx-lm's
+        model calls the module: (n * per row, output width)."""
+        if isinstance(hidden, mx.array):
+            x, inds = hidden, mx.array(positions)
+        else:
+            x, inds = to_mlx(([hidden], dtype), ([positions], mx.int32))
+        return self.module(x, inds).reshape(positions.size, -1)
 
     def whole(self, stacked: dict[str, mx.array], x: mx.array, inds: mx.array) -> mx.array:
         """The module over a stack of every expert of the layer, in expert order, called on
@@ -201,8 +209,9 @@ class ExpertRunner:
         if short <= 0:
             return None
         held = next(iter(stacked.values())).shape[0]
-        unused = np.flatnonzero(np.bincount(positions, minlength=held) == 0)
-        return (short, int(unused[0])) if unused.size else None
+        used = set(positions.tolist())
+        unused = next((e for e in range(held) if e not in used), None)
+        return None if unused is None else (short, unused)
 
     def __call__(self, tensors: dict[str, mx.array], hidden: mx.array) -> mx.array:
         """The expert whose tensors are given, applied to every row of `hidden`: (n, hidden)."""
