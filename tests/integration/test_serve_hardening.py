@@ -7,8 +7,6 @@ server's memory and log must stay bounded."""
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,10 +19,10 @@ from coordinator.heat import load_record, record_path
 from coordinator.local import LocalServer, start_server, start_workers, stop_workers
 from engine.manifest import read_manifest
 from engine.sharding import shard
+from tests.integration import socket_flood
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 FRESH_CLIENT_SECONDS = 2.0
 
 
@@ -67,10 +65,6 @@ def _rss_mb(pid: int) -> float:
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
-
-
-def _open_files(pid: int) -> int:
-    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
 class Stream:
@@ -132,31 +126,13 @@ def _fresh_client_seconds(server: LocalServer) -> list[float]:
     return took
 
 
-def _flood(server: LocalServer, mode: str, sockets: int, hosts: int,
-           seconds: float) -> subprocess.Popen:
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.socket_flood", host, port, "--sockets",
-         str(sockets), "--hosts", str(hosts), "--mode", mode, "--seconds", str(seconds)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
-    first = proc.stdout.readline()
-    assert first.startswith("holding"), first
-    return proc
-
-
-def _flood_report(proc: subprocess.Popen, seconds: float) -> dict:
-    out, _ = proc.communicate(timeout=seconds + 30)
-    assert proc.returncode == 0
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def _window(server: LocalServer, stream: Stream, seconds: float) -> dict:
     """The stream's rate over `seconds` while a fresh client comes every second."""
     started = time.monotonic()
     fresh, files = [], []
     while time.monotonic() - started < seconds:
         fresh += _fresh_client_seconds(server)
-        files.append(_open_files(server.proc.pid))
+        files.append(socket_flood.open_files(server.proc.pid))
         time.sleep(1.0)
     ended = time.monotonic()
     return {"rate": stream.rate(started, ended), "fresh": fresh, "files": max(files),
@@ -171,13 +147,15 @@ def _under_flood(server: LocalServer, mode: str, sockets: int, hosts: int) -> di
     calm = _window(server, stream, 6.0)
     rss_before, log_before = _rss_mb(server.proc.pid), server.log.stat().st_size
     seconds = 10.0
-    flood = _flood(server, mode, sockets, hosts, seconds)
+    address = server.url.removeprefix("http://")
+    flood = socket_flood.start(address, mode=mode, sockets=sockets, hosts=hosts,
+                               seconds=seconds)
     cpu_before = _cpu_seconds(server.proc.pid), _cpu_seconds(flood.pid)
     flooded = _window(server, stream, 8.0)
     cpu = [(_cpu_seconds(pid) - was) / flooded["seconds"]
            for pid, was in zip((server.proc.pid, flood.pid), cpu_before, strict=True)]
     rss_after = _rss_mb(server.proc.pid)
-    report = _flood_report(flood, seconds)
+    report = socket_flood.report(flood, seconds)
     health = httpx.get(server.url + "/health", timeout=10).json()
     stream.close()
     return {"baseline_rate": calm["rate"], "flood_rate": flooded["rate"],
@@ -202,8 +180,7 @@ def test_thousands_of_idle_connections_lock_out_no_one(server):
     fills and the idle ones are closed for newcomers), then from one (64 per address)."""
     figures = _under_flood(server, "idle", sockets=3000, hosts=100)
     _check_flood(figures)
-    limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
-    soft = int(re.search(r"Max open files\s+(\d+)", limits).group(1))
+    soft = socket_flood.soft_file_limit(server.proc.pid)
     assert soft > 2048  # raised above mlx-lm's 2048
     # the idle ones were closed: evicted for newcomers, or at the header deadline first
     assert figures["connections"]["evicted"] + figures["connections"]["timed_out"] > 0
