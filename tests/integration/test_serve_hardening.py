@@ -1,8 +1,9 @@
 """`shoal serve` under abuse, against the real server process and two real workers: thousands
 of idle connections from a helper process, slowloris headers, big bodies, nested JSON, lone
-surrogates, and SIGTERM or SIGINT with streams open. During each flood a fresh client must be
-served within 2 s, a stream already running must keep at least half its speed, and the
-server's memory and log must stay bounded."""
+surrogates, and SIGTERM or SIGINT with streams open. The servers here take an API key, as one
+open to others would: during each flood a fresh client sending the key must be served within
+2 s, a stream already running must keep at least half its speed, and the server's memory and
+log must stay bounded."""
 
 import json
 import re
@@ -24,6 +25,8 @@ from tests.integration import socket_flood
 pytestmark = pytest.mark.slow
 
 FRESH_CLIENT_SECONDS = 2.0
+API_KEY = "sk-shoal-hardening-test"
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,10 @@ def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
 
 def _start(cluster, secret_file, name: str, *extra: str) -> LocalServer:
     sharded, workers, root = cluster
+    key_file = root / "api-key"
+    key_file.write_text(API_KEY + "\n")
     return start_server(sharded, [w.address for w in workers], secret_file,
-                        root / f"{name}.log", extra)
+                        root / f"{name}.log", ("--api-key-file", str(key_file), *extra))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def server(cluster, secret_file):
 
 
 def _client(server: LocalServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
                          timeout=30)
 
 
@@ -82,7 +87,8 @@ class Stream:
 
     def _run(self, url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=KEYED,
+                              timeout=60) as reply:
                 for line in reply.iter_lines():
                     if self._closing:
                         return  # leaving the block closes the connection: the server cancels
@@ -115,7 +121,7 @@ def _fresh_client_seconds(server: LocalServer) -> list[float]:
     """How long /health and a two-token completion took for a new client, each."""
     took = []
     started = time.monotonic()
-    health = httpx.get(server.url + "/health", timeout=10)
+    health = httpx.get(server.url + "/health", headers=KEYED, timeout=10)
     took.append(time.monotonic() - started)
     assert health.status_code == 200, health.text
     started = time.monotonic()
@@ -156,19 +162,21 @@ def _under_flood(server: LocalServer, mode: str, sockets: int, hosts: int) -> di
            for pid, was in zip((server.proc.pid, flood.pid), cpu_before, strict=True)]
     rss_after = _rss_mb(server.proc.pid)
     report = socket_flood.report(flood, seconds)
-    health = httpx.get(server.url + "/health", timeout=10).json()
+    health = httpx.get(server.url + "/health", headers=KEYED, timeout=10).json()
+    keyless = httpx.get(server.url + "/health", timeout=10).status_code
     stream.close()
     return {"baseline_rate": calm["rate"], "flood_rate": flooded["rate"],
             "fresh_seconds": calm["fresh"] + flooded["fresh"],
             "rss_growth_mb": rss_after - rss_before, "most_open_files": flooded["files"],
             "log_growth": server.log.stat().st_size - log_before, "flood": report,
             "connections": health.get("connections"), "server_cores": cpu[0],
-            "flood_cores": cpu[1], "stream_error": stream.error}
+            "flood_cores": cpu[1], "stream_error": stream.error, "keyless_status": keyless}
 
 
 def _check_flood(figures: dict) -> None:
     print(json.dumps({k: v for k, v in figures.items() if k != "stream_error"}, default=str))
     assert figures["stream_error"] is None, figures["stream_error"]
+    assert figures["keyless_status"] == 401  # the fresh clients were served as key holders
     assert max(figures["fresh_seconds"]) < FRESH_CLIENT_SECONDS, figures
     assert figures["flood_rate"] >= 0.5 * figures["baseline_rate"], figures
     assert figures["rss_growth_mb"] < 150, figures
@@ -204,7 +212,7 @@ def test_slowloris_headers_are_cut_at_the_header_deadline(server):
 
 def _post(server: LocalServer, path: str, content, **headers) -> httpx.Response:
     return httpx.post(server.url + path, content=content, timeout=60,
-                      headers={"Content-Type": "application/json", **headers})
+                      headers={"Content-Type": "application/json", **KEYED, **headers})
 
 
 def test_a_big_body_gets_413_and_freezes_nothing(server):
@@ -319,8 +327,8 @@ def test_a_stop_ends_every_open_stream_and_records_the_heat(cluster, secret_file
         whole: dict[str, object] = {}
 
         def unstreamed() -> None:
-            whole["reply"] = httpx.post(local.url + "/v1/completions", timeout=60, json={
-                "prompt": "hello", "max_tokens": 3500, "temperature": 0})
+            whole["reply"] = httpx.post(local.url + "/v1/completions", headers=KEYED, json={
+                "prompt": "hello", "max_tokens": 3500, "temperature": 0}, timeout=60)
 
         waiting = threading.Thread(target=unstreamed)
         waiting.start()
