@@ -25,13 +25,14 @@ def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
 @pytest.mark.parametrize("args", [
     ("--help",), ("shard", "--help"), ("generate", "--help"), ("cluster-init", "--help"),
     ("workers", "--help"), ("plan", "--help"), ("bench", "--help"), ("demo", "--help"),
-    ("doctor", "--help"),
+    ("doctor", "--help"), ("serve", "--help"),
 ])
 @pytest.mark.processes
 def test_every_command_explains_itself(args):
     run = shoal(*args)
     assert run.returncode == 0
     assert "usage: shoal" in run.stdout and len(run.stdout) > 300
+    assert "this Mac" not in run.stdout  # it runs on Linux too: "this machine"
 
 
 @pytest.mark.processes
