@@ -270,10 +270,11 @@ def test_never_ending_health_calls_without_a_credential_lock_nobody_out(
             with pytest.raises(grpc.RpcError) as refused:
                 next(watch)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # the coordinator's check carries a credential: not counted with the checks above
         started = time.monotonic()
-        assert link.check_health(timeout=5) < 5  # the coordinator's check carries a credential
+        assert link.check_health(timeout=5) < FRESH_CALL_SECONDS
         assert link.fetch_inventory(timeout=5).experts
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < FRESH_CALL_SECONDS, time.monotonic() - started
         codes = []
         for future in held:  # all end within the body deadline (and the test's margin)
             with pytest.raises(grpc.RpcError) as ended:
