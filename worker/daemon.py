@@ -24,7 +24,7 @@ from engine.cache_policy import (
     parse_budget,
     resolve_budget,
 )
-from engine.errors import ShoalError
+from engine.errors import ShoalError, worded
 from engine.interfaces import announced_addresses, listen_host
 from engine.manifest import MANIFEST_NAME
 from engine.pipes import guard_standard_streams
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         serve(args)
-    except ShoalError as e:
-        print(f"shoal-worker: error: {e}", file=sys.stderr)
+    except (ShoalError, OSError) as e:
+        print(f"shoal-worker: error: {worded(e)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

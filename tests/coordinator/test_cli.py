@@ -115,6 +115,23 @@ def test_generate_names_missing_experts_and_wrong_secret(
 
 
 @pytest.mark.processes
+def test_an_unexpected_io_error_is_one_line_naming_the_path(sharded, tmp_path):
+    """A path the OS refuses where no command expected it ends the command with `shoal:
+    error: PATH: PROBLEM`, status 2, no traceback: a secret asked for under a file, a heat
+    record that is a folder."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    record = sharded / "heat.msgpack"
+    record.mkdir()
+    for args, line in [
+        (("cluster-init", "--secret-file", str(a_file / "secret")), f"{a_file}: File exists"),
+        (("heat", "--model", str(sharded), "--reset"), f"{record}: Is a directory"),
+    ]:
+        run = shoal(*args)
+        assert (run.returncode, run.stderr) == (2, f"shoal: error: {line}\n")
+
+
+@pytest.mark.processes
 def test_version_and_help_say_what_a_newcomer_needs():
     run = shoal("--version")
     assert run.returncode == 0 and run.stdout.startswith("shoal 0.") and "protocol" in run.stdout
