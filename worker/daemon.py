@@ -348,7 +348,7 @@ def run(
         print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
     node_id = args.node_id or load_node_id(node_id_path(), log=note)
-    checker.node = node_id  # credentials for calls that change something must name it
+    checker.node = node_id  # credentials for every call but the inventory must name it
     memory_budget = residency.budget
     servicer = ExpertServicer(residency, node_id, memory_budget, lane.port if lane else 0)
     add_expert_service(servicer, server)
