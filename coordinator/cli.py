@@ -1,7 +1,8 @@
 """The `shoal` command: gathers the subcommands of coordinator/commands/, each of which owns
 its arguments and what it does with them, and runs the one asked for.
 
-Expected failures (ShoalError) are printed as one line without a traceback, exit status 2.
+Expected failures (ShoalError) and unexpected I/O errors (OSError: the path and the problem)
+are printed as one line without a traceback, exit status 2.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from coordinator.commands import (
     workers,
 )
 from coordinator.hub import hub_may_be_reached
-from engine.errors import ShoalError
+from engine.errors import ShoalError, worded
 from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     hub_may_be_reached(args.command)
     try:
         args.main(args)
-    except ShoalError as e:
-        print(f"shoal: error: {e}", file=sys.stderr)
+    except (ShoalError, OSError) as e:
+        print(f"shoal: error: {worded(e)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("\nshoal: interrupted", file=sys.stderr)

@@ -492,8 +492,8 @@ class WorkerLink:
         return max(len(self._streams), 1)
 
     def _metadata(self, method: str) -> list[tuple[str, str]]:
-        """A call's credential, bound to this worker's node id, which a call that changes
-        something needs: the inventory (the node id) is fetched first if not known yet."""
+        """A call's credential, bound to this worker's node id, which every call but the
+        inventory needs: the inventory (the node id) is fetched first if not known yet."""
         path = f"/shoal.v1.ExpertService/{method}"
         if self.inventory is None and path not in UNBOUND_METHODS:
             self.fetch_inventory()

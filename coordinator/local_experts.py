@@ -246,7 +246,7 @@ def lock_store(store: Path) -> int:
     except OSError:
         os.close(fd)
         raise InvalidInput(
-            f"--local-store {store} is served by another shoal process on this Mac; stop it "
+            f"--local-store {store} is served by another shoal process on this machine; stop it "
             "first (a store's experts are moved and counted by the one process serving it)"
         ) from None
     return fd

@@ -2,9 +2,9 @@
 TLS identity, engine/tls.py), and the per-call credential derived from the secret.
 
 The secret never travels. Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an
-HMAC-SHA256 of the time, nonce, method name and (but for read-only calls) the node id of the
-worker it is for, under the secret; a worker accepts it within a freshness window and refuses
-a nonce it has already seen while it could be fresh.
+HMAC-SHA256 of the time, nonce, method name and (but for the inventory and the liveness check)
+the node id of the worker it is for, under the secret; a worker accepts it within a freshness
+window and refuses a nonce it has already seen while it could be fresh.
 Links themselves are TLS with both ends' certificates checked, so a credential is never
 seen on the network to be replayed.
 """
@@ -136,13 +136,12 @@ class Secret(bytes):
         return self.identity
 
 
-# The calls that change nothing on a worker take a credential made for no worker in
-# particular (a coordinator's first call, GetInventory, learns the worker's node id); every
-# other call's credential is bound to the node id of the worker it was made for, so that a
-# credential seen by one worker cannot be presented to another.
+# A coordinator's first call, GetInventory, learns the worker's node id, so it (and the
+# liveness check, which needs no credential at all) takes one made for no worker in
+# particular; every other call's credential is bound to the node id of the worker it was made
+# for, so that a credential seen by one worker cannot be presented to another.
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # answered without a credential too
-UNBOUND_METHODS = frozenset(f"/shoal.v1.ExpertService/{name}" for name in (
-    "GetInventory", "GetStats", "GetHeat", "ExpertFileStatus", "ReadExpert")) | {HEALTH_CHECK}
+UNBOUND_METHODS = frozenset({"/shoal.v1.ExpertService/GetInventory", HEALTH_CHECK})
 
 
 def _mac(secret: bytes, stamp: str, nonce: str, method: str, node: str = "") -> str:

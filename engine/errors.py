@@ -1,7 +1,8 @@
 """The one exception family of Shoal: messages are written for the user.
 
-The CLIs print a ShoalError without a traceback and exit non-zero; the gRPC
-servicers map the subclasses to status codes with the same message.
+The CLIs print a ShoalError without a traceback and exit non-zero (an unexpected I/O error
+too, worded by `worded`); the gRPC servicers map the subclasses to status codes with the same
+message.
 """
 
 
@@ -36,6 +37,17 @@ class CorruptData(ShoalError):
 
 MAX_ECHO = 200  # characters of a client's own string quoted back in a message
 MAX_MESSAGE = 2000  # characters of any message a worker sends back (gRPC metadata is limited)
+
+
+def worded(error: ShoalError | OSError) -> str:
+    """What a command prints for `error`: a ShoalError's message, or for an I/O error nobody
+    expected (a folder that is a file, a full disk) the path and the problem, as in
+    "/tmp/map.png: No such file or directory"."""
+    if isinstance(error, ShoalError):
+        return str(error)
+    problem = error.strerror or str(error) or type(error).__name__
+    paths = [str(path) for path in (error.filename, error.filename2) if path is not None]
+    return f"{' -> '.join(paths)}: {problem}" if paths else problem
 
 
 def clip(text: object, limit: int = MAX_ECHO) -> str:

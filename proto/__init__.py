@@ -23,6 +23,7 @@ REQUEST_LIMIT = 256 << 20
 # shorter): the size both senders, the coordinator's and a worker's, cut a file into.
 CHUNK_BYTES = 1 << 20
 HANDSHAKE_SECONDS = 5  # as the expert lane gives a connection to prove itself (worker/lane.py)
+IDLE_SECONDS = 30  # a connection with no call in progress for this long is closed
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", REQUEST_LIMIT),
@@ -34,6 +35,9 @@ SERVER_OPTIONS = [
     # connections from a peer without the cluster's identity are closed before they add up
     # to the process's file limit and lock coordinators out.
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_SECONDS * 1000),
+    # After the handshake too: a connection that holds no call is closed (GOAWAY), so idle
+    # ones cannot add up either; a coordinator's channel connects again at its next call.
+    ("grpc.max_connection_idle_ms", IDLE_SECONDS * 1000),
 ]
 
 # Shoal's errors on the wire: a worker answers each with its status code and the same message,

@@ -24,7 +24,7 @@ from engine.cache_policy import (
     parse_budget,
     resolve_budget,
 )
-from engine.errors import ShoalError
+from engine.errors import ShoalError, worded
 from engine.interfaces import announced_addresses, listen_host
 from engine.manifest import MANIFEST_NAME
 from engine.pipes import guard_standard_streams
@@ -50,6 +50,8 @@ from worker.store import free_disk, scan_stores
 
 DEFAULT_PORT = 50551
 MAX_CALLS = 64  # calls at once, all peers together; gRPC refuses more (RESOURCE_EXHAUSTED)
+# Files kept free of the gRPC port's connections: the expert lane's, expert files, logs.
+FILES_SPARE = 1024
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -209,20 +211,33 @@ def check_store_folder(folder: Path) -> None:
         )
 
 
+def connection_cap(file_limit: int) -> int:
+    """Connections the gRPC port holds at once, all peers together, in a process that may
+    open `file_limit` files: FILES_SPARE fewer, or half of a limit under twice that; 0 (no
+    cap) where the limit is not known."""
+    return max(file_limit - FILES_SPARE, file_limit // 2)
+
+
 def bind(
     host: str, port: int, executor: futures.Executor, checker: CredentialChecker,
-    identity: Identity,
+    identity: Identity, max_connections: int = 0,
 ) -> tuple[grpc.Server, int]:
     """A gRPC server that owns host:port alone, bound before any expert is loaded, serving
-    TLS only (docs/security.md).
+    TLS only (docs/security.md), holding at most `max_connections` connections (0: no cap).
 
     gRPC sets SO_REUSEPORT by default, so a second worker on a taken port would start
-    silently and the kernel would deal connections out to both: turned off here.
+    silently and the kernel would deal connections out to both: turned off here. Beyond the
+    cap gRPC closes a new connection at once: a flood of connections that never finish their
+    handshake keeps the process off its file limit, where it could open no expert file and
+    gRPC's accept loop would log every second (grpcio has no cap per peer address).
     """
+    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 0)]
+    if max_connections:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
     server = grpc.server(
         executor,
         interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit(checker)],
-        options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=options,
         maximum_concurrent_rpcs=MAX_CALLS,
     )
     try:
@@ -243,7 +258,7 @@ def format_rate(rate: int) -> str:
 
 
 def serve(args: argparse.Namespace) -> None:
-    raise_file_limit()  # each connection is a file: mlx-lm's import set the soft limit low
+    file_limit = raise_file_limit()  # each connection is a file: mlx-lm's import set it low
     args.host = listen_host(args.host, args.interface)
     check_args(args)
     secret = load_secret(secret_path(args.secret_file))
@@ -254,7 +269,8 @@ def serve(args: argparse.Namespace) -> None:
     # PeerLimit keeps one host from taking the whole cap.
     executor = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8, thread_name_prefix="rpc")
     checker = CredentialChecker(secret)  # one memory of used nonces for both listeners
-    server, port = bind(args.host, args.port, executor, checker, identity)
+    server, port = bind(args.host, args.port, executor, checker, identity,
+                        connection_cap(file_limit))
     lane = None
     residency = None
     try:
@@ -332,7 +348,7 @@ def run(
         print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
     node_id = args.node_id or load_node_id(node_id_path(), log=note)
-    checker.node = node_id  # credentials for calls that change something must name it
+    checker.node = node_id  # credentials for every call but the inventory must name it
     memory_budget = residency.budget
     servicer = ExpertServicer(residency, node_id, memory_budget, lane.port if lane else 0)
     add_expert_service(servicer, server)
@@ -399,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         serve(args)
-    except ShoalError as e:
-        print(f"shoal-worker: error: {e}", file=sys.stderr)
+    except (ShoalError, OSError) as e:
+        print(f"shoal-worker: error: {worded(e)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -28,7 +28,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "generate", help="generate text with the experts served by running workers",
         description="Load the dense part of a sharded model, connect to the workers (and "
-        "serve this Mac's own --local-store experts in this process), and generate with "
+        "serve this machine's own --local-store experts in this process), and generate with "
         "mlx-lm's sampling and KV cache. Greedy by default; the prompt is used as given "
         "unless --chat applies the chat template. One Mac alone: `shoal generate --model OUT "
         "--local-store OUT/experts --memory-budget 25%% PROMPT`.",

@@ -88,11 +88,13 @@ def transport_of(args: argparse.Namespace):
     from coordinator.link import Transport
 
     return Transport(args.transport, args.spin_us / 1e6)
+
+
 def local_store_options(p: argparse.ArgumentParser) -> None:
-    """--local-store and --memory-budget: experts this Mac serves in the coordinator's own
+    """--local-store and --memory-budget: experts this machine serves in the coordinator's own
     process (coordinator/local_experts.py), in shoal-worker's forms."""
     p.add_argument("--local-store", action="append", type=Path, metavar="DIR",
-                   help="a store folder on this Mac (written by `shoal shard`) whose experts "
+                   help="a store folder on this machine (written by `shoal shard`) whose experts "
                    "the coordinator serves itself, in its own process, with the code a "
                    "worker runs and no network hop (repeat for one folder per drive); with "
                    "every expert here and no --workers or --cluster, no worker is needed")

@@ -25,13 +25,14 @@ def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
 @pytest.mark.parametrize("args", [
     ("--help",), ("shard", "--help"), ("generate", "--help"), ("cluster-init", "--help"),
     ("workers", "--help"), ("plan", "--help"), ("bench", "--help"), ("demo", "--help"),
-    ("doctor", "--help"),
+    ("doctor", "--help"), ("serve", "--help"),
 ])
 @pytest.mark.processes
 def test_every_command_explains_itself(args):
     run = shoal(*args)
     assert run.returncode == 0
     assert "usage: shoal" in run.stdout and len(run.stdout) > 300
+    assert "this Mac" not in run.stdout  # it runs on Linux too: "this machine"
 
 
 @pytest.mark.processes
@@ -111,6 +112,23 @@ def test_generate_names_missing_experts_and_wrong_secret(
                 "--secret-file", str(wrong), "hi")
     assert run.returncode == 2 and "refused this cluster's TLS identity" in run.stderr
     assert "cluster secret" in run.stderr
+
+
+@pytest.mark.processes
+def test_an_unexpected_io_error_is_one_line_naming_the_path(sharded, tmp_path):
+    """A path the OS refuses where no command expected it ends the command with `shoal:
+    error: PATH: PROBLEM`, status 2, no traceback: a secret asked for under a file, a heat
+    record that is a folder."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    record = sharded / "heat.msgpack"
+    record.mkdir()
+    for args, line in [
+        (("cluster-init", "--secret-file", str(a_file / "secret")), f"{a_file}: File exists"),
+        (("heat", "--model", str(sharded), "--reset"), f"{record}: Is a directory"),
+    ]:
+        run = shoal(*args)
+        assert (run.returncode, run.stderr) == (2, f"shoal: error: {line}\n")
 
 
 @pytest.mark.processes

@@ -52,17 +52,19 @@ def test_credentials_verify_and_refuse_wrong_secret_method_age_and_replay():
         checker.check("garbage", METHOD)
 
 
-def test_a_credential_that_changes_something_is_bound_to_the_worker_it_was_made_for():
+def test_every_credential_but_the_inventorys_is_bound_to_the_worker_it_was_made_for():
     secret = b"a" * 64
-    drop, inventory = "/shoal.v1.ExpertService/DropExpert", "/shoal.v1.ExpertService/GetInventory"
+    inventory = "/shoal.v1.ExpertService/GetInventory"
     a, b = CredentialChecker(secret, node="mac-a"), CredentialChecker(secret, node="mac-b")
-    for_a = make_credential(secret, drop, node="mac-a", now=1000.0)
-    with pytest.raises(Unauthenticated, match="another worker"):
-        b.check(for_a, drop, now=1000.0)  # presented to another worker: refused
-    a.check(for_a, drop, now=1000.0)
-    with pytest.raises(Unauthenticated, match="must be made for this worker"):
-        a.check(make_credential(secret, drop, now=1000.0), drop, now=1000.0)
-    # a read-only call may come before the coordinator knows whom it talks to
+    for name in ("DropExpert", "ReadExpert", "GetStats", "GetHeat", "ExpertFileStatus"):
+        method = f"/shoal.v1.ExpertService/{name}"
+        for_a = make_credential(secret, method, node="mac-a", now=1000.0)
+        with pytest.raises(Unauthenticated, match="another worker"):
+            b.check(for_a, method, now=1000.0)  # presented to another worker: refused
+        a.check(for_a, method, now=1000.0)
+        with pytest.raises(Unauthenticated, match="must be made for this worker"):
+            a.check(make_credential(secret, method, now=1000.0), method, now=1000.0)
+    # the inventory comes before the coordinator knows whom it talks to
     b.check(make_credential(secret, inventory, now=1000.0), inventory, now=1000.0)
     b.check(make_credential(secret, inventory, node="mac-b", now=1000.0), inventory, now=1000.0)
 

@@ -2,7 +2,8 @@
 (from many loopback addresses, 127.0.0.2 and up), reconnecting each one the server closes, and
 either never sends a byte (`idle`) or dribbles an endless request header one byte a second
 (`slowloris`). Prints `holding N` once the first round is open, and at the end one JSON line:
-what it opened, what the server closed and after how long.
+what it opened, what the server closed and after how long. `start` and `report` run it from
+a test; `open_files` and `soft_file_limit` watch the server flooded (Linux's /proc).
 
     python -m tests.integration.socket_flood 127.0.0.1 8080 --sockets 3000 --hosts 100 \
         --mode idle --seconds 10
@@ -14,14 +15,55 @@ import argparse
 import contextlib
 import errno
 import json
+import re
 import resource
 import selectors
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 RECONNECTS_PER_SECOND = 400  # enough pressure; more only burns this machine's two cores
 HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(address: str, *, sockets: int, hosts: int, seconds: float,
+          mode: str = "idle") -> subprocess.Popen:
+    """The helper flooding `address` (host:port), once it holds its first round."""
+    host, port = address.rsplit(":", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.socket_flood", host, port, "--sockets",
+         str(sockets), "--hosts", str(hosts), "--mode", mode, "--seconds", str(seconds)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    first = proc.stdout.readline()
+    if not first.startswith("holding"):
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"the flood did not start: {first!r}")
+    return proc
+
+
+def report(proc: subprocess.Popen, seconds: float) -> dict:
+    """What the helper says at its end (its `seconds` over, 30 s more at most)."""
+    try:
+        out, _ = proc.communicate(timeout=seconds + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise
+    assert proc.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def open_files(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def soft_file_limit(pid: int) -> int:
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    return int(re.search(r"Max open files\s+(\d+)", limits).group(1))
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint,
     manifest = shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     first = open_local_experts([sharded / "experts"], manifest, warm=False)
     try:
-        with pytest.raises(InvalidInput, match="served by another shoal process"):
+        with pytest.raises(InvalidInput, match="served by another shoal process on this machine"):
             open_local_experts([sharded / "experts"], manifest, warm=False)
     finally:
         first.close()

@@ -1,14 +1,13 @@
 """`shoal serve` under abuse, against the real server process and two real workers: thousands
 of idle connections from a helper process, slowloris headers, big bodies, nested JSON, lone
-surrogates, and SIGTERM or SIGINT with streams open. During each flood a fresh client must be
-served within 2 s, a stream already running must keep at least half its speed, and the
-server's memory and log must stay bounded."""
+surrogates, and SIGTERM or SIGINT with streams open. The servers here take an API key, as one
+open to others would: during each flood a fresh client sending the key must be served within
+2 s, a stream already running must keep at least half its speed, and the server's memory and
+log must stay bounded."""
 
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,11 +20,13 @@ from coordinator.heat import load_record, record_path
 from coordinator.local import LocalServer, start_server, start_workers, stop_workers
 from engine.manifest import read_manifest
 from engine.sharding import shard
+from tests.integration import socket_flood
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 FRESH_CLIENT_SECONDS = 2.0
+API_KEY = "sk-shoal-hardening-test"
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,10 @@ def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
 
 def _start(cluster, secret_file, name: str, *extra: str) -> LocalServer:
     sharded, workers, root = cluster
+    key_file = root / "api-key"
+    key_file.write_text(API_KEY + "\n")
     return start_server(sharded, [w.address for w in workers], secret_file,
-                        root / f"{name}.log", extra)
+                        root / f"{name}.log", ("--api-key-file", str(key_file), *extra))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def server(cluster, secret_file):
 
 
 def _client(server: LocalServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
                          timeout=30)
 
 
@@ -67,10 +70,6 @@ def _rss_mb(pid: int) -> float:
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
-
-
-def _open_files(pid: int) -> int:
-    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
 class Stream:
@@ -88,7 +87,8 @@ class Stream:
 
     def _run(self, url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=KEYED,
+                              timeout=60) as reply:
                 for line in reply.iter_lines():
                     if self._closing:
                         return  # leaving the block closes the connection: the server cancels
@@ -121,7 +121,7 @@ def _fresh_client_seconds(server: LocalServer) -> list[float]:
     """How long /health and a two-token completion took for a new client, each."""
     took = []
     started = time.monotonic()
-    health = httpx.get(server.url + "/health", timeout=10)
+    health = httpx.get(server.url + "/health", headers=KEYED, timeout=10)
     took.append(time.monotonic() - started)
     assert health.status_code == 200, health.text
     started = time.monotonic()
@@ -132,31 +132,13 @@ def _fresh_client_seconds(server: LocalServer) -> list[float]:
     return took
 
 
-def _flood(server: LocalServer, mode: str, sockets: int, hosts: int,
-           seconds: float) -> subprocess.Popen:
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.socket_flood", host, port, "--sockets",
-         str(sockets), "--hosts", str(hosts), "--mode", mode, "--seconds", str(seconds)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
-    first = proc.stdout.readline()
-    assert first.startswith("holding"), first
-    return proc
-
-
-def _flood_report(proc: subprocess.Popen, seconds: float) -> dict:
-    out, _ = proc.communicate(timeout=seconds + 30)
-    assert proc.returncode == 0
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def _window(server: LocalServer, stream: Stream, seconds: float) -> dict:
     """The stream's rate over `seconds` while a fresh client comes every second."""
     started = time.monotonic()
     fresh, files = [], []
     while time.monotonic() - started < seconds:
         fresh += _fresh_client_seconds(server)
-        files.append(_open_files(server.proc.pid))
+        files.append(socket_flood.open_files(server.proc.pid))
         time.sleep(1.0)
     ended = time.monotonic()
     return {"rate": stream.rate(started, ended), "fresh": fresh, "files": max(files),
@@ -171,26 +153,30 @@ def _under_flood(server: LocalServer, mode: str, sockets: int, hosts: int) -> di
     calm = _window(server, stream, 6.0)
     rss_before, log_before = _rss_mb(server.proc.pid), server.log.stat().st_size
     seconds = 10.0
-    flood = _flood(server, mode, sockets, hosts, seconds)
+    address = server.url.removeprefix("http://")
+    flood = socket_flood.start(address, mode=mode, sockets=sockets, hosts=hosts,
+                               seconds=seconds)
     cpu_before = _cpu_seconds(server.proc.pid), _cpu_seconds(flood.pid)
     flooded = _window(server, stream, 8.0)
     cpu = [(_cpu_seconds(pid) - was) / flooded["seconds"]
            for pid, was in zip((server.proc.pid, flood.pid), cpu_before, strict=True)]
     rss_after = _rss_mb(server.proc.pid)
-    report = _flood_report(flood, seconds)
-    health = httpx.get(server.url + "/health", timeout=10).json()
+    report = socket_flood.report(flood, seconds)
+    health = httpx.get(server.url + "/health", headers=KEYED, timeout=10).json()
+    keyless = httpx.get(server.url + "/health", timeout=10).status_code
     stream.close()
     return {"baseline_rate": calm["rate"], "flood_rate": flooded["rate"],
             "fresh_seconds": calm["fresh"] + flooded["fresh"],
             "rss_growth_mb": rss_after - rss_before, "most_open_files": flooded["files"],
             "log_growth": server.log.stat().st_size - log_before, "flood": report,
             "connections": health.get("connections"), "server_cores": cpu[0],
-            "flood_cores": cpu[1], "stream_error": stream.error}
+            "flood_cores": cpu[1], "stream_error": stream.error, "keyless_status": keyless}
 
 
 def _check_flood(figures: dict) -> None:
     print(json.dumps({k: v for k, v in figures.items() if k != "stream_error"}, default=str))
     assert figures["stream_error"] is None, figures["stream_error"]
+    assert figures["keyless_status"] == 401  # the fresh clients were served as key holders
     assert max(figures["fresh_seconds"]) < FRESH_CLIENT_SECONDS, figures
     assert figures["flood_rate"] >= 0.5 * figures["baseline_rate"], figures
     assert figures["rss_growth_mb"] < 150, figures
@@ -202,8 +188,7 @@ def test_thousands_of_idle_connections_lock_out_no_one(server):
     fills and the idle ones are closed for newcomers), then from one (64 per address)."""
     figures = _under_flood(server, "idle", sockets=3000, hosts=100)
     _check_flood(figures)
-    limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
-    soft = int(re.search(r"Max open files\s+(\d+)", limits).group(1))
+    soft = socket_flood.soft_file_limit(server.proc.pid)
     assert soft > 2048  # raised above mlx-lm's 2048
     # the idle ones were closed: evicted for newcomers, or at the header deadline first
     assert figures["connections"]["evicted"] + figures["connections"]["timed_out"] > 0
@@ -227,7 +212,7 @@ def test_slowloris_headers_are_cut_at_the_header_deadline(server):
 
 def _post(server: LocalServer, path: str, content, **headers) -> httpx.Response:
     return httpx.post(server.url + path, content=content, timeout=60,
-                      headers={"Content-Type": "application/json", **headers})
+                      headers={"Content-Type": "application/json", **KEYED, **headers})
 
 
 def test_a_big_body_gets_413_and_freezes_nothing(server):
@@ -342,8 +327,8 @@ def test_a_stop_ends_every_open_stream_and_records_the_heat(cluster, secret_file
         whole: dict[str, object] = {}
 
         def unstreamed() -> None:
-            whole["reply"] = httpx.post(local.url + "/v1/completions", timeout=60, json={
-                "prompt": "hello", "max_tokens": 3500, "temperature": 0})
+            whole["reply"] = httpx.post(local.url + "/v1/completions", headers=KEYED, json={
+                "prompt": "hello", "max_tokens": 3500, "temperature": 0}, timeout=60)
 
         waiting = threading.Thread(target=unstreamed)
         waiting.start()

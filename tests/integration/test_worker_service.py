@@ -20,7 +20,7 @@ def worker(tiny_checkpoint, tmp_path, start_worker):
 
 
 def credential(secret: bytes, method: str, node: str = "") -> list[tuple[str, str]]:
-    """A call's credential; one that changes something names the worker (its node id)."""
+    """A call's credential; every one but GetInventory's names the worker (its node id)."""
     return [("shoal-auth", make_credential(secret, SERVICE + method, node=node))]
 
 
@@ -116,7 +116,7 @@ def test_numbers_that_are_not_numbers_and_huge_strings_get_short_clear_refusals(
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, quiet
         assert "quiet_seconds" in info.value.details()
     status = stub.ExpertFileStatus(shoal_pb2.ExpertFileRequest(layer=layer, expert=expert),
-                                   timeout=30, metadata=credential(secret, "ExpertFileStatus"))
+                                   timeout=30, metadata=bound("ExpertFileStatus"))
     assert status.state == shoal_pb2.ExpertFileState.DRAINING  # not deleted
 
     message = request(layer=layer, experts=(expert,))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.link import WorkerLink
-from engine.auth import load_secret
+from engine.auth import METADATA_KEY, load_secret, make_credential
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.manifest import read_manifest
 from engine.sharding import shard
@@ -141,3 +141,48 @@ def test_push_resume_verify_serve_drain_delete_and_heat(two_workers):
     heat = a.call("GetHeat", shoal_pb2.HeatRequest())
     counts = {(h.layer, h.expert): h.tokens for h in heat.experts}
     assert counts == {key: 6} and heat.boot_id and heat.node_id == "t0"
+
+
+def test_a_credential_made_for_one_worker_or_for_none_is_refused_by_another(
+    two_workers, secret_file
+):
+    """Issue 28, item 8: every call but the inventory takes a credential bound to its worker's
+    node id. A credential made for worker A, or for no worker, is UNAUTHENTICATED at worker B
+    (whose expert stays put), while A takes the one made for it (A then refuses the request
+    on its merits: it holds no such expert, the chunk is not this model's)."""
+    _, (a, b) = two_workers
+    secret = load_secret(secret_file)
+    a.fetch_inventory()
+    held_b = b.fetch_inventory().experts[0]
+    file_request = shoal_pb2.ExpertFileRequest(layer=held_b.layer, expert=held_b.expert)
+    drain = shoal_pb2.DropRequest(layer=held_b.layer, expert=held_b.expert,
+                                  phase=shoal_pb2.DropRequest.DRAIN)
+    wrong = shoal_pb2.ExpertChunk(layer=held_b.layer, expert=held_b.expert, total_bytes=1,
+                                  sha256="00")
+    calls = {
+        "DropExpert": lambda stub, metadata: stub.DropExpert(drain, metadata=metadata,
+                                                             timeout=30),
+        "PushExpert": lambda stub, metadata: stub.PushExpert(iter([wrong]), metadata=metadata,
+                                                             timeout=30),
+        "ReadExpert": lambda stub, metadata: list(stub.ReadExpert(
+            file_request, metadata=metadata, timeout=30)),
+        "ExpertFileStatus": lambda stub, metadata: stub.ExpertFileStatus(
+            file_request, metadata=metadata, timeout=30),
+        "GetStats": lambda stub, metadata: stub.GetStats(shoal_pb2.StatsRequest(),
+                                                         metadata=metadata, timeout=30),
+        "GetHeat": lambda stub, metadata: stub.GetHeat(shoal_pb2.HeatRequest(),
+                                                       metadata=metadata, timeout=30),
+    }
+    for name, call in calls.items():
+        method = f"/shoal.v1.ExpertService/{name}"
+        for_a = make_credential(secret, method, node=a.node_id)
+        for credential in (for_a, make_credential(secret, method)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(b._stub, [(METADATA_KEY, credential)])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        try:  # the worker it was made for takes it
+            call(a._stub, [(METADATA_KEY, for_a)])
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), \
+                (name, e.code(), e.details())
+    assert status(b, (held_b.layer, held_b.expert)).state == State.SERVING
