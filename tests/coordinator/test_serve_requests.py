@@ -6,6 +6,7 @@ import pytest
 from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
+    NEUTRAL,
     Chunks,
     answer_meta,
     completion_json,
@@ -69,6 +70,13 @@ def test_text_parts_and_prompts_of_token_ids():
     ({"messages": HI, "min_p": 1.5}, True, "'min_p' must be between 0 and 1"),
     ({"messages": HI, "functions": []}, True, "'functions'"),
     ({"messages": HI, "audio": {"voice": "x"}}, True, "audio"),
+    ({"messages": HI, "store": True}, True, "'store'"),
+    ({"messages": HI, "store": 0}, True, "'store'"),  # JSON's false only, not 0
+    ({"messages": HI, "service_tier": "priority"}, True, "'service_tier'"),
+    ({"messages": HI, "prompt_cache_retention": "24h"}, True, "'prompt_cache_retention'"),
+    ({"messages": HI, "prompt_cache_options": {"mode": "explicit"}}, True,
+     "'prompt_cache_options'"),
+    ({"messages": HI, "prediction": {"type": "content", "content": "x"}}, True, "'prediction'"),
     ({"messages": HI, "modalities": ["text", "audio"]}, True, "'modalities'"),
     ({"messages": HI, "frobnicate": 1}, True, "unknown field 'frobnicate'"),
     ({"messages": HI, "reasoning_effort": "huge"}, True, "'reasoning_effort'"),
@@ -91,6 +99,13 @@ def test_text_parts_and_prompts_of_token_ids():
 def test_bad_requests_say_which_field(body, chat, message):
     with pytest.raises(InvalidInput, match=message):
         parse_request(body, chat=chat)
+
+
+def test_refused_fields_are_taken_at_their_neutral_values():
+    for name, values in NEUTRAL.items():
+        for value in values:
+            assert parse_request({"messages": HI, name: value}, chat=True).messages == (
+                {"role": "user", "content": "hi"},)
 
 
 def test_the_context_holds_prompt_and_answer():

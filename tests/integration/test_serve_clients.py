@@ -26,7 +26,7 @@ from openai.types.chat import completion_create_params as chat_params
 from playwright.sync_api import sync_playwright
 
 from coordinator.local import start_server, start_workers, stop_workers
-from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
@@ -149,14 +149,18 @@ SAMPLES = {  # a value for each field of the OpenAI schemas that is not its neut
     "logit_bias": {"5": 1.5}, "logprobs": True, "max_completion_tokens": 3, "max_tokens": 3,
     "metadata": {"k": "v"}, "modalities": ["text"], "moderation": {"model": "m"}, "n": 1,
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
-    "presence_penalty": 0.5, "prompt_cache_key": "k", "prompt_cache_options": {},
+    "presence_penalty": 0.5, "prompt_cache_key": "k", "prompt_cache_options": {"mode": "explicit"},
     "prompt_cache_retention": "24h", "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "safety_identifier": "s", "seed": 1,
-    "service_tier": "auto", "stop": ["\n"], "store": False,
+    "service_tier": "flex", "stop": ["\n"], "store": True,
     "stream_options": {"include_usage": True}, "temperature": 0.5, "tool_choice": "auto",
     "tools": [WEATHER], "top_logprobs": 2, "top_p": 0.9, "user": "u", "verbosity": "low",
     "web_search_options": {}, "best_of": 1, "echo": True, "suffix": "end", "prompt": "hello",
     "messages": HI, "model": "tiny", "stream": False,  # streaming: the other tests
+    # mlx-lm's extensions
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "repetition_context_size": 8,
+    "presence_context_size": 8, "frequency_context_size": 8,
+    "chat_template_kwargs": {"reasoning_effort": "low"},
 }
 COMPANIONS = {"top_logprobs": {"logprobs": True}}  # fields that need another with them
 TEXT_SAMPLES = {"logprobs": 2, "chat_template_kwargs": {"x": 1}}  # where completions differ
@@ -167,18 +171,22 @@ def test_the_sweep_knows_every_field_of_the_installed_openai_schemas():
     text = typing.get_type_hints(text_params.CompletionCreateParamsBase)
     assert set(chat) - {"stream"} <= set(CHAT_FIELDS), set(chat) - set(CHAT_FIELDS)
     assert set(text) - {"stream"} <= set(COMPLETION_FIELDS), set(text) - set(COMPLETION_FIELDS)
-    assert set(chat) | set(text) <= set(SAMPLES) | {"stream"}
+    assert set(chat) | set(text) | set(MLX_LM_FIELDS) <= set(SAMPLES) | {"stream"}
+    assert set(NEUTRAL) <= set(CHAT_FIELDS) | set(COMPLETION_FIELDS)
 
 
 @pytest.mark.parametrize("route,fields", [("/v1/chat/completions", CHAT_FIELDS),
                                           ("/v1/completions", COMPLETION_FIELDS)])
 def test_every_field_is_honoured_or_refused_with_a_400_naming_it(server, route, fields):
+    """Each field of the API's table and mlx-lm's, at a value that asks for something: 200
+    where honoured, the same answer where it only labels the request, else 400 naming it;
+    a refused field at its neutral value (store: false...) is taken, same answer."""
     base = {"messages": HI} if route.endswith("chat/completions") else {"prompt": "hello"}
     base |= {"max_tokens": 3, "temperature": 0}
     samples = SAMPLES if route.endswith("chat/completions") else {**SAMPLES, **TEXT_SAMPLES}
     plain = post(server, route, base)
     assert plain.status_code == 200, plain.text
-    for name, status in fields.items():
+    for name, status in {**MLX_LM_FIELDS, **fields}.items():
         reply = post(server, route, {**base, **COMPANIONS.get(name, {}), name: samples[name]})
         if status in ("yes", "ignored"):
             assert reply.status_code == 200, (name, reply.text)
@@ -188,6 +196,11 @@ def test_every_field_is_honoured_or_refused_with_a_400_naming_it(server, route, 
             assert reply.status_code == 400, (name, reply.text)
             message = reply.json()["error"]["message"]
             assert f"'{name}'" in message, (name, message)
+    for name, values in NEUTRAL.items():
+        for value in values if name in fields else ():
+            reply = post(server, route, {**base, name: value})
+            assert reply.status_code == 200, (name, value, reply.text)
+            assert reply.json()["choices"] == plain.json()["choices"], (name, value)
 
 
 def test_a_field_of_neither_the_api_nor_mlx_lm_is_refused_by_name(server):
