@@ -212,29 +212,46 @@ def test_a_field_of_neither_the_api_nor_mlx_lm_is_refused_by_name(server):
 # ---------------------------------------------------------------------------------------
 # Sampling: mlx-lm's processors and samplers, per request inside one batch
 
-SETTINGS = [  # (OpenAI fields, mlx-lm's make_logits_processors arguments)
+SETTINGS = [  # (request fields, mlx-lm's make_logits_processors arguments; None: seeded)
     ({}, {}),
     ({"logit_bias": {"70": 9.0}}, {"logit_bias": {70: 9.0}}),
     ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+    ({"repetition_penalty": 1.8, "repetition_context_size": 2},
+     {"repetition_penalty": 1.8, "repetition_context_size": 2}),
     ({"presence_penalty": 1.5}, {"presence_penalty": 1.5}),
+    ({"presence_penalty": 1.5, "presence_context_size": 2},
+     {"presence_penalty": 1.5, "presence_context_size": 2}),
     ({"frequency_penalty": 1.2, "frequency_context_size": 8},
      {"frequency_penalty": 1.2, "frequency_context_size": 8}),
+    ({"temperature": 1.0, "seed": 5, "top_k": 3}, None),
+    ({"temperature": 1.0, "seed": 5, "min_p": 0.3}, None),
 ]
+# The openai client's own arguments for /v1/completions; mlx-lm's fields go in extra_body.
+TEXT_ARGUMENTS = set(typing.get_type_hints(text_params.CompletionCreateParamsBase))
+
+
+def complete(c: openai.OpenAI, prompt: list[int], max_tokens: int, fields: dict) -> str:
+    given = {"temperature": 0, **fields}
+    extra = {k: v for k, v in given.items() if k not in TEXT_ARGUMENTS}
+    reply = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, extra_body=extra or None,
+        **{k: v for k, v in given.items() if k in TEXT_ARGUMENTS})
+    return reply.choices[0].text
 
 
 def test_each_sampling_setting_in_one_batch_equals_mlx_lm_alone(server, mlx_lm_model):
-    """Five greedy requests with different processors, sent together: each text equals the
-    same request alone, and mlx-lm's stream_generate with the same processors; the
-    processors change the answer (each differs from the plain one)."""
+    """Nine requests with different processors and samplers, sent together through the
+    openai client: each text equals the same request alone; the greedy ones equal mlx-lm's
+    stream_generate with the same processors, and the seeded ones (top_k, min_p) draw from
+    their own key. Each processor, and each context size, changes the answer."""
     _, tokenizer = mlx_lm_model
     prompt = tokenizer.encode("the quick brown fox")
-    body = {"prompt": prompt, "max_tokens": 14, "temperature": 0}
+    c = client(server)
     before = httpx.get(server.url + "/health", headers=HEADERS).json()["batching"]
     together: dict[int, str] = {}
 
     def run(i: int) -> None:
-        reply = post(server, "/v1/completions", {**body, **SETTINGS[i][0]})
-        together[i] = reply.json()["choices"][0]["text"]
+        together[i] = complete(c, prompt, 14, SETTINGS[i][0])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(SETTINGS))]
     for t in threads:
@@ -246,25 +263,37 @@ def test_each_sampling_setting_in_one_batch_equals_mlx_lm_alone(server, mlx_lm_m
         after["decode_steps"] - before["decode_steps"])  # some shared a step
     texts = []
     for i, (fields, processors) in enumerate(SETTINGS):
-        alone = post(server, "/v1/completions", {**body, **fields}).json()["choices"][0]
-        assert together[i] == alone["text"], fields
-        reference = mlx_lm_text(mlx_lm_model, prompt, 14, **processors)
-        assert alone["text"].lstrip(" ") == reference.lstrip(" "), fields
-        texts.append(alone["text"])
+        alone = complete(c, prompt, 14, fields)
+        assert together[i] == alone, fields
+        if processors is not None:
+            reference = mlx_lm_text(mlx_lm_model, prompt, 14, **processors)
+            assert alone.lstrip(" ") == reference.lstrip(" "), fields
+        texts.append(alone)
     assert all(t != texts[0] for t in texts[1:]), texts
+    assert texts[3] != texts[2] and texts[5] != texts[4], texts  # the context sizes count
 
 
-def test_top_k_1_and_min_p_1_sample_the_greedy_answer(server):
+def test_top_k_1_min_p_1_and_a_tiny_top_p_sample_the_greedy_answer(server):
     body = {"prompt": "hello there", "max_tokens": 12}
     greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()
     sampled = {post(server, "/v1/completions", {**body, "temperature": 1.5, "seed": s})
                .json()["choices"][0]["text"] for s in range(3)}
     assert sampled != {greedy["choices"][0]["text"]}  # plain sampling wanders
-    for knob in ({"top_k": 1}, {"min_p": 1.0}):
+    for knob in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 0.01}):
         for seed in (1, None):
             reply = post(server, "/v1/completions",
                          {**body, "temperature": 1.5, "seed": seed, **knob}).json()
             assert reply["choices"][0]["text"] == greedy["choices"][0]["text"], knob
+
+
+def test_max_completion_tokens_bounds_a_chat_answer(server):
+    c = client(server)
+    free = c.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0)
+    assert free.usage.completion_tokens > 3
+    cut = c.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0,
+                                    max_completion_tokens=3)  # it wins over max_tokens
+    assert cut.usage.completion_tokens == 3 and cut.choices[0].finish_reason == "length"
+    assert free.choices[0].message.content.startswith(cut.choices[0].message.content)
 
 
 def test_completions_keep_the_first_tokens_leading_space_and_echo_reads_right(server,
@@ -338,12 +367,16 @@ def test_tool_results_go_back_with_their_call_ids(server):
     assert b.usage.prompt_tokens > a.usage.prompt_tokens  # the id is in the prompt
 
 
-def test_reasoning_effort_reaches_a_template_that_reads_it(server):
+def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(server):
     c = client(server)
     plain = c.chat.completions.create(model="tiny", messages=HI, max_tokens=2, temperature=0)
     effort = c.chat.completions.create(model="tiny", messages=HI, max_tokens=2,
                                        temperature=0, reasoning_effort="high")
     assert effort.usage.prompt_tokens > plain.usage.prompt_tokens
+    kwargs = c.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=2, temperature=0,
+        extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert kwargs.usage.prompt_tokens == effort.usage.prompt_tokens  # the same prompt
 
 
 # ---------------------------------------------------------------------------------------
