@@ -18,6 +18,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from anthropic.types import message_create_params as message_params
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model, load_tokenizer
@@ -25,6 +26,8 @@ from openai.types import completion_create_params as text_params
 from openai.types.chat import completion_create_params as chat_params
 from playwright.sync_api import sync_playwright
 
+from coordinator.anthropic_api import FIELDS as ANTHROPIC_FIELDS
+from coordinator.anthropic_api import NEUTRAL as ANTHROPIC_NEUTRAL
 from coordinator.local import start_server, start_workers, stop_workers
 from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
 from engine.sharding import shard
@@ -413,6 +416,60 @@ def anthropic_client(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
 
 
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "weather",
+                  "input_schema": WEATHER["function"]["parameters"]}
+ANTHROPIC_SAMPLES = {  # a value for each field of the Messages API that is not its neutral one
+    "model": "tiny", "messages": HI, "max_tokens": 3, "system": "Be brief.",
+    "stop_sequences": ["\n"], "stream": False, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+    "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"},
+    "thinking": {"type": "disabled"}, "output_config": {"effort": "low"},
+    "metadata": {"user_id": "u"}, "user_profile_id": "p", "workspace_id": "w",
+    "service_tier": "priority", "cache_control": {"type": "ephemeral", "ttl": "1h"},
+    "diagnostics": {"previous_message_id": None}, "inference_geo": "us", "speed": "fast",
+    "container": "c", "mcp_servers": [{"type": "url", "url": "x"}], "context_management": {},
+}
+
+
+def test_the_anthropic_sweep_knows_every_field_of_the_installed_schema():
+    fields = typing.get_type_hints(message_params.MessageCreateParamsBase)
+    assert set(fields) <= set(ANTHROPIC_FIELDS), set(fields) - set(ANTHROPIC_FIELDS)
+    assert set(ANTHROPIC_FIELDS) <= set(ANTHROPIC_SAMPLES) and set(ANTHROPIC_NEUTRAL) <= set(
+        ANTHROPIC_FIELDS)
+
+
+def test_every_anthropic_field_is_honoured_or_refused_with_a_400_naming_it(server):
+    """As the OpenAI sweep: 200 where honoured, the same answer for a label or a neutral
+    value, else 400 naming the field."""
+    base = {"model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0}
+    plain = post(server, "/v1/messages", base)
+    assert plain.status_code == 200, plain.text
+    for name, status in ANTHROPIC_FIELDS.items():
+        reply = post(server, "/v1/messages", {**base, name: ANTHROPIC_SAMPLES[name]})
+        if status in ("yes", "ignored"):
+            assert reply.status_code == 200, (name, reply.text)
+            if status == "ignored":
+                assert reply.json()["content"] == plain.json()["content"], name
+        else:
+            assert reply.status_code == 400, (name, reply.text)
+            message = reply.json()["error"]["message"]
+            assert f"'{name}'" in message, (name, message)
+    for name, values in ANTHROPIC_NEUTRAL.items():
+        for value in values:
+            reply = post(server, "/v1/messages", {**base, name: value})
+            assert reply.status_code == 200, (name, value, reply.text)
+            assert reply.json()["content"] == plain.json()["content"], (name, value)
+
+
+def test_anthropic_top_k_1_and_a_tiny_top_p_sample_the_greedy_answer(server):
+    a = anthropic_client(server)
+    greedy = a.messages.create(model="tiny", max_tokens=12, messages=HI,
+                               extra_body={"temperature": 0}).content[0].text
+    for knob in ({"top_k": 1}, {"top_p": 0.01}):
+        reply = a.messages.create(model="tiny", max_tokens=12, messages=HI,
+                                  extra_body={"temperature": 1, **knob})
+        assert reply.content[0].text == greedy, knob
+
+
 def test_anthropic_messages_equal_the_openai_chat(server):
     openai_text = client(server).chat.completions.create(
         model="tiny", messages=HI, max_tokens=12, temperature=0).choices[0].message.content
@@ -433,8 +490,7 @@ def test_anthropic_messages_equal_the_openai_chat(server):
 
 def test_anthropic_tools_and_stop_sequences(server):
     a = anthropic_client(server)
-    tool = {"name": "get_weather", "description": "weather",
-            "input_schema": WEATHER["function"]["parameters"]}
+    tool = ANTHROPIC_TOOL
     reply = a.messages.create(model="tiny", max_tokens=120, messages=HI, tools=[tool],
                               tool_choice={"type": "tool", "name": "get_weather"},
                               extra_body={"temperature": 0})
