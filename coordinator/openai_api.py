@@ -107,6 +107,7 @@ class CompletionRequest:
     tools: ToolUse = ToolUse()
     template_kwargs: tuple[tuple[str, object], ...] = ()  # for the chat template
     reasoning_effort: str | None = None
+    context: int | None = None  # a smaller context the request asks for (Ollama's num_ctx)
 
 
 def decode_body(body: bytes) -> object:
@@ -223,7 +224,7 @@ def check_fields(body: dict, known: dict[str, str], neutral: dict[str, tuple],
                  what: str = "field") -> None:
     """Refuse a field Shoal does not honour, naming it: one of the API's that Shoal cannot do
     (`known` gives the message), unless at one of its `neutral` values, or one the API does
-    not have."""
+    not have. The OpenAI, Anthropic and Ollama routes each check their table with this."""
     for name, value in body.items():
         status = known.get(name)
         if status is None:
@@ -356,12 +357,16 @@ def parse_request(body: object, *, chat: bool) -> CompletionRequest:
 
 def fit_to_context(request: CompletionRequest, prompt_tokens: int,
                    context: int) -> CompletionRequest:
-    """Refuse a prompt that leaves no room to answer, and a max_tokens past the context; a
-    request that gave no max_tokens gets what is left, up to DEFAULT_MAX_TOKENS."""
+    """Refuse a prompt that leaves no room to answer, and a max_tokens past the context (the
+    model's, or the smaller one the request asks for); a request that gave no max_tokens gets
+    what is left, up to DEFAULT_MAX_TOKENS."""
+    holder = "this model's context"
+    if request.context is not None and request.context < context:
+        context, holder = request.context, "the context this request asks for ('num_ctx')"
     room = context - prompt_tokens
     if room < 1:
-        raise InvalidInput(f"the prompt has {prompt_tokens} tokens; this model's context "
-                           f"holds {context}, the prompt and the answer together")
+        raise InvalidInput(f"the prompt has {prompt_tokens} tokens; {holder} holds {context}, "
+                           "the prompt and the answer together")
     asked = request.sampling.max_tokens
     if request.max_tokens_given and asked > room:
         raise InvalidInput(f"max_tokens {asked} does not fit: the prompt has {prompt_tokens} "

@@ -1,6 +1,8 @@
 """`shoal serve`'s pure parts: request validation, the context check, the answers' shapes,
 stop strings."""
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
@@ -117,6 +119,11 @@ def test_the_context_holds_prompt_and_answer():
         fit_to_context(given, 100, 100)
     free = parse_request({"prompt": "x"}, chat=False)  # no max_tokens: what is left
     assert fit_to_context(free, 95, 100).sampling.max_tokens == 5
+    smaller = replace(free, context=50)  # a request's own context (Ollama's num_ctx)
+    assert fit_to_context(smaller, 45, 100).sampling.max_tokens == 5
+    assert fit_to_context(replace(free, context=500), 95, 100).sampling.max_tokens == 5
+    with pytest.raises(InvalidInput, match="asks for \\('num_ctx'\\) holds 50"):
+        fit_to_context(smaller, 50, 100)
 
 
 class Letters:

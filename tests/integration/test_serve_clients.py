@@ -1,9 +1,11 @@
 """Every client against `shoal serve`: the official `openai` client with tools, streamed tool
 calls, structured output and every sampling field; the official `anthropic` client on the
-Messages API; the official `ollama` client on Ollama's API; and the schema sweep, every field
-of the OpenAI chat and completions schemas (read from the installed `openai` package) either
-honoured or refused with a 400 naming it. One cluster of two real workers and one server,
-whose tiny checkpoint carries a chat template with tools (tests/integration/tool_template.jinja)."""
+Messages API; the official `ollama` client on Ollama's API; and the schema sweeps: every field
+of the OpenAI chat and completions schemas and mlx-lm's extensions, of Anthropic's Messages
+request and of Ollama's chat, generate and options (each read from the installed client
+package) is either honoured or refused with a 400 naming it. One cluster of two real workers
+and one server, whose tiny checkpoint carries a chat template with tools
+(tests/integration/tool_template.jinja)."""
 
 import json
 import shutil
@@ -16,6 +18,7 @@ import anthropic
 import httpx2 as httpx
 import jsonschema
 import ollama
+import ollama._types as ollama_types
 import openai
 import pytest
 from anthropic.types import message_create_params as message_params
@@ -29,6 +32,10 @@ from playwright.sync_api import sync_playwright
 from coordinator.anthropic_api import FIELDS as ANTHROPIC_FIELDS
 from coordinator.anthropic_api import NEUTRAL as ANTHROPIC_NEUTRAL
 from coordinator.local import start_server, start_workers, stop_workers
+from coordinator.ollama_api import CHAT_FIELDS as OLLAMA_CHAT_FIELDS
+from coordinator.ollama_api import GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS
+from coordinator.ollama_api import NEUTRAL as OLLAMA_NEUTRAL
+from coordinator.ollama_api import OPTIONS as OLLAMA_OPTIONS
 from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
 from engine.sharding import shard
 
@@ -559,6 +566,86 @@ def test_ollama_chat_generate_and_models(server):
     assert httpx.get(server.url + "/api/version", headers=HEADERS).json()["version"]
     with pytest.raises(ollama.ResponseError, match="mirostat"):
         o.chat(model="tiny", messages=HI, options={"mirostat": 2})
+
+
+OLLAMA_SAMPLES = {  # a value for each field of Ollama's chat and generate that asks something
+    "model": "tiny", "messages": HI, "prompt": "hello", "stream": False, "format": "json",
+    "options": {"temperature": 0, "num_predict": 3, "seed": 1}, "think": False,
+    "keep_alive": "10m", "tools": [WEATHER], "logprobs": True, "top_logprobs": 2,
+    "system": "Be brief.", "raw": True, "suffix": "end", "template": "{{ .Prompt }}",
+    "context": [1, 2], "images": ["aGk="], "width": 64, "height": 64, "steps": 4,
+}
+OPTION_SAMPLES = {
+    "num_predict": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 1,
+    "stop": ["\n"], "repeat_penalty": 1.3, "repeat_last_n": 8, "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "num_ctx": 4096, "numa": True, "num_batch": 8, "num_gpu": 1,
+    "main_gpu": 1, "low_vram": True, "f16_kv": True, "logits_all": True, "vocab_only": True,
+    "use_mmap": True, "use_mlock": True, "embedding_only": True, "num_thread": 2,
+    "num_keep": 4, "tfs_z": 0.5, "typical_p": 0.5, "mirostat": 1, "mirostat_tau": 4.0,
+    "mirostat_eta": 0.2, "penalize_newline": True,
+}
+QUIET = {"temperature": 0, "num_predict": 3}
+
+
+def test_the_ollama_sweep_knows_every_field_of_the_installed_ollama_package():
+    assert set(ollama_types.ChatRequest.model_fields) <= set(OLLAMA_CHAT_FIELDS)
+    assert set(ollama_types.GenerateRequest.model_fields) <= set(OLLAMA_GENERATE_FIELDS)
+    assert set(ollama_types.Options.model_fields) <= set(OLLAMA_OPTIONS)
+    assert set(OLLAMA_CHAT_FIELDS) | set(OLLAMA_GENERATE_FIELDS) <= set(OLLAMA_SAMPLES)
+    assert set(OLLAMA_OPTIONS) <= set(OPTION_SAMPLES)
+
+
+def _ollama_text(reply: httpx.Response) -> str:
+    body = reply.json()
+    return body["message"]["content"] if "message" in body else body["response"]
+
+
+@pytest.mark.parametrize("route,fields", [("/api/chat", OLLAMA_CHAT_FIELDS),
+                                          ("/api/generate", OLLAMA_GENERATE_FIELDS)])
+def test_every_ollama_field_and_option_is_honoured_or_refused_with_a_400_naming_it(
+    server, route, fields
+):
+    """As the OpenAI sweep, for the fields of each route and (on /api/chat) every option:
+    200 where honoured, the same answer at a neutral value, else 400 naming it."""
+    base = {"model": "tiny", "stream": False, "options": QUIET}
+    base |= {"messages": HI} if route == "/api/chat" else {"prompt": "hello"}
+    plain = post(server, route, base)
+    assert plain.status_code == 200, plain.text
+    sent = [(name, status, {**base, name: OLLAMA_SAMPLES[name]})
+            for name, status in fields.items()]
+    if route == "/api/chat":
+        sent += [(name, status, {**base, "options": {**QUIET, name: OPTION_SAMPLES[name]}})
+                 for name, status in OLLAMA_OPTIONS.items()]
+    for name, status, body in sent:
+        reply = post(server, route, body)
+        if status == "yes":
+            assert reply.status_code == 200, (name, reply.text)
+        else:
+            assert reply.status_code == 400, (name, reply.text)
+            assert f"'{name}'" in reply.json()["error"], (name, reply.text)
+    for name, values in OLLAMA_NEUTRAL.items():
+        for value in values:
+            body = ({**base, "options": {**QUIET, name: value}} if name in OLLAMA_OPTIONS
+                    else {**base, name: value})
+            reply = post(server, route, body)
+            assert reply.status_code == 200, (name, value, reply.text)
+            assert _ollama_text(reply) == _ollama_text(plain), (name, value)
+    unload = post(server, route, {**base, "keep_alive": 0})  # the one keep_alive refused
+    assert unload.status_code == 400 and "'keep_alive'" in unload.json()["error"]
+
+
+def test_ollama_num_ctx_bounds_the_prompt_and_the_answer(server):
+    o = ollama.Client(host=server.url, headers=HEADERS, timeout=60)
+    plain = o.chat(model="tiny", messages=HI, stream=False,
+                   options={"temperature": 0, "num_predict": 12})
+    assert plain.eval_count > 3
+    held = o.chat(model="tiny", messages=HI, stream=False,
+                  options={"temperature": 0, "num_ctx": plain.prompt_eval_count + 3})
+    assert held.eval_count == 3 and held.done_reason == "length"
+    assert plain.message.content.startswith(held.message.content)
+    with pytest.raises(ollama.ResponseError, match="'num_ctx'"):
+        o.chat(model="tiny", messages=HI, stream=False,
+               options={"num_ctx": plain.prompt_eval_count})
 
 
 def test_ollama_tools_and_format(server):
