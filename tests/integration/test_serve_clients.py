@@ -10,6 +10,7 @@ and one server, whose tiny checkpoint carries a chat template with tools
 import json
 import shutil
 import threading
+import time
 import typing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -104,23 +105,36 @@ def pages():
 
 
 @pytest.fixture(scope="module")
-def server(source, secret_file, pages):
+def workers(source, secret_file):
     root = source.parent
     shard(source, root / "sharded", workers=2, progress=False)
-    workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
+    started = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
                             secret_file, root / "logs")
+    yield started
+    stop_workers(started)
+
+
+@pytest.fixture(scope="module")
+def server(source, workers, secret_file, pages):
+    root = source.parent
     (root / "key").write_text(KEY)
-    local = None
-    try:
-        local = start_server(root / "sharded", [w.address for w in workers], secret_file,
-                             root / "serve.log", ("--api-key-file", str(root / "key"),
-                                                  "--model-id", "tiny", "--cors-origin",
-                                                  ORIGIN, "--cors-origin", pages[0]))
-        yield local
-    finally:
-        if local is not None:
-            local.stop()
-        stop_workers(workers)
+    local = start_server(root / "sharded", [w.address for w in workers], secret_file,
+                         root / "serve.log", ("--api-key-file", str(root / "key"),
+                                              "--model-id", "tiny", "--cors-origin", ORIGIN,
+                                              "--cors-origin", pages[0]))
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def quiet_server(source, workers, secret_file):
+    """A second server on the same workers, with the defaults the first one changes: no key,
+    no CORS; and --log-level warning."""
+    root = source.parent
+    local = start_server(root / "sharded", [w.address for w in workers], secret_file,
+                         root / "quiet.log", ("--model-id", "tiny", "--log-level", "warning"))
+    yield local
+    local.stop()
 
 
 @pytest.fixture(scope="module")
@@ -676,10 +690,13 @@ def test_models_retrieve_and_json_404s(server):
     assert wrong.status_code == 405 and "does not take GET" in wrong.json()["error"]["message"]
 
 
-def test_cors_lets_the_named_origin_in(server):
-    preflight = httpx.request("OPTIONS", server.url + "/v1/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+def test_cors_lets_the_named_origin_in_and_without_cors_options_is_a_json_405(
+    server, quiet_server
+):
+    preflight_headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = httpx.request("OPTIONS", server.url + "/v1/chat/completions",
+                              headers=preflight_headers)
     assert preflight.status_code == 200, preflight.text
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
     reply = httpx.get(server.url + "/v1/models", headers={**HEADERS, "Origin": ORIGIN})
@@ -687,6 +704,12 @@ def test_cors_lets_the_named_origin_in(server):
     other = httpx.get(server.url + "/v1/models", headers={**HEADERS,
                                                           "Origin": "http://elsewhere"})
     assert "access-control-allow-origin" not in other.headers
+    off = httpx.request("OPTIONS", quiet_server.url + "/v1/chat/completions",
+                        headers=preflight_headers)  # no --cors-origin: no preflight answer
+    assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
+    assert off.json()["error"] == {"message": "/v1/chat/completions does not take OPTIONS",
+                                   "type": "invalid_request_error", "param": None,
+                                   "code": 405}
 
 
 FETCH = """async ({url, key}) => {
@@ -727,8 +750,35 @@ def test_a_browser_page_of_the_named_origin_can_call_the_api_and_others_cannot(s
     assert results[1] == {"error": "TypeError"}  # "Failed to fetch": CORS refused it
 
 
+def _log_when(local, text: str, timeout: float = 10.0) -> str:
+    """The server's log once it holds `text` (the access line follows the answer)."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := local.log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return log
+
+
 def test_the_log_says_a_key_is_needed_and_has_a_line_per_request(server):
     httpx.get(server.url + "/v1/models/tiny", headers=HEADERS)
-    log = server.log.read_text()
+    log = _log_when(server, '"GET /v1/models/tiny" 200')
     assert "an API key is required" in log and ORIGIN in log
     assert '"GET /v1/models/tiny" 200' in log
+
+
+def test_at_log_level_warning_no_key_is_asked_and_no_request_is_logged(quiet_server):
+    """Last to use the quiet server: it stops it, so that everything it wrote is in the log
+    before the log is read."""
+    [line] = [line for line in quiet_server.log.read_text().splitlines()
+              if " requests decoded together)" in line]
+    assert line.startswith(f"shoal serve: tiny on {quiet_server.url}/v1 (")
+    assert line.endswith("; no API key is required"), line
+    bare = openai.OpenAI(base_url=quiet_server.url + "/v1", api_key="any", max_retries=0,
+                         timeout=60)  # a key it does not check
+    assert bare.models.retrieve("tiny").id == "tiny"
+    assert bare.chat.completions.create(model="tiny", messages=HI, max_tokens=2,
+                                        temperature=0).choices[0].message.content
+    quiet_server.stop()
+    assert quiet_server.proc.returncode == 0
+    log = quiet_server.log.read_text()
+    assert "shoal.access" not in log and "/v1/models/tiny" not in log, log
+    assert " INFO " not in log, log  # neither Shoal's info lines nor uvicorn's
