@@ -727,13 +727,11 @@ FETCH = """async ({url, key}) => {
 }"""
 
 
-def test_a_browser_page_of_the_named_origin_can_call_the_api_and_others_cannot(server, pages):
+def test_a_browser_page_of_the_named_origin_can_call_the_api_and_others_cannot(server, pages,
+                                                                              chromium):
     """Debian's chromium, driven by playwright: fetch() from a page of the --cors-origin
     origin (a preflight, then the call with its key) gets the answer; from another origin
     the browser refuses it."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     expected = client(server).chat.completions.create(
         model="tiny", messages=HI, max_tokens=6, temperature=0).choices[0].message.content
     with sync_playwright() as p:
