@@ -330,7 +330,9 @@ def routes(service: Service, guard: Callable) -> list[Route]:
         return JSONResponse({"models": [model_entry(service)]})
 
     async def ps(request: Request) -> Response:
-        return JSONResponse({"models": [{**model_entry(service), "expires_at": "",
+        # null: it stays loaded while the server runs ("" is no time: ollama's client
+        # refused the whole answer)
+        return JSONResponse({"models": [{**model_entry(service), "expires_at": None,
                                          "size_vram": 0}]})
 
     async def show(request: Request) -> Response:

@@ -576,6 +576,7 @@ def test_ollama_chat_generate_and_models(server):
                                              max_tokens=8, temperature=0).choices[0].text
     assert raw.response == text
     assert [m.model for m in o.list().models] == ["tiny"]
+    assert [m.model for m in o.ps().models] == ["tiny"]
     assert o.show("tiny").capabilities == ["completion", "tools"]
     assert httpx.get(server.url + "/api/version", headers=HEADERS).json()["version"]
     with pytest.raises(ollama.ResponseError, match="mirostat"):
