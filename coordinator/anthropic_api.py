@@ -21,6 +21,7 @@ from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
     MAX_STOP_STRINGS,
     CompletionRequest,
+    check_fields,
     fit_to_context,
     json_field,
     number_field,
@@ -32,19 +33,29 @@ from engine.errors import InvalidInput, ShoalError
 if TYPE_CHECKING:
     from coordinator.serve import Service
 
-# Every field of the Messages API's request: "yes" honoured, "ignored" accepted without
-# effect on the answer, a message: refused with 400.
+# Every field of the Messages API's request: "yes" honoured, "ignored" a label taken without
+# effect on the answer, a message: refused with 400 unless at a NEUTRAL value, one that asks
+# for nothing Shoal does not do.
 FIELDS: dict[str, str] = {
     "model": "yes", "messages": "yes", "max_tokens": "yes", "system": "yes",
     "stop_sequences": "yes", "stream": "yes", "temperature": "yes", "top_p": "yes",
     "top_k": "yes", "tools": "yes", "tool_choice": "yes", "thinking": "yes",
     "output_config": "yes",
-    "metadata": "ignored", "service_tier": "ignored", "cache_control": "ignored",
-    "diagnostics": "ignored", "inference_geo": "ignored", "speed": "ignored",
-    "user_profile_id": "ignored", "workspace_id": "ignored",
+    "metadata": "ignored", "user_profile_id": "ignored", "workspace_id": "ignored",
+    "service_tier": "'service_tier': Shoal has one tier: send auto or standard_only",
+    "cache_control": "'cache_control': Shoal's prompt cache keeps shared prefixes while "
+    "memory allows (--prompt-cache-bytes), for no promised time: leave out the ttl of 1h",
+    "diagnostics": "'diagnostics' (prompt-cache reports) is not supported: leave it out",
+    "inference_geo": "'inference_geo' is not supported: the answer is computed on this "
+    "cluster, wherever it is",
+    "speed": "'speed': fast mode is not supported: send standard or leave it out",
     "container": "'container': code execution is not supported",
     "mcp_servers": "'mcp_servers' is not supported: give the tools in 'tools'",
     "context_management": "'context_management' is not supported",
+}
+NEUTRAL: dict[str, tuple] = {
+    "service_tier": ("auto", "standard_only"), "speed": ("standard",),
+    "cache_control": ({"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"}),
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -137,13 +148,7 @@ def parse_messages(body: object) -> CompletionRequest:
     """A Messages request as Shoal's chat request; InvalidInput names the first bad field."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
-    for name, value in body.items():
-        status = FIELDS.get(name)
-        if status is None:
-            raise InvalidInput(f"unknown field '{name}': Shoal does not know it, so it "
-                               "cannot honour it")
-        if status not in ("yes", "ignored") and value is not None:
-            raise InvalidInput(status)
+    check_fields(body, FIELDS, NEUTRAL)
     max_tokens = json_field(body, "max_tokens", (int,), "an integer")
     if max_tokens is None or max_tokens < 1:
         raise InvalidInput("'max_tokens' is required, and at least 1")

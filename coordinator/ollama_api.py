@@ -6,6 +6,7 @@ Ollama's answers (newline-delimited JSON when streamed, which is Ollama's defaul
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -21,6 +22,7 @@ from coordinator.batching import Event, Sampling
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
+    check_fields,
     fit_to_context,
     json_field,
 )
@@ -33,53 +35,55 @@ if TYPE_CHECKING:
 
 VERSION = "0.12.0"  # the Ollama API release these routes follow
 
-# Ollama's request fields and `options`: "yes" honoured, "ignored" accepted without effect on
-# the answer (memory and hardware settings, which the cluster decides), a message: refused.
-CHAT_FIELDS = {"model": "yes", "messages": "yes", "tools": "yes", "format": "yes",
-               "options": "yes", "stream": "yes", "think": "yes", "keep_alive": "ignored"}
-GENERATE_FIELDS = {"model": "yes", "prompt": "yes", "system": "yes", "raw": "yes",
-                   "format": "yes", "options": "yes", "stream": "yes", "think": "yes",
-                   "keep_alive": "ignored",
+# Ollama's request fields and `options`: "yes" honoured, a message: refused with 400 unless
+# at a NEUTRAL value (Ollama's default, or one that asks for nothing Shoal does not do).
+# Ollama's memory and hardware settings are refused: the cluster decides where the model runs.
+_IMAGES = "image generation is not supported"
+_COMMON = {"model": "yes", "format": "yes", "options": "yes", "stream": "yes", "think": "yes",
+           "keep_alive": "yes",  # _check_keep_alive
+           "logprobs": "'logprobs' is not supported here: /v1/chat/completions has them",
+           "top_logprobs": "'top_logprobs' is not supported here: /v1/chat/completions "
+           "has them"}
+CHAT_FIELDS = {**_COMMON, "messages": "yes", "tools": "yes"}
+GENERATE_FIELDS = {**_COMMON, "prompt": "yes", "system": "yes", "raw": "yes",
                    "suffix": "'suffix' (fill in the middle) is not supported",
                    "template": "a 'template' of Ollama's own is not supported: the model's "
                    "chat template is used",
                    "context": "'context' (token ids of an earlier answer) is not supported: "
                    "send the conversation to /api/chat",
-                   "images": "images are not supported"}
+                   "images": "'images': images are not supported",
+                   "width": f"'width': {_IMAGES}", "height": f"'height': {_IMAGES}",
+                   "steps": f"'steps': {_IMAGES}"}
+_HARDWARE = "a setting of Ollama's runtime; the cluster decides how the model runs: leave it out"
 OPTIONS = {
     "num_predict": "yes", "temperature": "yes", "top_p": "yes", "top_k": "yes",
     "min_p": "yes", "seed": "yes", "stop": "yes", "repeat_penalty": "yes",
     "repeat_last_n": "yes", "presence_penalty": "yes", "frequency_penalty": "yes",
-    "num_ctx": "ignored", "num_batch": "ignored", "num_gpu": "ignored",
-    "main_gpu": "ignored", "low_vram": "ignored", "f16_kv": "ignored", "numa": "ignored",
-    "use_mmap": "ignored", "use_mlock": "ignored", "num_thread": "ignored",
-    "num_keep": "ignored", "vocab_only": "ignored", "logits_all": "ignored",
-    "embedding_only": "ignored",
+    "num_ctx": "yes",
+    **{name: f"option '{name}': {_HARDWARE}" for name in (
+        "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "numa", "use_mmap",
+        "use_mlock", "num_thread", "logits_all", "vocab_only", "embedding_only")},
+    "num_keep": "option 'num_keep': Shoal never shifts the context (a prompt that does not "
+    "fit is refused), so it keeps no tokens: leave it out",
     "typical_p": "typical sampling ('typical_p') is not supported",
     "tfs_z": "tail-free sampling ('tfs_z') is not supported",
-    "mirostat": "mirostat sampling is not supported", "mirostat_tau": "mirostat sampling is "
-    "not supported", "mirostat_eta": "mirostat sampling is not supported",
+    "mirostat": "'mirostat' sampling is not supported",
+    "mirostat_tau": "'mirostat_tau': mirostat sampling is not supported",
+    "mirostat_eta": "'mirostat_eta': mirostat sampling is not supported",
     "penalize_newline": "'penalize_newline' is not supported",
 }
-NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "penalize_newline": False}
-
-
-def _check(fields: dict, known: dict, where: str) -> None:
-    for name, value in fields.items():
-        status = known.get(name)
-        if status is None:
-            raise InvalidInput(f"unknown {where} '{name}': Shoal does not know it, so it "
-                               "cannot honour it")
-        if status not in ("yes", "ignored") and value is not None and value != NEUTRAL.get(
-            name, object()
-        ):
-            raise InvalidInput(status)
+NEUTRAL: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "typical_p": (1.0,), "tfs_z": (1.0,),
+    "mirostat": (0,), "mirostat_tau": (5.0,), "mirostat_eta": (0.1,),
+    **{name: (False,) for name in ("penalize_newline", "low_vram", "numa", "use_mlock",
+                                   "logits_all", "vocab_only", "embedding_only")},
+}
 
 
 def _sampling(options: dict, grammar: str | None) -> tuple[Sampling, bool]:
     """Ollama's options as Shoal's sampling, and whether num_predict was given. Options
     not given take mlx-lm's defaults (the OpenAI routes' too), not a Modelfile's."""
-    _check(options, OPTIONS, "option")
+    check_fields(options, OPTIONS, NEUTRAL, "option")
     limit = json_field(options, "num_predict", (int,), "an integer")
     given = limit is not None and limit > 0  # -1: no limit but the context's
     stop = options.get("stop") or []
@@ -117,6 +121,28 @@ def _format(value: object) -> str | None:
     if isinstance(value, dict):
         return json_schema_grammar(value, "format")
     raise InvalidInput("'format' must be \"json\" or a JSON Schema object")
+
+
+def _context(options: dict) -> int | None:
+    """`num_ctx`: the context this request may fill, prompt and answer together (Shoal
+    refuses a prompt that does not fit it, where Ollama would cut the prompt)."""
+    size = json_field(options, "num_ctx", (int,), "an integer")
+    if size is not None and size < 2:
+        raise InvalidInput(f"option 'num_ctx' must be at least 2, got {size}")
+    return size
+
+
+def _check_keep_alive(value: object) -> None:
+    """`keep_alive` asks to keep the model loaded that long after the answer (seconds, or a
+    duration such as "5m"; negative: forever). Shoal keeps it loaded while it serves, which
+    holds every such wish but zero: unloading at once it does not do."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise InvalidInput("'keep_alive' must be seconds or a duration such as \"5m\"")
+    if value == 0 or isinstance(value, str) and re.fullmatch(r"-?(?:0+\.?0*[a-zµ]*)+", value):
+        raise InvalidInput("'keep_alive' 0 asks to unload the model after the answer: Shoal "
+                           "keeps it loaded while it serves (leave it out)")
 
 
 def _think(value: object) -> tuple:
@@ -161,13 +187,15 @@ def parse_chat(body: object) -> tuple[CompletionRequest, bool]:
     """An /api/chat request as Shoal's chat request, and whether it streams."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
-    _check(body, CHAT_FIELDS, "field")
-    sampling, given = _sampling(json_field(body, "options", (dict,), "an object", {}),
-                                _format(body.get("format")))
+    check_fields(body, CHAT_FIELDS, NEUTRAL)
+    _check_keep_alive(body.get("keep_alive"))
+    options = json_field(body, "options", (dict,), "an object", {})
+    sampling, given = _sampling(options, _format(body.get("format")))
     request = CompletionRequest(
         chat=True, messages=tuple(_messages(body.get("messages"))), prompt="",
         sampling=sampling, max_tokens_given=given, stream=False, include_usage=True,
-        tools=_tools(body.get("tools")), template_kwargs=_think(body.get("think")))
+        tools=_tools(body.get("tools")), template_kwargs=_think(body.get("think")),
+        context=_context(options))
     return request, json_field(body, "stream", (bool,), "true or false", True)
 
 
@@ -176,24 +204,26 @@ def parse_generate(body: object) -> tuple[CompletionRequest, bool]:
     (after `system`), as Ollama does, or as it is with `raw`."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
-    _check(body, GENERATE_FIELDS, "field")
+    check_fields(body, GENERATE_FIELDS, NEUTRAL)
+    _check_keep_alive(body.get("keep_alive"))
     prompt = json_field(body, "prompt", (str,), "a string", "")
     if not prompt:
         raise InvalidInput("'prompt' must be a non-empty string")
-    sampling, given = _sampling(json_field(body, "options", (dict,), "an object", {}),
-                                _format(body.get("format")))
+    options = json_field(body, "options", (dict,), "an object", {})
+    sampling, given = _sampling(options, _format(body.get("format")))
     stream = json_field(body, "stream", (bool,), "true or false", True)
     if json_field(body, "raw", (bool,), "true or false", False):
         sampling = replace(sampling, keep_leading_space=True)  # it continues the prompt
         return CompletionRequest(chat=False, messages=(), prompt=prompt, sampling=sampling,
-                                 max_tokens_given=given, stream=False,
-                                 include_usage=True), stream
+                                 max_tokens_given=given, stream=False, include_usage=True,
+                                 context=_context(options)), stream
     system = json_field(body, "system", (str,), "a string")
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
     return CompletionRequest(chat=True, messages=tuple(messages), prompt="", sampling=sampling,
                              max_tokens_given=given, stream=False, include_usage=True,
-                             template_kwargs=_think(body.get("think"))), stream
+                             template_kwargs=_think(body.get("think")),
+                             context=_context(options)), stream
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,7 +330,9 @@ def routes(service: Service, guard: Callable) -> list[Route]:
         return JSONResponse({"models": [model_entry(service)]})
 
     async def ps(request: Request) -> Response:
-        return JSONResponse({"models": [{**model_entry(service), "expires_at": "",
+        # null: it stays loaded while the server runs ("" is no time: ollama's client
+        # refused the whole answer)
+        return JSONResponse({"models": [{**model_entry(service), "expires_at": None,
                                          "size_vram": 0}]})
 
     async def show(request: Request) -> Response:

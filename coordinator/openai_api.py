@@ -42,8 +42,9 @@ MAX_JSON_DEPTH = 32
 
 # The OpenAI API's request fields, each with what Shoal does with it: every field of the
 # API's chat and completions schemas is here, so that none is silently dropped. "yes":
-# honoured; "ignored": accepted, and it does not change the answer; a message: refused with
-# 400 when given (and not at its neutral value). Fields marked mlx-lm are mlx-lm server's
+# honoured; "ignored": it only labels the request, and is taken without effect on the
+# answer; a message: refused with 400 when given, unless at a neutral value (NEUTRAL), one
+# that asks for nothing Shoal does not do. Fields marked mlx-lm are mlx-lm server's
 # extensions, honoured the same way.
 CHAT_FIELDS: dict[str, str] = {
     "messages": "yes", "model": "yes", "max_tokens": "yes", "max_completion_tokens": "yes",
@@ -52,15 +53,20 @@ CHAT_FIELDS: dict[str, str] = {
     "presence_penalty": "yes", "frequency_penalty": "yes", "logit_bias": "yes",
     "tools": "yes", "tool_choice": "yes", "parallel_tool_calls": "yes",
     "response_format": "yes", "reasoning_effort": "yes", "modalities": "yes",
-    "user": "ignored", "metadata": "ignored", "store": "ignored", "service_tier": "ignored",
-    "safety_identifier": "ignored", "prompt_cache_key": "ignored",
-    "prompt_cache_retention": "ignored", "prompt_cache_options": "ignored",
-    "prediction": "ignored",
+    "user": "ignored", "metadata": "ignored", "safety_identifier": "ignored",
+    "prompt_cache_key": "ignored",
+    "store": "'store': Shoal keeps no answers: send false or leave it out",
+    "service_tier": "'service_tier': Shoal has one tier: send auto or default, or leave it out",
+    "prompt_cache_retention": "'prompt_cache_retention': Shoal's prompt cache is in memory "
+    "(in_memory), bounded by --prompt-cache-bytes, and keeps nothing for a promised time",
+    "prompt_cache_options": "'prompt_cache_options': Shoal's prompt cache finds shared "
+    "prefixes by itself (mode implicit); it takes no breakpoints and promises no lifetime",
+    "prediction": "'prediction' (predicted outputs) is not supported: leave it out",
     "moderation": "'moderation' is not supported: leave it out",
     "audio": "'audio': audio output is not supported",
     "functions": "the deprecated 'functions' is not supported: send 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: send 'tool_choice'",
-    "verbosity": "'verbosity' is not supported: leave it out",
+    "verbosity": "'verbosity' is not supported: send medium or leave it out",
     "web_search_options": "'web_search_options': web search is not supported",
 }
 COMPLETION_FIELDS: dict[str, str] = {
@@ -77,6 +83,14 @@ MLX_LM_FIELDS: dict[str, str] = {  # mlx-lm's server takes these on both routes
     "repetition_context_size": "yes", "presence_context_size": "yes",
     "frequency_context_size": "yes", "chat_template_kwargs": "yes",
 }
+NEUTRAL: dict[str, tuple] = {  # values of refused fields that ask for what Shoal does anyway
+    "store": (False,), "service_tier": ("auto", "default"),
+    "prompt_cache_retention": ("in_memory",), "verbosity": ("medium",),
+    "prompt_cache_options": ({}, {"mode": "implicit"}, {"ttl": "30m"},
+                             {"mode": "implicit", "ttl": "30m"}),
+}
+_CHAT_KNOWN = {**MLX_LM_FIELDS, **CHAT_FIELDS}
+_TEXT_KNOWN = {**MLX_LM_FIELDS, **COMPLETION_FIELDS}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -93,6 +107,7 @@ class CompletionRequest:
     tools: ToolUse = ToolUse()
     template_kwargs: tuple[tuple[str, object], ...] = ()  # for the chat template
     reasoning_effort: str | None = None
+    context: int | None = None  # a smaller context the request asks for (Ollama's num_ctx)
 
 
 def decode_body(body: bytes) -> object:
@@ -205,16 +220,25 @@ def _message(message: object, i: int) -> dict:
     return out
 
 
-def check_fields(body: dict, known: dict[str, str]) -> None:
-    """Refuse a field Shoal does not honour, naming it: one of the API's that Shoal cannot
-    do, or one that is in neither the API nor mlx-lm's extensions."""
+def check_fields(body: dict, known: dict[str, str], neutral: dict[str, tuple],
+                 what: str = "field") -> None:
+    """Refuse a field Shoal does not honour, naming it: one of the API's that Shoal cannot do
+    (`known` gives the message), unless at one of its `neutral` values, or one the API does
+    not have. The OpenAI, Anthropic and Ollama routes each check their table with this."""
     for name, value in body.items():
-        status = known.get(name) or MLX_LM_FIELDS.get(name)
+        status = known.get(name)
         if status is None:
-            raise InvalidInput(f"unknown field '{name}': Shoal does not know it, so it "
+            raise InvalidInput(f"unknown {what} '{name}': Shoal does not know it, so it "
                                "cannot honour it (docs/serving.md lists the fields)")
-        if status not in ("yes", "ignored") and value is not None:
+        if status not in ("yes", "ignored") and value is not None and not any(
+            _same(value, n) for n in neutral.get(name, ())
+        ):
             raise InvalidInput(status)
+
+
+def _same(value: object, neutral: object) -> bool:
+    """JSON equality: 1 and 1.0 are one number, true is not 1."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 def _sampling_knobs(body: dict) -> dict:
@@ -242,11 +266,11 @@ def _sampling_knobs(body: dict) -> dict:
 def parse_request(body: object, *, chat: bool) -> CompletionRequest:
     """A chat (`/v1/chat/completions`) or text (`/v1/completions`) request from its JSON
     body; raises InvalidInput naming the first bad field. Every field is checked against the
-    API's list (CHAT_FIELDS, COMPLETION_FIELDS): honoured, harmless and ignored, or refused;
-    a field in neither list is refused too."""
+    API's list (CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS): honoured, a label taken
+    without effect, or refused; a field in none of them is refused too."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object")
-    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    check_fields(body, _CHAT_KNOWN if chat else _TEXT_KNOWN, NEUTRAL)
     messages: tuple[dict, ...] = ()
     prompt: str | tuple[int, ...] = ""
     if chat:
@@ -333,12 +357,16 @@ def parse_request(body: object, *, chat: bool) -> CompletionRequest:
 
 def fit_to_context(request: CompletionRequest, prompt_tokens: int,
                    context: int) -> CompletionRequest:
-    """Refuse a prompt that leaves no room to answer, and a max_tokens past the context; a
-    request that gave no max_tokens gets what is left, up to DEFAULT_MAX_TOKENS."""
+    """Refuse a prompt that leaves no room to answer, and a max_tokens past the context (the
+    model's, or the smaller one the request asks for); a request that gave no max_tokens gets
+    what is left, up to DEFAULT_MAX_TOKENS."""
+    holder = "this model's context"
+    if request.context is not None and request.context < context:
+        context, holder = request.context, "the context this request asks for ('num_ctx')"
     room = context - prompt_tokens
     if room < 1:
-        raise InvalidInput(f"the prompt has {prompt_tokens} tokens; this model's context "
-                           f"holds {context}, the prompt and the answer together")
+        raise InvalidInput(f"the prompt has {prompt_tokens} tokens; {holder} holds {context}, "
+                           "the prompt and the answer together")
     asked = request.sampling.max_tokens
     if request.max_tokens_given and asked > room:
         raise InvalidInput(f"max_tokens {asked} does not fit: the prompt has {prompt_tokens} "

@@ -1,6 +1,7 @@
 """Fixtures shared by the whole test suite: tiny random checkpoints built once per session,
 the cluster secret, and real shoal-worker processes that are killed by PID at teardown."""
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,6 +87,21 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, which the browser tests drive with Playwright (no browser download;
+    .ci/run installs it). Without it they fail, so that no run passes without them;
+    SHOAL_ALLOW_NO_BROWSER=1 makes them skip instead, where it cannot be installed."""
+    path = shutil.which("chromium")
+    if path is None:
+        missing = "Debian's chromium is missing: apt-get install -y chromium (.ci/run does)"
+        if os.environ.get("SHOAL_ALLOW_NO_BROWSER") == "1":
+            pytest.skip(missing)
+        pytest.fail(f"{missing}, or set SHOAL_ALLOW_NO_BROWSER=1 to skip the browser tests",
+                    pytrace=False)
+    return path
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,11 +1,14 @@
 """`shoal serve`'s pure parts: request validation, the context check, the answers' shapes,
 stop strings."""
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
+    NEUTRAL,
     Chunks,
     answer_meta,
     completion_json,
@@ -69,6 +72,13 @@ def test_text_parts_and_prompts_of_token_ids():
     ({"messages": HI, "min_p": 1.5}, True, "'min_p' must be between 0 and 1"),
     ({"messages": HI, "functions": []}, True, "'functions'"),
     ({"messages": HI, "audio": {"voice": "x"}}, True, "audio"),
+    ({"messages": HI, "store": True}, True, "'store'"),
+    ({"messages": HI, "store": 0}, True, "'store'"),  # JSON's false only, not 0
+    ({"messages": HI, "service_tier": "priority"}, True, "'service_tier'"),
+    ({"messages": HI, "prompt_cache_retention": "24h"}, True, "'prompt_cache_retention'"),
+    ({"messages": HI, "prompt_cache_options": {"mode": "explicit"}}, True,
+     "'prompt_cache_options'"),
+    ({"messages": HI, "prediction": {"type": "content", "content": "x"}}, True, "'prediction'"),
     ({"messages": HI, "modalities": ["text", "audio"]}, True, "'modalities'"),
     ({"messages": HI, "frobnicate": 1}, True, "unknown field 'frobnicate'"),
     ({"messages": HI, "reasoning_effort": "huge"}, True, "'reasoning_effort'"),
@@ -93,6 +103,13 @@ def test_bad_requests_say_which_field(body, chat, message):
         parse_request(body, chat=chat)
 
 
+def test_refused_fields_are_taken_at_their_neutral_values():
+    for name, values in NEUTRAL.items():
+        for value in values:
+            assert parse_request({"messages": HI, name: value}, chat=True).messages == (
+                {"role": "user", "content": "hi"},)
+
+
 def test_the_context_holds_prompt_and_answer():
     given = parse_request({"prompt": "x", "max_tokens": 10}, chat=False)
     assert fit_to_context(given, 90, 100).sampling.max_tokens == 10
@@ -102,6 +119,11 @@ def test_the_context_holds_prompt_and_answer():
         fit_to_context(given, 100, 100)
     free = parse_request({"prompt": "x"}, chat=False)  # no max_tokens: what is left
     assert fit_to_context(free, 95, 100).sampling.max_tokens == 5
+    smaller = replace(free, context=50)  # a request's own context (Ollama's num_ctx)
+    assert fit_to_context(smaller, 45, 100).sampling.max_tokens == 5
+    assert fit_to_context(replace(free, context=500), 95, 100).sampling.max_tokens == 5
+    with pytest.raises(InvalidInput, match="asks for \\('num_ctx'\\) holds 50"):
+        fit_to_context(smaller, 50, 100)
 
 
 class Letters:

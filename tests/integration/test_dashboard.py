@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+from playwright.sync_api import sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.dashboard_views import (
@@ -34,16 +35,11 @@ from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
 KEY = "sk-dashboard-0123456789"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NODES = ("mac-a", "mac-b")
 
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/run does)",
-                allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
 
 
 def start_node(sharded: Path, index: int, secret_file: Path, logs: Path,
@@ -80,13 +76,13 @@ def server(cluster, secret_file):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+def browser(chromium):
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium, args=FLAGS)
         try:
-            yield chromium
+            yield launched
         finally:
-            chromium.close()
+            launched.close()
 
 
 @pytest.fixture

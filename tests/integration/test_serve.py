@@ -205,6 +205,30 @@ def test_too_long_prompts_and_negative_max_tokens_get_400(server):
     assert server.health().status_code == 200  # and it goes on serving
 
 
+def test_tools_for_a_template_without_tool_calling_get_a_400_naming_the_problem(server):
+    """The tiny checkpoint's own chat template has no tool-call syntax: tools are refused on
+    each API (the template would drop them and no call could be read back)."""
+    tool = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    problem = "this model's chat template has no tool calling"
+    with pytest.raises(openai.BadRequestError, match=problem) as refused:
+        server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                                tools=[{"type": "function", "function": tool}])
+    assert "leave 'tools' out" in refused.value.message
+    headers = {"Authorization": f"Bearer {KEY}"}
+    anthropic = httpx.post(server.url + "/v1/messages", headers=headers, timeout=30, json={
+        "model": "tiny", "max_tokens": 2, "messages": messages,
+        "tools": [{"name": tool["name"], "input_schema": tool["parameters"]}]})
+    assert anthropic.status_code == 400 and problem in anthropic.json()["error"]["message"]
+    ollama = httpx.post(server.url + "/api/chat", headers=headers, timeout=30, json={
+        "model": "tiny", "messages": messages, "stream": False,
+        "tools": [{"type": "function", "function": tool}]})
+    assert ollama.status_code == 400 and problem in ollama.json()["error"]
+    plain = server.client().chat.completions.create(model="tiny", messages=messages,
+                                                    max_tokens=2, temperature=0)
+    assert plain.choices[0].finish_reason in ("stop", "length")  # without tools: answered
+
+
 def _stream_text(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, list]:
     chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                        temperature=0, stream=True, logprobs=3)
