@@ -37,7 +37,7 @@ from coordinator.heat import fetch_readings, record_heat
 from coordinator.link import WorkerLink
 from coordinator.metrics import Figures, Metrics
 from coordinator.serve import Guard, Service, _authorized
-from engine.errors import InvalidInput, ShoalError
+from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.migration import Step
 from proto import shoal_pb2
 
@@ -252,7 +252,12 @@ class Dashboard:
             s = self.service
             members = s.membership.snapshot()
             links = [self._link(m.address) for m in members if m.state == "healthy"]
-            record = record_heat(self.model_dir, s.manifest, fetch_readings(links))
+            try:
+                record = record_heat(self.model_dir, s.manifest, fetch_readings(links))
+            except Unavailable:  # a worker lost while it was read: the last view stands
+                if self._heat is None:
+                    raise
+                return self._heat[1]
             view = heat_view(record, s.manifest, members)
             self._heat = (time.monotonic(), view)
             return view
@@ -267,8 +272,8 @@ class Dashboard:
         try:
             report = migrate(self.model_dir, links, deploy=False, dry_run=True, progress=False,
                              log=lambda message: None)
-        except InvalidInput as e:  # no heat yet: not an error of the request
-            return {"plan": None, "reason": str(e)}
+        except (InvalidInput, Unavailable) as e:  # no heat yet, or a worker just lost: the
+            return {"plan": None, "reason": str(e)}  # cluster's state, not the request's error
         return {"plan": report_json(report), "lines": describe(report)}
 
     def start_rebalance(self) -> dict:

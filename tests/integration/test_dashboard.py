@@ -359,10 +359,11 @@ def synthetic_cluster(workers: int = 8, layers: int = 60, experts: int = 256):
 
 def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """By name, each of the page's `shoal:*` measures (one update each) as (its wall time,
-    the thread time of the browser task that ran it, whole), in milliseconds, from a trace
-    of the browser's performance timeline. The task's thread time bounds the update's
-    script time from above (it includes the task's style and layout too) and, unlike wall
-    time, leaves out the other processes that ran meanwhile on a busy machine. Where the
+    its thread time), in milliseconds, from a trace of the browser's performance timeline.
+    The thread time is that of the browser task that ran the update, in the share of the
+    task's span the update took (a task may run two updates and the page's layout):
+    unlike wall time, it leaves out the other processes that ran meanwhile on a busy
+    machine. Where the
     trace has no task around an update, its wall time stands in for both."""
     tasks = [e for e in events if e.get("ph") == "X" and e.get("name") == "RunTask"]
     begun = {}
@@ -383,7 +384,10 @@ def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
             out.setdefault(e["name"], []).append((wall, wall))
             continue
         task = max(around, key=lambda t: t["dur"])
-        out.setdefault(e["name"], []).append((wall, task.get("tdur", task["dur"]) / 1e3))
+        # the task's thread time in the share of its span that this update took: a task may
+        # run several updates (the page's first tick) and its own layout besides
+        share = min(1.0, (e["ts"] - start["ts"]) / max(task["dur"], 1))
+        out.setdefault(e["name"], []).append((wall, share * task.get("tdur", task["dur"]) / 1e3))
     return out
 
 
