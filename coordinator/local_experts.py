@@ -117,15 +117,17 @@ class LocalExperts:
 
     def result(self) -> tuple[shoal_pb2.ExpertReply, mx.array, mx.Dtype]:
         """Compute the oldest share submitted: the reply a worker would send (its timing,
-        inventory version), the outputs (m, output width), evaluated and left where MLX holds
-        them (no copy through host memory), and their dtype. Raises what the residency raises
-        (Moved for an expert that left this Mac)."""
+        inventory version), the outputs (m, output width), started on the device and left
+        where MLX holds them (no copy through host memory), and their dtype. Raises what the
+        residency raises (Moved for an expert that left this machine)."""
         work = self._work.popleft()
         started = time.perf_counter()
         timing = Timing()
         request = Request(work.layer, work.hidden, dtype_name(work.hidden.dtype), work.rows,
                           work.experts, work.call_pairs)
-        out = self.residency.compute(request, timing)
+        # started on the device, not waited for: the dispatcher reads the workers' replies
+        # meanwhile, and the gather that joins them waits for these outputs
+        out = self.residency.compute(request, timing, started=True)
         done = time.perf_counter()
         reply = shoal_pb2.ExpertReply(
             seq=work.seq, compute_seconds=done - started - timing.waited,

@@ -306,14 +306,17 @@ class Residency:
             )
         return runner
 
-    def compute(self, request: Request, timing: Timing | None = None) -> mx.array:
+    def compute(self, request: Request, timing: Timing | None = None, *,
+                started: bool = False) -> mx.array:
         """Validate, then run the experts; returns (m, output width) in the activation dtype.
-        `timing`, if given, receives the seconds of MLX evaluation."""
+        `timing`, if given, receives the seconds of MLX evaluation. With `started` (a caller
+        in this process, which goes on while the device computes) experts held in memory are
+        only started (`mx.async_eval`), not waited for; streamed ones are always evaluated."""
         timing = timing if timing is not None else Timing()
         runner = self.validate(request)
         stack = self._stack(request.layer)
         if stack is not None:
-            out = self._gathered(runner, stack, request, timing)
+            out = self._gathered(runner, stack, request, timing, started)
         else:
             out = self._streamed(runner, request, timing)
         self.holdings.asked(request.layer, request.experts)
@@ -343,7 +346,8 @@ class Residency:
         return _Turn(self._lock, timing)
 
     def _gathered(
-        self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing
+        self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing,
+        started: bool = False,
     ) -> mx.array:
         """Every expert of the layer is in memory, stacked: one call, no cache lease (nothing
         is evicted while the budget holds them all; a removed expert takes its stack along)."""
@@ -353,7 +357,7 @@ class Residency:
             out = runner.gathered(stack.params, request.hidden, mlx_dtype(request.dtype),
                                   request.rows, positions, request.call_pairs)
             before = time.perf_counter()
-            mx.eval(out)
+            (mx.async_eval if started else mx.eval)(out)
             timing.matrix += time.perf_counter() - before
         return out
 
