@@ -3,7 +3,7 @@ validation, the heat count, building the gathered call's graph (the request's ar
 and mlx-lm's switch module), its evaluation, and recording the request. What the worker's
 "bookkeeping" in `shoal bench`'s breakdown is made of, on this machine's backend.
 
-    python -m benchmarks.worker_parts [--quick] [--requests N] [--gap US]
+    python -m benchmarks.probes.worker_parts [--quick] [--requests N] [--gap US]
 
 With --gap the worker idles that long before each timed request, as in a cluster, where it
 waits for the coordinator's next layer between requests: what an idle gap costs the parts
@@ -121,7 +121,7 @@ def run(quick: bool, count: int, gap: float = 0.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker_parts",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.worker_parts",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     parser.add_argument("--requests", type=int, default=2000, metavar="N",

@@ -6,7 +6,7 @@ Two checks, each a largest absolute difference (0 means bit-identical):
 - one forward of L tokens, no cache, of the bench checkpoint: Shoal with two local workers
   against mlx-lm in one process.
 
-    python -m benchmarks.alone_diagnosis [--quick]
+    python -m benchmarks.probes.alone_diagnosis [--quick]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.batch_invariance import largest_difference
 from benchmarks.bench import WORKERS, bench_files
 from benchmarks.measure import bench_prompt
+from benchmarks.probes.batch_invariance import largest_difference
 from coordinator.generate import open_remote_model
 from coordinator.local import start_workers, stop_workers
 from engine.auth import load_secret
@@ -63,7 +63,7 @@ def forwards(quick: bool, lengths: tuple[int, ...] = LENGTHS) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.alone_diagnosis",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.alone_diagnosis",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), metavar="L,L,...",

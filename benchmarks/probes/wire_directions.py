@@ -10,7 +10,7 @@ holds on one machine only. The workers run through this module (`--as-worker`), 
 their Compute messages where ComputeAnswers sees them and writes the times to a file
 twice a second; the worker's own code is unchanged.
 
-    python -m benchmarks.wire_directions [--quick]
+    python -m benchmarks.probes.wire_directions [--quick]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run(quick: bool) -> dict:
     folder = tempfile.mkdtemp()
     os.environ[TIMES_DIR] = folder
     # start_workers runs PREFIX python -m worker.daemon ARGS: this module takes that over
-    prefix = [sys.executable, "-m", "benchmarks.wire_directions", "--as-worker"]
+    prefix = [sys.executable, "-m", "benchmarks.probes.wire_directions", "--as-worker"]
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
                             places=[(prefix, "127.0.0.1")] * 2)
     try:
@@ -140,7 +140,7 @@ def main() -> None:
             raise SystemExit(f"--as-worker expects PYTHON -m worker.daemon ARGS, got {rest}")
         as_worker(rest[3:])
         return
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wire_directions",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.wire_directions",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     args = parser.parse_args()

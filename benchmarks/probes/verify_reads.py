@@ -4,7 +4,7 @@ to the finished job, with no check, with SHA-256 or CRC-32 computed after the re
 either fed chunk by chunk as the chunks arrive (what the pool does when a job has a digest).
 Also each checksum's raw speed on one core.
 
-    .venv/bin/python benchmarks/verify_reads.py [--sizes 4,16,64] [--repeat 21] [--dir DIR]
+    .venv/bin/python benchmarks/probes/verify_reads.py [--sizes 4,16,64] [--repeat 21] [--dir DIR]
 
 DIR (default: a temporary folder) should be on the drive the worker's store is on.
 """
@@ -22,7 +22,7 @@ import time
 import zlib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from worker.reader import Crc32, ReaderPool  # noqa: E402

@@ -14,7 +14,7 @@ around it, us (median): the probe behind `to_gpu_reader` in engine/tensors.py.
   read (as the dispatcher reads a layer's hidden states before the shared expert computes on
   them), and `kernel_after_host_read_advised`: the same with `to_gpu_reader` after the read.
 
-    python -m benchmarks.host_arrays [--json]
+    python -m benchmarks.probes.host_arrays [--json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What constrained decoding costs per step: the time coordinator/structured.py's processor
 takes (llguidance's mask, its unpacking, and the masked logits) on a real tokenizer, over
 answers walked through a JSON Schema grammar. Usage:
-    python -m benchmarks.structured [--model DIR] [--answers N] [--json]
+    python -m benchmarks.probes.structured [--model DIR] [--answers N] [--json]
 DIR is a folder with a Hugging Face tokenizer (default: the demo's SmolLM2, 49152 tokens,
 built by `shoal demo`)."""
 

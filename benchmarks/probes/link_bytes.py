@@ -13,7 +13,7 @@ compute.
 every block from 128 KB fresh from the system and unmaps it when freed, so that each page of
 each message's buffers faults on first touch: a trial (docs/benchmarks.md), not what Shoal does.
 
-    python -m benchmarks.link_bytes [--tokens 512] [--keep-large-blocks]
+    python -m benchmarks.probes.link_bytes [--tokens 512] [--keep-large-blocks]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def servers(folder: Path, args: list[str]) -> Iterator[list[str]]:
         for log in logs:
             with open(log, "w") as out:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.link_bytes", *args],
+                    [sys.executable, "-m", "benchmarks.probes.link_bytes", *args],
                     stdout=out, stderr=subprocess.STDOUT, cwd=REPO))
         yield [wait_for_line(log, r"on (\S+:\d+)") for log in logs]
     finally:
@@ -160,7 +160,7 @@ def run(tokens: int, calls: int, keep: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.link_bytes",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.link_bytes",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="rows of the layer call")
     parser.add_argument("--calls", type=int, default=20, help="timed calls (median)")

@@ -1,6 +1,6 @@
 """Does expert compute get faster by running on two cores of this machine?
 
-`python -m benchmarks.contention` takes the worker stores that `shoal bench` built, and times
+`python -m benchmarks.probes.contention` takes the worker stores that `shoal bench` built, and times
 decode-shaped requests (one token, four experts, as each of two workers gets with top-8 of
 64) in worker processes: one alone, two at once, and two at once beside a third process that
 keeps a core busy with shared-expert-sized 4-bit matmuls (as the coordinator does while the
@@ -22,7 +22,7 @@ from coordinator.demo import cache_root
 from worker.residency import Request, Residency
 from worker.store import scan_stores
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 330
 BUSY_SECONDS = 8.0
 
@@ -65,8 +65,8 @@ def busy(start_at: float) -> None:
 
 def together(roles: list[list[str]]) -> None:
     start_at = str(time.time() + 5.0)  # every process loads first, then all start at once
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.contention", *role, start_at],
-                              cwd=REPO) for role in roles]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.probes.contention", *role,
+                               start_at], cwd=REPO) for role in roles]
     for proc in procs:
         proc.wait(600)
 

@@ -3,7 +3,7 @@
 and `parse_scatter` (replies into the result) parts, us per call, as `shoal bench`'s breakdown
 names them. Shapes of the bench checkpoint: hidden 1024, top-8 of 64 experts, 2 workers.
 
-    python -m benchmarks.dispatch_parts [--calls N]
+    python -m benchmarks.probes.dispatch_parts [--calls N]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def run(calls: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch_parts",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.dispatch_parts",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500, help="timed calls (default 500)")
     calls = parser.parse_args().calls

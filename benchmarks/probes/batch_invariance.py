@@ -9,7 +9,7 @@ Three levels, each compared bit for bit (docs/serving.md):
   mlx-lm in one process. Shoal adds no batching error of its own when its results equal
   mlx-lm's in both cases, whatever the operations do.
 
-    python -m benchmarks.batch_invariance [--quick] [--json] [--tokens T]
+    python -m benchmarks.probes.batch_invariance [--quick] [--json] [--tokens T]
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def models(quick: bool, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.batch_invariance",
+        prog="python -m benchmarks.probes.batch_invariance",
         description="Whether a row in a batch is bit-identical to the same row alone, for "
                     "MLX's operations, mlx-lm's BatchGenerator, and Shoal")
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
