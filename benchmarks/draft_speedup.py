@@ -6,7 +6,7 @@ fixed N; the dense float32 model (agrees always: the ceiling); a random model wi
 tokenizer (agrees never), adaptive, which must stay within 5% of plain decoding, and fixed,
 which shows what adaptation saves. Every drafted run must give the plain run's greedy tokens.
 
-    python -m benchmarks.speculative [--json] [--runs R] [--tokens T] [--num-draft-tokens N]
+    python -m benchmarks.draft_speedup [--json] [--runs R] [--tokens T] [--num-draft-tokens N]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.speculative",
+        prog="python -m benchmarks.draft_speedup",
         description="Decode tokens/s of the demo MoE on local workers, plainly and with "
         "draft models (the 4-bit dense model, the float32 dense model, a random model), "
         "the acceptance rate, and each one's ratio to plain decoding. Builds the demo model "
