@@ -32,7 +32,8 @@ from coordinator.demo import (
     prepare_dense,
     prepare_draft,
 )
-from coordinator.generate import GenerationResult, encode_prompt, generate, speculative_report
+from coordinator.generate import GenerationResult, encode_prompt, generate
+from coordinator.report import speculative_report
 from coordinator.speculative import DEFAULT_DRAFT_TOKENS, Draft, DraftPolicy
 from engine.errors import ShoalError
 

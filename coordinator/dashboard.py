@@ -32,10 +32,10 @@ from coordinator.dashboard_views import (
     worker_cards,
 )
 from coordinator.dispatch import Dispatcher, LayerStats
-from coordinator.generate import BREAKDOWN_PARTS
 from coordinator.heat import fetch_readings, record_heat
 from coordinator.link import WorkerLink
 from coordinator.metrics import Figures, Metrics
+from coordinator.report import BREAKDOWN_PARTS
 from coordinator.serve import Guard, Service, _authorized
 from engine.errors import InvalidInput, ShoalError
 from engine.migration import Step
@@ -98,8 +98,8 @@ class LiveRebalance:
                 s["steps_done"] += 1
 
     def _run(self, addresses: list[str]) -> None:
-        from coordinator.commands.migrate import describe, report_json
-        from coordinator.rebalance import migrate
+        from coordinator.rebalance import describe, migrate
+        from coordinator.report import migration_report
 
         links = [WorkerLink(address, self.secret) for address in addresses]
         try:
@@ -109,7 +109,7 @@ class LiveRebalance:
                          bytes_planned=plan.proposal.plan.copy_bytes)
             report = migrate(self.model_dir, links, deploy=False, progress=False,
                              log=self._log, on_event=self._event)
-            self._update(state="done", result=report_json(report), lines=describe(report))
+            self._update(state="done", result=migration_report(report), lines=describe(report))
         except ShoalError as e:
             self._update(state="failed", error=str(e))
         except Exception as e:  # noqa: BLE001 (the page must hear of it; the log has the rest)
@@ -259,8 +259,8 @@ class Dashboard:
 
     def rebalance_plan(self) -> dict:
         """`shoal rebalance --dry-run --json` over the healthy workers, with its text."""
-        from coordinator.commands.migrate import describe, report_json
-        from coordinator.rebalance import migrate
+        from coordinator.rebalance import describe, migrate
+        from coordinator.report import migration_report
 
         links = [self._link(m.address) for m in self.service.membership.snapshot()
                  if m.state == "healthy"]
@@ -269,7 +269,7 @@ class Dashboard:
                              log=lambda message: None)
         except InvalidInput as e:  # no heat yet: not an error of the request
             return {"plan": None, "reason": str(e)}
-        return {"plan": report_json(report), "lines": describe(report)}
+        return {"plan": migration_report(report), "lines": describe(report)}
 
     def start_rebalance(self) -> dict:
         addresses = [m.address for m in self.service.membership.snapshot()

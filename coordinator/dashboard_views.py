@@ -12,11 +12,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from coordinator.commands.worker_rows import member_rows
 from coordinator.dispatch import LayerStats
 from coordinator.heat import name_workers, summarize_heat
 from coordinator.membership import Member
-from coordinator.worker_stats import summarize_stats
+from coordinator.report import member_rows, summarize_stats
 from engine.heat import HeatRecord
 from engine.manifest import ExpertKey, Manifest
 from proto import shoal_pb2

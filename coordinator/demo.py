@@ -22,9 +22,9 @@ from coordinator.generate import (
     encode_prompt,
     generate,
     open_remote_model,
-    speculative_report,
 )
 from coordinator.local import LocalWorker, start_workers, stop_workers
+from coordinator.report import speculative_report
 from engine.auth import ensure_secret, load_secret
 from engine.errors import InvalidInput
 from engine.sharding import shard

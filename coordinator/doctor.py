@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ShoalError
@@ -321,7 +321,3 @@ def format_checks(checks: Sequence[Check]) -> str:
         lines.append("verdict: ready" + (f" ({len(warned)} warning"
                                          f"{'s' * (len(warned) > 1)})" if warned else ""))
     return "\n".join(lines)
-
-
-def checks_json(checks: Sequence[Check]) -> list[dict]:
-    return [asdict(c) for c in checks]

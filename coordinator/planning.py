@@ -1,4 +1,5 @@
-"""`shoal plan`: the placement planner as a what-if tool, and how its answer is shown.
+"""`shoal plan`: the placement planner as a what-if tool: its sizes and workers read from the
+command line, and its answer (coordinator/report.py: plan_report) shown.
 
 Its exit status is the verdict, so scripts can ask "does this model fit these Macs?".
 """
@@ -9,8 +10,7 @@ import re
 
 from engine.cache_policy import format_bytes, parse_budget
 from engine.errors import InvalidInput, ShoalError
-from engine.placement import SpeedAssumptions, WorkerCapacity, decode_bound, plan_placement
-from engine.sizes import ModelSizes
+from engine.placement import WorkerCapacity
 
 # Exit status of `shoal plan` for each verdict (2 stays "bad input", as for every command).
 VERDICT_EXIT = {"fits": 0, "streams": 3, "does not fit": 4}
@@ -53,51 +53,6 @@ def both_units(count: int) -> str:
         if count >= 1000**unit or unit == 2:
             return (f"{count / 1000**unit:.2f} {decimal} = {count / 1024**unit:.2f} {binary}")
     return f"{count} B"
-
-
-def plan_report(
-    sizes: ModelSizes,
-    workers: list[WorkerCapacity],
-    heat: dict | None,
-    spare: float,
-    assume: SpeedAssumptions,
-    *,
-    heat_origin: str = "",
-) -> dict:
-    """Everything `shoal plan` says, as plain data (also its --json output); `heat_origin`
-    says where the heat came from, in words."""
-    report = {
-        "model": {"model_type": sizes.model_type, "estimated_from_config": sizes.estimated,
-                  "experts": len(sizes.experts), "expert_bytes": sum(sizes.experts.values()),
-                  "dense_bytes": sizes.dense_bytes, "top_k": sizes.top_k,
-                  "precision": sizes.precision, "expert_bits_per_weight": sizes.expert_bits,
-                  "source_bytes": sizes.source_bytes or None,
-                  "split_bytes": sum(sizes.experts.values()) + sizes.dense_bytes},
-        "heat": "uniform" if heat is None else heat_origin or "from file",
-    }
-    try:
-        plan = plan_placement(workers, sizes.experts, heat, spare=spare)
-    except InvalidInput as e:
-        return {**report, "fits": False, "verdict": "does not fit", "reason": str(e)}
-    per_worker = {w.name: {"memory": w.memory, "disk": w.disk, "experts": 0, "bytes": 0,
-                           "replica_copies": 0} for w in workers}
-    for key, names in plan.holders.items():
-        for name in names:
-            per_worker[name]["experts"] += 1
-            per_worker[name]["bytes"] += sizes.experts[key]
-            per_worker[name]["replica_copies"] += len(names) > 1
-    return {
-        **report,
-        "fits": True,
-        "verdict": "fits" if plan.resident else "streams",
-        "resident": plan.resident,
-        "workers": per_worker,
-        "replicas": {f"{layer}/{expert}": n for (layer, expert), n in plan.replicas.items()},
-        "imbalance_before": plan.imbalance_before,
-        "imbalance_after": plan.imbalance_after,
-        "decode_bound": decode_bound(plan, sizes.experts, heat, workers, top_k=sizes.top_k,
-                                     dense_bytes=sizes.dense_bytes, assume=assume),
-    }
 
 
 def print_plan(report: dict) -> None:

@@ -21,9 +21,10 @@ from pathlib import Path
 from coordinator.heat import fetch_readings, name_workers, record_heat
 from coordinator.link import WorkerLink
 from coordinator.transfer import QUIET_SECONDS, Event, Execution, Executor
+from engine.cache_policy import format_bytes
 from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic
-from engine.rebalance_plan import LiveWorker, Proposal, propose, state_of
+from engine.rebalance_plan import MIN_GAIN, LiveWorker, Proposal, propose, state_of
 from proto import CHUNK_BYTES, shoal_pb2
 
 MIGRATION_FILE = "migration.json"
@@ -160,3 +161,45 @@ def migrate(
         clear_target(model_dir)
     return report
 
+
+def describe(report: Report, *, steps: int = 20) -> list[str]:
+    """What a plan does, for --dry-run and after a run."""
+    p = report.proposal
+    plan = p.plan
+    lines = [f"{report.mode} over {len(report.workers)} workers ({', '.join(report.workers)})"
+             + (" [finishing an interrupted run]" if p.resumed else "")]
+    if not plan.steps and not plan.blocked:
+        why = ("every expert is served by a live worker (`shoal rebalance` moves them)"
+               if report.mode == "deploy" else
+               f"no placement found lowers the predicted imbalance by {MIN_GAIN:.0%} or more")
+        lines.append(f"nothing to do: {why}")
+    moved: dict[str, list[int]] = {w: [0, 0, 0] for w in report.workers}  # in, bytes in, out
+    for s in plan.steps:
+        if s.kind == "copy":
+            moved[s.worker][0] += 1
+            moved[s.worker][1] += s.bytes
+        elif s.kind == "delete":
+            moved[s.worker][2] += 1
+    lines.append(f"  copies {plan.count('copy')} ({format_bytes(plan.copy_bytes)}), "
+                 f"keeps {plan.count('keep')}, drops {plan.count('delete')}; "
+                 f"{len(plan.steps)} steps")
+    for w, (n_in, b_in, n_out) in moved.items():
+        held = sum(1 for names in p.target.values() if w in names)
+        lines.append(f"  {w:<24} +{n_in} ({format_bytes(b_in)})  -{n_out}  -> {held} experts")
+    replicas = sum(len(v) > 1 for v in p.target.values())
+    now = "-" if p.imbalance_now is None else f"{p.imbalance_now:.2f}"
+    lines.append(f"  predicted imbalance (busiest worker / mean, per layer): {now} now, "
+                 f"{p.imbalance_after:.2f} after; {replicas} experts with replicas")
+    for key, why in sorted(plan.blocked.items()):
+        lines.append(f"  left as is: expert {key[0]}/{key[1]}: {why}")
+    shown = plan.steps[:steps]
+    lines += [f"    {s.describe()}" for s in shown]
+    if len(plan.steps) > len(shown):
+        lines.append(f"    ... and {len(plan.steps) - len(shown)} more steps")
+    e = report.execution
+    if e is not None:
+        rate = e.copied_bytes / e.seconds if e.seconds else 0.0
+        lines.append(f"done: {e.steps_done} steps in {e.seconds:.1f} s, sent "
+                     f"{format_bytes(e.copied_bytes)} ({format_bytes(rate)}/s)"
+                     + (f", {format_bytes(e.resumed_bytes)} resumed" if e.resumed_bytes else ""))
+    return lines

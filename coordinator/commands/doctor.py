@@ -47,7 +47,6 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.cluster import parse_addresses
-    from coordinator.commands.worker_rows import member_rows
     from coordinator.discovery import Candidate, parse_endpoint
     from coordinator.doctor import (
         check_mdns,
@@ -57,12 +56,12 @@ def main(args: argparse.Namespace) -> None:
         check_secret,
         check_stores,
         check_workers,
-        checks_json,
         failed,
         format_checks,
         inspect_workers,
     )
     from coordinator.membership import Membership
+    from coordinator.report import doctor_report, member_rows
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)
@@ -92,7 +91,7 @@ def main(args: argparse.Namespace) -> None:
         checks += check_workers(inspect_workers(rows, secret),
                                 manifest.fingerprint if manifest else None)
     if args.json:
-        print(json.dumps({"checks": checks_json(checks), "ok": not failed(checks)}, indent=1))
+        print(json.dumps(doctor_report(checks), indent=1))
     else:
         print(format_checks(checks))
     sys.exit(1 if failed(checks) else 0)

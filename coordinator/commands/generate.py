@@ -1,6 +1,7 @@
 """`shoal generate`: one prompt through the sharded model, text streamed to stdout as it comes;
-with --stats or --json, a report of the run. The model and its loop are coordinator/generate.py;
-this module picks the workers, records the run's heat however it ends, and words the report."""
+with --stats or --json, a report of the run. The model and its loop are coordinator/generate.py,
+the report's shape coordinator/report.py; this module picks the workers and records the run's
+heat however it ends."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from coordinator.commands.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.generate import GenerationResult, RemoteModel
+    from coordinator.generate import RemoteModel
     from coordinator.speculative import DraftPolicy
 
 
@@ -104,7 +105,9 @@ def main(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
     else:
-        print_summary(report)
+        from coordinator.report import summary_lines
+
+        print("\n".join(summary_lines(report)), file=sys.stderr)
 
 
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
@@ -179,6 +182,7 @@ def decode(
     """The prompt through the remote model (with a draft model proposing tokens when asked),
     and the report of the run; with --stats, the workers' counters are read around it."""
     from coordinator.generate import encode_prompt, generate
+    from coordinator.report import generation_report, generation_stats
     from coordinator.worker_stats import read_stats
 
     options = kv_cache_settings(args)
@@ -201,86 +205,9 @@ def decode(
         on_text=None if args.json else out.write, draft=draft, **options,
     )
     if not args.stats:
-        return run_report(result)
+        return generation_report(result)
     after = read_stats(remote.cluster.links)
-    return run_report(result, stats=dispatch_and_streaming(remote, result, before, after))
-
-
-def run_report(result: GenerationResult, stats: dict | None = None) -> dict:
-    """What --json prints: the tokens and speeds, the draft's acceptance when there was one,
-    and the --stats figures when asked for."""
-    from coordinator.generate import speculative_report
-
-    report = {
-        "prompt_token_ids": result.prompt_token_ids,
-        "token_ids": result.token_ids,
-        "text": result.text,
-        "prefill_tps": result.prefill_tps,
-        "decode_tps": result.decode_tps,
-        "finish_reason": result.finish_reason,
-    }
-    if result.speculative is not None:
-        report["speculative"] = speculative_report(result)
-    if stats is not None:
-        report["stats"] = stats
-    return report
-
-
-def dispatch_and_streaming(
-    remote: RemoteModel, result: GenerationResult, before: dict, after: dict
-) -> dict:
-    """--stats: the dispatcher's per-layer and per-token figures, and under "streaming" what
-    the workers' caches and drives did between the `before` and `after` counters."""
-    from coordinator.generate import stats_report
-    from coordinator.worker_stats import run_report as streaming_report
-
-    stats = stats_report(remote.dispatcher.stats, result)
     lookahead = remote.dispatcher.lookahead
-    stats["streaming"] = streaming_report(
-        before, after, len(result.token_ids), lookahead.stats if lookahead else None
-    )
-    return stats
-
-
-def print_summary(report: dict) -> None:
-    """The run's speeds on stderr (stdout holds only the text), then the draft's acceptance
-    and the --stats tables when the report has them."""
-    from coordinator.worker_stats import format_report
-
-    print(
-        f"prefill {len(report['prompt_token_ids'])} tokens at {report['prefill_tps']:.1f} "
-        f"tok/s, decode {len(report['token_ids'])} tokens at {report['decode_tps']:.1f} tok/s",
-        file=sys.stderr,
-    )
-    if "speculative" in report:
-        from coordinator.speculative import format_report as format_draft
-
-        print("\n".join(format_draft(report["speculative"], report["decode_tps"],
-                                      changes="stats" in report)), file=sys.stderr)
-    if "stats" in report:
-        print_stats(report["stats"])
-        print("\n".join(format_report(report["stats"]["streaming"])), file=sys.stderr)
-
-
-def print_stats(stats: dict) -> None:
-    """The dispatcher's figures: per MoE layer, per token, bytes, the decode breakdown."""
-    from coordinator.generate import breakdown_table
-
-    out = sys.stderr
-    print("per layer (all calls):", file=out)
-    print(f"  {'layer':>5} {'calls':>6} {'ms/call':>8} {'slowest worker ms':>17} "
-          f"{'shared ms':>9} {'sent':>10} {'recv':>10}", file=out)
-    for layer, s in stats["layers"].items():
-        print(
-            f"  {layer:>5} {s['calls']:>6} {s['ms_per_call']:>8.2f} "
-            f"{s['slowest_worker_ms_per_call']:>17.2f} {s['shared_expert_ms_per_call']:>9.2f} "
-            f"{s['bytes_sent']:>10} {s['bytes_received']:>10}",
-            file=out,
-        )
-    ms = stats["token_ms"]
-    print(f"per token ms: first {ms[0]:.1f} (includes prefill), then "
-          + " ".join(f"{t:.1f}" for t in ms[1:20]) + (" ..." if len(ms) > 20 else ""), file=out)
-    print(f"bytes per token: sent {stats['bytes_sent_per_token']:.0f}, "
-          f"received {stats['bytes_received_per_token']:.0f}", file=out)
-    print("per-layer decode breakdown (us per MoE layer call):", file=out)
-    print(breakdown_table(stats["breakdown"]), file=out)
+    stats = generation_stats(result, remote.dispatcher.stats,
+                             lookahead.stats if lookahead else None, before, after)
+    return generation_report(result, stats)

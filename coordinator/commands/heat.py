@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> None:
         reset_heat,
         summarize_heat,
     )
-    from engine.heat import heat_to_json
+    from coordinator.report import heat_report
     from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)
@@ -62,10 +62,7 @@ def main(args: argparse.Namespace) -> None:
             close()
     summary = summarize_heat(record, manifest, layer=args.layer)  # also checks --layer
     if args.json:
-        total = record.total()
-        if args.layer is not None:
-            total = {key: count for key, count in total.items() if key[0] == args.layer}
-        print(json.dumps(heat_to_json(total), indent=1))
+        print(json.dumps(heat_report(record, layer=args.layer), indent=1))
     else:
         print(format_heat_summary(summary))
     if args.plot:

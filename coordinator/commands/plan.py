@@ -1,4 +1,5 @@
-"""`shoal plan`: an offline what-if over a model and some Macs (coordinator/planning.py)."""
+"""`shoal plan`: an offline what-if over a model and some Macs (coordinator/planning.py; the
+plan as plain data, also its --json, is coordinator/report.py's)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.hub import local_model
-    from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, plan_report, print_plan
+    from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, print_plan
+    from coordinator.report import plan_report
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
     from engine.sizes import read_sizes

@@ -1,4 +1,5 @@
-"""`shoal workers`: the workers of a cluster, their health and, with --stats, their counters."""
+"""`shoal workers`: the workers of a cluster, their health and, with --stats, their counters;
+the table it prints (its --json and --stats are coordinator/report.py's)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.commands.connect import open_membership
@@ -45,7 +47,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.commands.worker_rows import format_table, member_rows
+    from coordinator.report import member_rows, workers_report, workers_stats_lines
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)
@@ -64,11 +66,11 @@ def main(args: argparse.Namespace) -> None:
     if args.stats:
         add_worker_stats(rows, secret)
     if args.json:
-        print(json.dumps({"cluster": membership.cluster, "workers": rows}, indent=1))
+        print(json.dumps(workers_report(membership.cluster, rows), indent=1))
     elif rows:
         print(format_table(rows))
         if args.stats:
-            print_worker_stats(rows)
+            print("\n".join(workers_stats_lines(rows)))
     else:
         print(
             f"no workers of cluster {membership.cluster!r} answered within {args.wait:g} s. "
@@ -84,7 +86,8 @@ def main(args: argparse.Namespace) -> None:
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:
     """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
-    from coordinator.worker_stats import fetch_worker_stats, summarize_stats
+    from coordinator.report import summarize_stats
+    from coordinator.worker_stats import fetch_worker_stats
 
     for row in rows:
         if row["state"] != "healthy":
@@ -95,12 +98,40 @@ def add_worker_stats(rows: list[dict], secret: bytes) -> None:
             row["stats_error"] = str(e)
 
 
-def print_worker_stats(rows: list[dict]) -> None:
-    from coordinator.worker_stats import format_stats_summary
+def format_table(rows: Sequence[dict]) -> str:
+    header = ("NODE ID", "ADDRESS", "PATH", "STATE", "EXPERTS", "MEMORY", "RTT")
+    lines = [header]
+    for r in rows:
+        path = f"{r['interface']} ({r['path']})" if r["interface"] else r["path"]
+        rtt = "-" if r["rtt_ms"] is None else f"{r['rtt_ms']:.1f} ms"
+        state = r["state"] + (" (duplicate id)" if r["duplicate_node_id"] else "")
+        lines.append((r["node_id"], r["address"], path, state, str(r["experts"]),
+                      _size(r["memory_budget"]), rtt))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = "\n".join(
+        "  ".join(cell.rjust(w) if i in (4, 5, 6) else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+        for line in lines
+    )
+    notes = [f"{r['node_id']} ({r['address']}): {r['detail']}" for r in rows if r["detail"]]
+    notes += [
+        f"node id {node_id} is used by several workers ({', '.join(addresses)}): give each "
+        "its own --node-id, or delete the copied ~/.config/shoal/node-id"
+        for node_id, addresses in _duplicates_of(rows).items()
+    ]
+    return text + "".join(f"\n  {note}" for note in notes)
 
-    print("\nsince each worker started:")
-    for row in rows:
-        if "stats" in row:
-            print("\n".join(format_stats_summary(row["address"], row["stats"])))
-        elif "stats_error" in row:
-            print(f"  {row['address']}: no stats ({row['stats_error']})")
+
+def _duplicates_of(rows: Sequence[dict]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for r in rows:
+        if r["duplicate_node_id"]:
+            found.setdefault(r["node_id"], []).append(r["address"])
+    return found
+
+
+def _size(count: int) -> str:
+    from engine.cache_policy import format_bytes
+
+    return format_bytes(count) if count else "-"
+

@@ -1,7 +1,7 @@
 """The words of `shoal deploy` / `shoal rebalance` for a plan and its result, from plain data."""
 
-from coordinator.commands.migrate import describe, report_json
-from coordinator.rebalance import Report
+from coordinator.rebalance import Report, describe
+from coordinator.report import migration_report
 from coordinator.transfer import Execution
 from engine.migration import MigrationPlan, Step
 from engine.rebalance_plan import Proposal
@@ -42,7 +42,7 @@ def test_a_run_says_what_it_sent():
 
 def test_the_json_names_every_step_and_the_target():
     steps = (Step("copy", (0, 0), "b", source="a", bytes=7),)
-    out = report_json(report(steps, execution=Execution(steps_done=1, counts={"copy": 1})))
+    out = migration_report(report(steps, execution=Execution(steps_done=1, counts={"copy": 1})))
     assert out["steps"] == [{"kind": "copy", "layer": 0, "expert": 0, "worker": "b",
                              "source": "a", "bytes": 7}]
     assert out["blocked"] == {"1/0": "no worker has room"}

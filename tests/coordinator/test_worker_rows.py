@@ -2,8 +2,9 @@
 
 from dataclasses import replace
 
-from coordinator.commands.worker_rows import format_table, member_rows
+from coordinator.commands.workers import format_table
 from coordinator.membership import Member
+from coordinator.report import member_rows
 from engine.interfaces import Route
 
 

@@ -1,5 +1,5 @@
 from coordinator.lookahead import LookaheadStats
-from coordinator.worker_stats import difference, format_report, run_report, summarize_stats
+from coordinator.report import difference, streaming_lines, streaming_report, summarize_stats
 from proto import shoal_pb2
 
 
@@ -23,6 +23,6 @@ def test_a_run_is_the_difference_of_two_readings_and_reads_as_rates():
     assert s["prefetch_recall"] == 50 / 120 and s["prefetch_precision"] == 0.5
     assert s["bytes_read_per_token"] == 100 and s["drives"][0]["bandwidth"] == 2000
     stats = LookaheadStats(predictions=4, predicted=16, used=16, correct=12, hints_sent=4)
-    report = run_report({"a:1": reading(1)}, {"a:1": reading(3)}, 20, stats)
-    text = "\n".join(format_report(report))
+    report = streaming_report({"a:1": reading(1)}, {"a:1": reading(3)}, 20, stats)
+    text = "\n".join(streaming_lines(report))
     assert "hit rate 60.0%" in text and "recall 75.0%" in text and "drive /a" in text

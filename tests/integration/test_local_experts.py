@@ -8,7 +8,8 @@ from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
 from coordinator.local_experts import ADDRESS
-from coordinator.worker_stats import read_stats, run_report
+from coordinator.report import streaming_report
+from coordinator.worker_stats import read_stats
 from engine.auth import load_secret
 from engine.sharding import shard
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
@@ -42,7 +43,7 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
         assert remote.cluster.links == [remote.local]  # no worker at all
         assert mx.array_equal(logits, expected_logits), budget
         assert tokens == expected, budget
-        local = run_report(before, after, NEW_TOKENS,
+        local = streaming_report(before, after, NEW_TOKENS,
                            remote.dispatcher.lookahead.stats)["workers"][ADDRESS]
         assert not local["problems"]
         if budget == "100%":
