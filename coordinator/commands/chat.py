@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from coordinator.commands.connect import members_secret, remote_model
-from coordinator.commands.generate import kv_cache_options, kv_cache_settings
 from coordinator.commands.options import (
     AddParser,
     check_model_args,
+    kv_cache_options,
+    kv_cache_settings,
     model_options,
     secret_option,
 )

@@ -15,6 +15,8 @@ from coordinator.commands.connect import members_secret, remote_model
 from coordinator.commands.options import (
     AddParser,
     check_model_args,
+    kv_cache_options,
+    kv_cache_settings,
     model_options,
     secret_option,
 )
@@ -55,29 +57,6 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "PROMPT is then the question asked after the cached prompt")
     secret_option(p)
     p.set_defaults(main=main)
-
-
-def kv_cache_options(p: argparse.ArgumentParser) -> None:
-    """--kv-bits, --kv-group-size, --quantized-kv-start: mlx-lm's KV-cache quantization."""
-    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], metavar="BITS",
-                   help="quantize the KV cache to BITS bits, as mlx-lm does (default: not "
-                   "quantized); less memory for long contexts, slightly different answers")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
-                   metavar="N", help="quantization group size of the KV cache (default 64)")
-    p.add_argument("--quantized-kv-start", type=int, default=5000, metavar="TOKENS",
-                   help="with --kv-bits, quantize once the cache holds this many tokens "
-                   "(default 5000, mlx-lm's)")
-
-
-def kv_cache_settings(args: argparse.Namespace) -> dict:
-    """The KV-cache options as mlx-lm's generate_step takes them (none without --kv-bits)."""
-    if args.quantized_kv_start < 0:
-        raise InvalidInput(f"--quantized-kv-start must be 0 or more, got "
-                           f"{args.quantized_kv_start}")
-    if args.kv_bits is None:
-        return {}
-    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
-            "quantized_kv_start": args.quantized_kv_start}
 
 
 def draft_options(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The options several commands share, and what they mean: where the workers come from
 (--workers, or --cluster / --cluster-config with --interface and --wait), the experts the
-coordinator serves itself (--local-store, --memory-budget) and the cluster secret
-(--secret-file)."""
+coordinator serves itself (--local-store, --memory-budget), the cluster secret
+(--secret-file) and mlx-lm's KV-cache quantization (--kv-bits)."""
 
 from __future__ import annotations
 
@@ -143,3 +143,26 @@ def check_model_args(args: argparse.Namespace) -> None:
     if not (Path(args.model) / "manifest.json").exists():
         raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
                            "(it has no manifest.json)")
+
+
+def kv_cache_options(p: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-group-size, --quantized-kv-start: mlx-lm's KV-cache quantization."""
+    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], metavar="BITS",
+                   help="quantize the KV cache to BITS bits, as mlx-lm does (default: not "
+                   "quantized); less memory for long contexts, slightly different answers")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                   metavar="N", help="quantization group size of the KV cache (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=5000, metavar="TOKENS",
+                   help="with --kv-bits, quantize once the cache holds this many tokens "
+                   "(default 5000, mlx-lm's)")
+
+
+def kv_cache_settings(args: argparse.Namespace) -> dict:
+    """The KV-cache options as mlx-lm's generate_step takes them (none without --kv-bits)."""
+    if args.quantized_kv_start < 0:
+        raise InvalidInput(f"--quantized-kv-start must be 0 or more, got "
+                           f"{args.quantized_kv_start}")
+    if args.kv_bits is None:
+        return {}
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "quantized_kv_start": args.quantized_kv_start}
