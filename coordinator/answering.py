@@ -1,24 +1,34 @@
-"""One request for every API `shoal serve` speaks, on the HTTP server's event loop: its body
-read within the server's limits and parsed off the loop, then its events from the batch
-engine gathered whole, or streamed as they come (with a heartbeat while none does). Leaving
-early cancels the request, which frees its row in the batch."""
+"""What every API `shoal serve` speaks answers from, and one request's way through it: the
+`Service` (the batch engine, the model, the workers, the API key and the limits), then, on
+the HTTP server's event loop, a request's body read within the limits and parsed off the
+loop, and its events from the batch engine gathered whole, or streamed as they come (with a
+heartbeat while none does). Leaving early cancels the request, which frees its row in the
+batch. The OpenAI routes (coordinator/serve.py), Anthropic's and Ollama's all build on this."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import hmac
+import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from functools import cache
-from typing import TYPE_CHECKING, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache, cached_property
+from typing import TypeVar
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.requests import Request
 
 from coordinator.batching import BatchEngine, Event, Sampling
-from coordinator.openai_api import decode_body
+from coordinator.cluster import Members, layer_sizes
+from coordinator.http_limits import ConnectionGuard, Limits
+from coordinator.openai_api import CompletionRequest, decode_body, longest_token, prepare
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
-
-if TYPE_CHECKING:
-    from coordinator.serve import Service
+from engine.manifest import Manifest
+from engine.placement import replica_routes
 
 HEARTBEAT = 15.0  # seconds between keep-alives while a streamed answer waits for tokens
 
@@ -44,6 +54,99 @@ def status_of(error: ShoalError) -> int:
     if isinstance(error, NotFound):
         return 404
     return 503 if isinstance(error, Unavailable) else 500
+
+
+# ---------------------------------------------------------------------------------------
+# Health: every expert must have a live owner
+
+
+def missing_experts(membership: Members, manifest: Manifest) -> str | None:
+    """Why the cluster cannot serve every expert now (naming them), or None."""
+    _, _, holdings = membership.live()
+    try:
+        replica_routes(layer_sizes(manifest), holdings)
+    except Unavailable as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# The service: what the routes share
+
+
+@dataclass
+class Service:
+    engine: BatchEngine
+    tokenizer: TokenizerWrapper
+    manifest: Manifest
+    membership: Members  # the workers, and the coordinator's own experts when it holds some
+    model_id: str
+    context: int
+    api_key: str | None = None
+    started: int = 0
+    cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API
+    limits: Limits = field(default_factory=Limits)
+    stopping: bool = False  # set on SIGINT or SIGTERM: new requests get 503
+    buffered: int = 0  # bytes of request bodies held now, read and not yet tokenized
+
+    def __post_init__(self) -> None:
+        self.guard = ConnectionGuard(self.limits)
+        # Decoding and tokenizing run off the event loop, so that /health and the streams go
+        # on meanwhile: large bodies on a thread of their own at the lowest priority (one
+        # at a time, which bounds their memory), so that small requests never queue behind
+        # them nor the batch's thread wait for them.
+        self.parsers = ThreadPoolExecutor(2, thread_name_prefix="shoal parse")
+        self.large_parser = ThreadPoolExecutor(1, thread_name_prefix="shoal parse large",
+                                               initializer=_lowest_priority)
+
+    @cached_property
+    def longest_token(self) -> int:
+        return longest_token(self.tokenizer)
+
+    @property
+    def vocab(self) -> int:
+        """Token ids the model's embedding takes (a multimodal config nests it)."""
+        config = self.manifest.config
+        size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return int(size or len(self.tokenizer.get_vocab()))
+
+    def health(self) -> str | None:
+        if not self.engine.alive:
+            return "the generation thread has stopped; see the server's log"
+        return missing_experts(self.membership, self.manifest)
+
+    def prepare(self, request: CompletionRequest) -> tuple[CompletionRequest, list[int]]:
+        """The request bound to this model (openai_api.prepare): its prompt's token ids,
+        refused before tokenizing when it cannot fit the context. Runs on a parser thread."""
+        return prepare(self.tokenizer, request, self.vocab, context=self.context,
+                       longest=self.longest_token)
+
+    def check_serving(self) -> None:
+        """Unavailable, naming the problem, unless a request can be answered now."""
+        problem = self.health()
+        if problem is not None:
+            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
+
+
+def _lowest_priority() -> None:
+    """Lower the calling thread's CPU priority where threads have their own (Linux); on
+    macOS the call refuses a thread id and nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def authorized(service: Service, request: Request) -> bool:
+    """Whether the request carries the service's API key (or none is needed)."""
+    if service.api_key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        token = request.headers.get("x-api-key", "")
+    return hmac.compare_digest(token.strip().encode(), service.api_key.encode())
+
+
+Guard = Callable[[Callable], Callable]  # wraps a handler in the key check and error mapping
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,13 +9,12 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import events, gather, read_request, status_of
+from coordinator.answering import Service, events, gather, read_request, status_of
 from coordinator.batching import Event, Sampling
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -29,9 +28,6 @@ from coordinator.openai_api import (
 from coordinator.structured import response_format_grammar
 from coordinator.tools import CallReader, Piece, ToolUse, tool_use
 from engine.errors import InvalidInput, ShoalError
-
-if TYPE_CHECKING:
-    from coordinator.serve import Service
 
 # Every field of the Messages API's request: "yes" honoured, "ignored" a label taken without
 # effect on the answer, a message: refused with 400 unless at a NEUTRAL value, one that asks

@@ -22,6 +22,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from coordinator.answering import Guard, Service, authorized
 from coordinator.dashboard_views import (
     Counters,
     coordinator_card,
@@ -36,7 +37,6 @@ from coordinator.heat import fetch_readings, record_heat
 from coordinator.link import WorkerLink
 from coordinator.metrics import Figures, Metrics
 from coordinator.report import BREAKDOWN_PARTS
-from coordinator.serve import Guard, Service, _authorized
 from engine.errors import InvalidInput, ShoalError
 from engine.migration import Step
 from proto import shoal_pb2
@@ -295,7 +295,7 @@ class Dashboard:
 
         async def auth(request: Request) -> Response:
             return _json({"key_required": self.service.api_key is not None,
-                          "authorized": _authorized(self.service, request)})
+                          "authorized": authorized(self.service, request)})
 
         async def cluster(request: Request) -> Response:
             return _json(await run_in_threadpool(self.cluster))

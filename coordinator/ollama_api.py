@@ -11,13 +11,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import events, gather, read_request, status_of
+from coordinator.answering import Service, events, gather, read_request, status_of
 from coordinator.batching import Event, Sampling
 from coordinator.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -29,9 +28,6 @@ from coordinator.openai_api import (
 from coordinator.structured import json_schema_grammar
 from coordinator.tools import CallReader, ToolCall, ToolUse, tool_use
 from engine.errors import InvalidInput, NotFound, ShoalError
-
-if TYPE_CHECKING:
-    from coordinator.serve import Service
 
 VERSION = "0.12.0"  # the Ollama API release these routes follow
 

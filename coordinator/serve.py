@@ -5,31 +5,26 @@ Ollama's routes (coordinator/anthropic_api.py, ollama_api.py) are registered bes
 with CORS and the access log around all of them.
 
 Requests and answers take their shapes from coordinator/openai_api.py; this module carries
-them: it reads each request's body within the limits and parses it off the event loop,
-submits it to the engine (both in coordinator/answering.py), waits for its events, and
-cancels a request whose client went away, which frees its row in the batch. SIGINT and
-SIGTERM stop it alike: the requests in flight end, and serve() returns.
+them: each request's body is read within the limits and parsed off the event loop, submitted
+to the engine, its events awaited, and a request whose client went away cancelled, which
+frees its row in the batch (the Service they share and a request's way through it are
+coordinator/answering.py). SIGINT and SIGTERM stop it alike: the requests in flight end, and
+serve() returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
-import os
 import signal
 import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import uvicorn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -40,16 +35,17 @@ from starlette.routing import BaseRoute, Route
 
 from coordinator import anthropic_api, ollama_api
 from coordinator.access_log import AccessLog
-from coordinator.answering import events, gather, read_request, status_of
-from coordinator.batching import BatchEngine, Event
-from coordinator.cluster import Members, layer_sizes
-from coordinator.http_limits import (
-    BACKLOG,
-    ConnectionGuard,
-    Limits,
-    QuietAcceptErrors,
-    guarded_protocol,
+from coordinator.answering import (
+    Guard,
+    Service,
+    authorized,
+    events,
+    gather,
+    read_request,
+    status_of,
 )
+from coordinator.batching import Event
+from coordinator.http_limits import BACKLOG, QuietAcceptErrors, guarded_protocol
 from coordinator.openai_api import (
     Chunks,
     CompletionRequest,
@@ -57,103 +53,11 @@ from coordinator.openai_api import (
     completion_json,
     error_json,
     fit_to_context,
-    longest_token,
     model_json,
     parse_request,
-    prepare,
     usage_chunk_json,
 )
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
-from engine.manifest import Manifest
-from engine.placement import replica_routes
-
-# ---------------------------------------------------------------------------------------
-# Health: every expert must have a live owner
-
-
-def missing_experts(membership: Members, manifest: Manifest) -> str | None:
-    """Why the cluster cannot serve every expert now (naming them), or None."""
-    _, _, holdings = membership.live()
-    try:
-        replica_routes(layer_sizes(manifest), holdings)
-    except Unavailable as e:
-        return str(e)
-    return None
-
-
-# ---------------------------------------------------------------------------------------
-# The service: what the routes share
-
-
-@dataclass
-class Service:
-    engine: BatchEngine
-    tokenizer: TokenizerWrapper
-    manifest: Manifest
-    membership: Members  # the workers, and the coordinator's own experts when it holds some
-    model_id: str
-    context: int
-    api_key: str | None = None
-    started: int = 0
-    cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API
-    limits: Limits = field(default_factory=Limits)
-    stopping: bool = False  # set on SIGINT or SIGTERM: new requests get 503
-    buffered: int = 0  # bytes of request bodies held now, read and not yet tokenized
-
-    def __post_init__(self) -> None:
-        self.guard = ConnectionGuard(self.limits)
-        # Decoding and tokenizing run off the event loop, so that /health and the streams go
-        # on meanwhile: large bodies on a thread of their own at the lowest priority (one
-        # at a time, which bounds their memory), so that small requests never queue behind
-        # them nor the batch's thread wait for them.
-        self.parsers = ThreadPoolExecutor(2, thread_name_prefix="shoal parse")
-        self.large_parser = ThreadPoolExecutor(1, thread_name_prefix="shoal parse large",
-                                               initializer=_lowest_priority)
-
-    @cached_property
-    def longest_token(self) -> int:
-        return longest_token(self.tokenizer)
-
-    @property
-    def vocab(self) -> int:
-        """Token ids the model's embedding takes (a multimodal config nests it)."""
-        config = self.manifest.config
-        size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-        return int(size or len(self.tokenizer.get_vocab()))
-
-    def health(self) -> str | None:
-        if not self.engine.alive:
-            return "the generation thread has stopped; see the server's log"
-        return missing_experts(self.membership, self.manifest)
-
-    def prepare(self, request: CompletionRequest) -> tuple[CompletionRequest, list[int]]:
-        """The request bound to this model (openai_api.prepare): its prompt's token ids,
-        refused before tokenizing when it cannot fit the context. Runs on a parser thread."""
-        return prepare(self.tokenizer, request, self.vocab, context=self.context,
-                       longest=self.longest_token)
-
-    def check_serving(self) -> None:
-        """Unavailable, naming the problem, unless a request can be answered now."""
-        problem = self.health()
-        if problem is not None:
-            raise Unavailable(f"the cluster cannot serve this model now: {problem}")
-
-
-def _lowest_priority() -> None:
-    """Lower the calling thread's CPU priority where threads have their own (Linux); on
-    macOS the call refuses a thread id and nothing changes."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def _authorized(service: Service, request: Request) -> bool:
-    if service.api_key is None:
-        return True
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-        token = request.headers.get("x-api-key", "")
-    return hmac.compare_digest(token.strip().encode(), service.api_key.encode())
 
 
 def _error_response(error: ShoalError) -> JSONResponse:
@@ -168,9 +72,6 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-Guard = Callable[[Callable], Callable]  # wraps a handler in the key check and error mapping
-
-
 def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | None = None,
              middleware: Sequence[Middleware] = ()) -> Starlette:
     """The Starlette application: the OpenAI, Anthropic and Ollama routes over `service`, and
@@ -179,7 +80,7 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
 
     def guard(handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:
-            if not _authorized(service, request):
+            if not authorized(service, request):
                 return JSONResponse(
                     error_json("a valid API key is needed: send 'Authorization: Bearer KEY'",
                                "invalid_request_error", 401), 401,

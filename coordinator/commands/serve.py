@@ -143,11 +143,12 @@ def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
 
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
+    from coordinator.answering import Service
     from coordinator.batching import BatchEngine
     from coordinator.dashboard import Dashboard
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
-    from coordinator.serve import Service, listen, read_api_key, serve
+    from coordinator.serve import listen, read_api_key, serve
     from engine.manifest import read_manifest
     from engine.process import raise_file_limit
 
