@@ -168,7 +168,7 @@ def test_generate_refuses_bad_arguments_and_dead_workers_before_loading(sharded,
 
 
 def test_streamed_text_ends_its_line_before_anything_else_is_said(capsys):
-    from coordinator.commands.generate import StreamedText
+    from coordinator.cli.generate_command import StreamedText
 
     out = StreamedText()
     out.write("The capital is Par")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from coordinator.cli import main
+from coordinator.cli.shoal_command import main
 from coordinator.heat import encode_record, load_record, record_path, summarize_heat
 from engine.heat import HeatRecord, fold_reading
 from engine.manifest import read_manifest

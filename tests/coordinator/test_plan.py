@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
+from coordinator.cli.shoal_command import main
 from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]

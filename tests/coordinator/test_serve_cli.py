@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from coordinator import cli
+from coordinator.cli import shoal_command as cli
 from engine.sharding import shard
 
 

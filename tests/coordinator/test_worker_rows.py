@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from coordinator.commands.workers import format_table
+from coordinator.cli.workers_command import format_table
 from coordinator.membership import Member
 from coordinator.report import member_rows
 from engine.interfaces import Route

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from coordinator.commands.options import AddParser
+from coordinator.cli.options import AddParser
 from engine.errors import InvalidInput
 
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes

@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from coordinator.commands.connect import open_membership
-from coordinator.commands.options import (
+from coordinator.cli.connect import open_membership
+from coordinator.cli.options import (
     AddParser,
     browse_seconds,
     check_one_worker_source,

@@ -9,8 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from coordinator.commands.connect import members_secret, remote_model
-from coordinator.commands.options import (
+from coordinator.cli.connect import members_secret, remote_model
+from coordinator.cli.options import (
     AddParser,
     check_model_args,
     kv_cache_options,

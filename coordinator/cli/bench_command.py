@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from coordinator.commands.options import AddParser, transport_of, transport_options
+from coordinator.cli.options import AddParser, transport_of, transport_options
 from engine.errors import NotFound
 
 HARNESS = "benchmarks.bench"

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from coordinator.commands.connect import members_secret, open_live_workers
-from coordinator.commands.options import AddParser, live_options
+from coordinator.cli.connect import members_secret, open_live_workers
+from coordinator.cli.options import AddParser, live_options
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:

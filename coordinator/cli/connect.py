@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.options import (
+from coordinator.cli.options import (
     browse_seconds,
     check_local_store_args,
     check_one_worker_source,
@@ -150,7 +150,7 @@ def needs_workers(args: argparse.Namespace, manifest: Manifest, stores: list[Pat
 
 def members_secret(args: argparse.Namespace, manifest: Manifest) -> bytes:
     """The cluster secret, when workers are to be reached; one Mac alone needs none."""
-    from coordinator.commands.options import cluster_secret
+    from coordinator.cli.options import cluster_secret
 
     return cluster_secret(args) if needs_workers(args, manifest, local_stores(args)[0]) else b""
 

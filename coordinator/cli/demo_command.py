@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from coordinator.commands.options import AddParser
+from coordinator.cli.options import AddParser
 from engine.errors import InvalidInput
 
 DEMO_PROMPT = "What is the capital of France?"

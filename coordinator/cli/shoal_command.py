@@ -1,5 +1,5 @@
-"""The `shoal` command: gathers the subcommands of coordinator/commands/, each of which owns
-its arguments and what it does with them, and runs the one asked for.
+"""The `shoal` command: gathers the subcommands of coordinator/cli/ (one `*_command.py` each,
+which owns its arguments and what it does with them), and runs the one asked for.
 
 Expected failures (ShoalError) and unexpected I/O errors (OSError: the path and the problem)
 are printed as one line without a traceback, exit status 2.
@@ -10,21 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from coordinator.commands import (
-    bench,
-    cache_prompt,
-    chat,
-    cluster_init,
-    demo,
-    doctor,
-    generate,
-    heat,
-    migrate,
-    plan,
-    pull,
-    serve,
-    shard,
-    workers,
+from coordinator.cli import (
+    bench_command,
+    cache_prompt_command,
+    chat_command,
+    cluster_init_command,
+    demo_command,
+    deploy_rebalance_command,
+    doctor_command,
+    generate_command,
+    heat_command,
+    plan_command,
+    pull_command,
+    serve_command,
+    shard_command,
+    workers_command,
 )
 from coordinator.hub import hub_may_be_reached
 from engine.errors import ShoalError, worded
@@ -32,8 +32,9 @@ from engine.pipes import guard_standard_streams
 from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
-COMMANDS = (cluster_init, pull, shard, generate, chat, cache_prompt, workers, demo, bench,
-            plan, serve, doctor, heat, migrate)
+COMMANDS = (cluster_init_command, pull_command, shard_command, generate_command, chat_command,
+            cache_prompt_command, workers_command, demo_command, bench_command, plan_command,
+            serve_command, doctor_command, heat_command, deploy_rebalance_command)
 
 
 def version_text() -> str:

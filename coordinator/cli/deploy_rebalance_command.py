@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from coordinator.commands.connect import members_secret, open_live_workers
-from coordinator.commands.options import AddParser, live_options
+from coordinator.cli.connect import members_secret, open_live_workers
+from coordinator.cli.options import AddParser, live_options
 from engine.errors import InvalidInput, ShoalError
 
 COMMANDS = (

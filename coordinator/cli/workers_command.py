@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator.commands.connect import open_membership
-from coordinator.commands.options import (
+from coordinator.cli.connect import open_membership
+from coordinator.cli.options import (
     AddParser,
     browse_seconds,
     check_one_worker_source,

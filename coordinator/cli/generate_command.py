@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import members_secret, remote_model
-from coordinator.commands.options import (
+from coordinator.cli.connect import members_secret, remote_model
+from coordinator.cli.options import (
     AddParser,
     check_model_args,
     kv_cache_options,

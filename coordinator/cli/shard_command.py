@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from coordinator.commands.options import AddParser
+from coordinator.cli.options import AddParser
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:

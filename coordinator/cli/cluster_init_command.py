@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from coordinator.commands.options import AddParser, secret_option
+from coordinator.cli.options import AddParser, secret_option
 from engine.auth import create_secret, secret_mode, secret_path
 
 

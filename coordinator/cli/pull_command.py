@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from coordinator.commands.options import AddParser
+from coordinator.cli.options import AddParser
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:

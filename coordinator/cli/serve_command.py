@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.commands.connect import (
+from coordinator.cli.connect import (
     local_stores,
     needs_workers,
     open_membership,
     record_run_heat,
 )
-from coordinator.commands.options import (
+from coordinator.cli.options import (
     AddParser,
     check_local_store_args,
     check_one_worker_source,
