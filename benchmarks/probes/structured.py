@@ -1,4 +1,4 @@
-"""What constrained decoding costs per step: the time coordinator/structured.py's processor
+"""What constrained decoding costs per step: the time coordinator/server/grammars.py's processor
 takes (llguidance's mask, its unpacking, and the masked logits) on a real tokenizer, over
 answers walked through a JSON Schema grammar. Usage:
     python -m benchmarks.probes.structured [--model DIR] [--answers N] [--json]
@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.utils import load_tokenizer
 
 from coordinator.demo import cache_root
-from coordinator.structured import Grammars, response_format_grammar
+from coordinator.server.grammars import Grammars, response_format_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "ok"],

@@ -1,6 +1,6 @@
-"""`shoal serve`: the OpenAI API over a sharded model (the HTTP server is coordinator/serve.py,
-the API's request and answer shapes coordinator/openai_api.py, the batched decoding
-coordinator/batching.py)."""
+"""`shoal serve`: the OpenAI API over a sharded model (coordinator/server/: the HTTP server is
+http_server.py, the API's request and answer shapes openai_api.py, the batched decoding
+batching.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from coordinator.cli.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.http_limits import Limits
+    from coordinator.server.http_limits import Limits
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -121,7 +121,7 @@ def check_serve_args(args: argparse.Namespace) -> int:
 def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
     """What one client may hold (--max-body, --max-connections...), with the connections kept
     to half the process's `file_limit`: the rest is for the worker links and model files."""
-    from coordinator.http_limits import Limits
+    from coordinator.server.http_limits import Limits
     from engine.cache_policy import parse_budget
 
     try:
@@ -143,12 +143,12 @@ def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
 
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
-    from coordinator.answering import Service
-    from coordinator.batching import BatchEngine
-    from coordinator.dashboard import Dashboard
     from coordinator.generate import open_remote_model
     from coordinator.membership import stderr_log
-    from coordinator.serve import listen, read_api_key, serve
+    from coordinator.server.answering import Service
+    from coordinator.server.batching import BatchEngine
+    from coordinator.server.dashboard import Dashboard
+    from coordinator.server.http_server import listen, read_api_key, serve
     from engine.manifest import read_manifest
     from engine.process import raise_file_limit
 

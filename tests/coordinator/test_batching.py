@@ -7,7 +7,7 @@ import time
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.batching import BatchEngine, Event, Sampling
+from coordinator.server.batching import BatchEngine, Event, Sampling
 
 PROMPTS = [[5, 17, 42, 99, 7, 250, 33], [3, 8, 1, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
@@ -128,7 +128,7 @@ def test_rows_with_their_own_processors_leave_the_others_bits_alone(model):
     """A row held to a JSON grammar and a row with a repetition penalty share the batch with
     two plain rows: the plain rows' tokens and log-probabilities equal themselves alone, the
     constrained row's answer is JSON, and each special row equals itself alone."""
-    from coordinator.structured import response_format_grammar
+    from coordinator.server.grammars import response_format_grammar
 
     grammar = response_format_grammar({"type": "json_object"})
     [close] = model[1].encode("}")

@@ -1,15 +1,15 @@
 """The dashboard's views as pure functions of plain data: speed samples, worker cards with
 their replicas, and the heat map's grid with each expert's owners."""
 
-from coordinator.dashboard_views import (
+from coordinator.dispatch import LayerStats
+from coordinator.membership import Member
+from coordinator.server.dashboard_views import (
     Counters,
     heat_view,
     replicas_of,
     speed_sample,
     worker_cards,
 )
-from coordinator.dispatch import LayerStats
-from coordinator.membership import Member
 from engine.heat import HeatRecord, WorkerCounts
 from engine.interfaces import Route
 from engine.manifest import Manifest, MoeLayer

@@ -8,9 +8,9 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from coordinator.batching import EngineStats
 from coordinator.membership import Member
-from coordinator.metrics import Figures, Metrics
+from coordinator.server.batching import EngineStats
+from coordinator.server.metrics import Figures, Metrics
 from engine.interfaces import Route as Path
 from proto import shoal_pb2
 

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from builders.synthetic_tokenizer import build_tokenizer
-from coordinator.http_limits import ConnectionGuard, Limits, QuietAcceptErrors
-from coordinator.openai_api import (
+from coordinator.server.http_limits import ConnectionGuard, Limits, QuietAcceptErrors
+from coordinator.server.openai_api import (
     MAX_JSON_DEPTH,
     decode_body,
     longest_token,
@@ -148,7 +148,7 @@ def body_request(chunks: list[bytes], *, then_wait: bool = False, declared: int 
 def read(limits: Limits, request, buffered: int = 0):
     from types import SimpleNamespace
 
-    from coordinator.answering import _Held, _read_body
+    from coordinator.server.answering import _Held, _read_body
 
     service = SimpleNamespace(limits=limits, buffered=buffered)
     held = _Held(service)
@@ -166,7 +166,7 @@ def read(limits: Limits, request, buffered: int = 0):
 
 
 def test_a_body_is_read_within_its_size_and_time():
-    from coordinator.answering import TooLarge, TooSlow
+    from coordinator.server.answering import TooLarge, TooSlow
     from engine.errors import Unavailable
 
     limits = Limits(max_body=2048, body_timeout=0.2)

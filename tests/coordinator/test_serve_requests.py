@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.batching import Event, TokenLogprob, Usage, split_at_stop
-from coordinator.openai_api import (
+from coordinator.server.batching import Event, TokenLogprob, Usage, split_at_stop
+from coordinator.server.openai_api import (
     DEFAULT_MAX_TOKENS,
     NEUTRAL,
     Chunks,

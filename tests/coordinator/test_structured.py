@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from coordinator.structured import Grammars, response_format_grammar, tool_call_grammar
+from coordinator.server.grammars import Grammars, response_format_grammar, tool_call_grammar
 from engine.errors import InvalidInput
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

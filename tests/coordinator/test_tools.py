@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from coordinator.openai_api import longest_token, parse_request, prepare
-from coordinator.tools import CallReader, ToolUse, template_messages, tool_use
+from coordinator.server.openai_api import longest_token, parse_request, prepare
+from coordinator.server.tools import CallReader, ToolUse, template_messages, tool_use
 from engine.errors import InvalidInput
 
 TEMPLATE = Path(__file__).parents[1] / "integration" / "tool_template.jinja"

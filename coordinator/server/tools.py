@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from coordinator.structured import tool_call_grammar
+from coordinator.server.grammars import tool_call_grammar
 from engine.errors import InvalidInput
 
 JSON_TOOLS_PARSER = "mlx_lm.tool_parsers.json_tools"  # the syntax a forced call is held to

@@ -2,7 +2,7 @@
 in all, the connection idle longest closed when full, a deadline for a request's headers, the
 request body's limits, and failed accepts said once in a while. Connections are guarded here,
 in the protocol uvicorn serves them with; bodies are read within the limits in
-coordinator/answering.py."""
+coordinator/server/answering.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.openai_api import error_json
+from coordinator.server.openai_api import error_json
 
 # Connections the kernel queues until they are accepted (the OS caps it: somaxconn); when
 # the queue is full a new client's SYN is dropped and it tries again a second later.

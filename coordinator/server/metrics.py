@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.batching import EngineStats
 from coordinator.membership import Member
+from coordinator.server.batching import EngineStats
 from proto import shoal_pb2
 
 # Paths counted by name; any other is counted as "other", so a scan of random URLs cannot

@@ -3,7 +3,7 @@ coordinator and of each worker, and the heat map's grid with the owners of every
 
 Pure functions of the membership's members, the workers' stats, the engine's and the
 dispatcher's counters and the heat record, so tests call them without a network;
-coordinator/dashboard.py reads those and serves what these return as JSON.
+coordinator/server/dashboard.py reads those and serves what these return as JSON.
 """
 
 from __future__ import annotations

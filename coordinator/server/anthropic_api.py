@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import Service, events, gather, read_request, status_of
-from coordinator.batching import Event, Sampling
-from coordinator.openai_api import (
+from coordinator.server.answering import Service, events, gather, read_request, status_of
+from coordinator.server.batching import Event, Sampling
+from coordinator.server.grammars import response_format_grammar
+from coordinator.server.openai_api import (
     DEFAULT_MAX_TOKENS,
     MAX_STOP_STRINGS,
     CompletionRequest,
@@ -25,8 +26,7 @@ from coordinator.openai_api import (
     json_field,
     number_field,
 )
-from coordinator.structured import response_format_grammar
-from coordinator.tools import CallReader, Piece, ToolUse, tool_use
+from coordinator.server.tools import CallReader, Piece, ToolUse, tool_use
 from engine.errors import InvalidInput, ShoalError
 
 # Every field of the Messages API's request: "yes" honoured, "ignored" a label taken without

@@ -3,7 +3,7 @@
 the HTTP server's event loop, a request's body read within the limits and parsed off the
 loop, and its events from the batch engine gathered whole, or streamed as they come (with a
 heartbeat while none does). Leaving early cancels the request, which frees its row in the
-batch. The OpenAI routes (coordinator/serve.py), Anthropic's and Ollama's all build on this."""
+batch. The OpenAI routes (http_server.py), Anthropic's and Ollama's all build on this."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import TypeVar
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.requests import Request
 
-from coordinator.batching import BatchEngine, Event, Sampling
 from coordinator.cluster import Members, layer_sizes
-from coordinator.http_limits import ConnectionGuard, Limits
-from coordinator.openai_api import CompletionRequest, decode_body, longest_token, prepare
+from coordinator.server.batching import BatchEngine, Event, Sampling
+from coordinator.server.http_limits import ConnectionGuard, Limits
+from coordinator.server.openai_api import CompletionRequest, decode_body, longest_token, prepare
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.placement import replica_routes

@@ -1,7 +1,7 @@
 """The OpenAI API's shapes, as pure functions of plain data: a chat or text completion
 request validated from its JSON body (each 400 with a message), and the answers built from the
 batch engine's events (whole bodies, streamed chunks, usage, log-probabilities, errors).
-No HTTP here: coordinator/serve.py carries these over Starlette."""
+No HTTP here: coordinator/server/http_server.py carries these over Starlette."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from coordinator.batching import Event, Sampling, TokenLogprob
 from coordinator.generate import encode_text
-from coordinator.structured import response_format_grammar
-from coordinator.tools import (
+from coordinator.server.batching import Event, Sampling, TokenLogprob
+from coordinator.server.grammars import response_format_grammar
+from coordinator.server.tools import (
     CallReader,
     ToolCall,
     ToolUse,

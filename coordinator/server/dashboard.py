@@ -1,10 +1,11 @@
 """`shoal serve`'s dashboard: the page at `GET /` (plain HTML, JavaScript and CSS from
-coordinator/static, nothing fetched from elsewhere), the JSON endpoints it reads (documented in
-docs/dashboard.md, for scripts too), the live rebalance it can start, and `GET /metrics`.
+coordinator/server/static, nothing fetched from elsewhere), the JSON endpoints it reads
+(documented in docs/dashboard.md, for scripts too), the live rebalance it can start, and
+`GET /metrics`.
 
 A sampler thread reads the engine's and the dispatcher's counters, the members and each
 healthy worker's stats once a second; the heat is read from the workers when asked for, at
-most every HEAT_SECONDS. What the endpoints answer is built by coordinator/dashboard_views.py.
+most every HEAT_SECONDS. What the endpoints answer is built by dashboard_views.py.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from coordinator.answering import Guard, Service, authorized
-from coordinator.dashboard_views import (
+from coordinator.dispatch import Dispatcher, LayerStats
+from coordinator.heat import fetch_readings, record_heat
+from coordinator.link import WorkerLink
+from coordinator.report import BREAKDOWN_PARTS
+from coordinator.server.answering import Guard, Service, authorized
+from coordinator.server.dashboard_views import (
     Counters,
     coordinator_card,
     copy_layer_stats,
@@ -32,11 +37,7 @@ from coordinator.dashboard_views import (
     speed_sample,
     worker_cards,
 )
-from coordinator.dispatch import Dispatcher, LayerStats
-from coordinator.heat import fetch_readings, record_heat
-from coordinator.link import WorkerLink
-from coordinator.metrics import Figures, Metrics
-from coordinator.report import BREAKDOWN_PARTS
+from coordinator.server.metrics import Figures, Metrics
 from engine.errors import InvalidInput, ShoalError
 from engine.migration import Step
 from proto import shoal_pb2

@@ -16,17 +16,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from coordinator.answering import Service, events, gather, read_request, status_of
-from coordinator.batching import Event, Sampling
-from coordinator.openai_api import (
+from coordinator.server.answering import Service, events, gather, read_request, status_of
+from coordinator.server.batching import Event, Sampling
+from coordinator.server.grammars import json_schema_grammar
+from coordinator.server.openai_api import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
     check_fields,
     fit_to_context,
     json_field,
 )
-from coordinator.structured import json_schema_grammar
-from coordinator.tools import CallReader, ToolCall, ToolUse, tool_use
+from coordinator.server.tools import CallReader, ToolCall, ToolUse, tool_use
 from engine.errors import InvalidInput, NotFound, ShoalError
 
 VERSION = "0.12.0"  # the Ollama API release these routes follow

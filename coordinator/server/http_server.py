@@ -1,14 +1,14 @@
 """`shoal serve`'s HTTP server: the OpenAI API's routes on Starlette and uvicorn (chat and
 text completions, streamed as server-sent events or not, the models, health, the API key),
-with every request decoded in one shared batch (coordinator/batching.py); Anthropic's and
-Ollama's routes (coordinator/anthropic_api.py, ollama_api.py) are registered beside them,
+with every request decoded in one shared batch (coordinator/server/batching.py); Anthropic's and
+Ollama's routes (coordinator/server/anthropic_api.py, ollama_api.py) are registered beside them,
 with CORS and the access log around all of them.
 
-Requests and answers take their shapes from coordinator/openai_api.py; this module carries
+Requests and answers take their shapes from coordinator/server/openai_api.py; this module carries
 them: each request's body is read within the limits and parsed off the event loop, submitted
 to the engine, its events awaited, and a request whose client went away cancelled, which
 frees its row in the batch (the Service they share and a request's way through it are
-coordinator/answering.py). SIGINT and SIGTERM stop it alike: the requests in flight end, and
+coordinator/server/answering.py). SIGINT and SIGTERM stop it alike: the requests in flight end, and
 serve() returns.
 """
 
@@ -33,9 +33,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from coordinator import anthropic_api, ollama_api
-from coordinator.access_log import AccessLog
-from coordinator.answering import (
+from coordinator.server import anthropic_api, ollama_api
+from coordinator.server.access_log import AccessLog
+from coordinator.server.answering import (
     Guard,
     Service,
     authorized,
@@ -44,9 +44,9 @@ from coordinator.answering import (
     read_request,
     status_of,
 )
-from coordinator.batching import Event
-from coordinator.http_limits import BACKLOG, QuietAcceptErrors, guarded_protocol
-from coordinator.openai_api import (
+from coordinator.server.batching import Event
+from coordinator.server.http_limits import BACKLOG, QuietAcceptErrors, guarded_protocol
+from coordinator.server.openai_api import (
     Chunks,
     CompletionRequest,
     answer_meta,
@@ -75,7 +75,7 @@ def _sse(data: dict | str) -> bytes:
 def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | None = None,
              middleware: Sequence[Middleware] = ()) -> Starlette:
     """The Starlette application: the OpenAI, Anthropic and Ollama routes over `service`, and
-    those `mount` gives (the dashboard's: coordinator/dashboard.py), which wrap theirs in the
+    those `mount` gives (the dashboard's: coordinator/server/dashboard.py), which wrap theirs in the
     same guard; `middleware` goes inside the access log."""
 
     def guard(handler: Callable) -> Callable:

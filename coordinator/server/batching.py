@@ -33,7 +33,7 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from coordinator.structured import Grammars
+from coordinator.server.grammars import Grammars
 from engine.errors import ShoalError, Unavailable
 
 log = logging.getLogger("shoal.serve")
