@@ -23,15 +23,9 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
 from benchmarks.bench import machine
+from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
-from coordinator.demo import (
-    build_once,
-    cache_root,
-    demo_workers,
-    prepare,
-    prepare_dense,
-    prepare_draft,
-)
+from coordinator.cli.demo_command import demo_workers
 from coordinator.generate import GenerationResult, encode_prompt, generate
 from coordinator.report import speculative_report
 from coordinator.speculative import DEFAULT_DRAFT_TOKENS, Draft, DraftPolicy

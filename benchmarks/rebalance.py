@@ -63,7 +63,7 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> Path:
         source = build_checkpoint(scratch / "source", "qwen3_moe")
         shard(source, scratch / "out", workers=args.workers, progress=False)
         return scratch / "out"
-    from coordinator.demo import prepare
+    from builders.demo_models import prepare
 
     cached = prepare(args.experts, args.top_k, args.workers)
     shutil.copytree(cached, scratch / "out")

@@ -380,7 +380,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="with --local (default 4)")
     args = parser.parse_args()
 
-    from coordinator.demo import moe_folder, prepare
+    from builders.demo_models import moe_folder, prepare
 
     sharded = prepare(args.experts, args.top_k, 1)
     source = moe_folder(args.experts, args.top_k)

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from coordinator.demo import cache_root
+from builders.demo_models import cache_root
 from worker.residency import Request, Residency
 from worker.store import scan_stores
 

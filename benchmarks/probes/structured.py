@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_tokenizer
 
-from coordinator.demo import cache_root
+from builders.demo_models import cache_root
 from coordinator.server.grammars import Grammars, response_format_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False,
