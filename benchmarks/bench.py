@@ -28,7 +28,7 @@ from builders.demo_models import build_once, cache_root
 from builders.synthetic import build_checkpoint
 from coordinator.generate import open_remote_model
 from coordinator.link import LANE, Transport
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from coordinator.report import breakdown_table
 from engine.auth import ensure_secret, load_secret
 from engine.errors import ShoalError

@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
-from coordinator.local import start_worker  # noqa: E402
+from coordinator.ops.local_processes import start_worker  # noqa: E402
+from coordinator.ops.worker_stats import read_stats  # noqa: E402
 from coordinator.report import streaming_report  # noqa: E402
-from coordinator.worker_stats import read_stats  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402

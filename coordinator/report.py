@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from coordinator.doctor import failed
 from coordinator.membership import duplicate_ids
+from coordinator.ops.doctor import failed
 from engine.cache_policy import format_bytes
 from engine.errors import InvalidInput
 from engine.heat import heat_to_json
@@ -22,11 +22,11 @@ from proto import shoal_pb2
 
 if TYPE_CHECKING:
     from coordinator.dispatch import DispatchStats
-    from coordinator.doctor import Check
     from coordinator.generate import GenerationResult
     from coordinator.lookahead import LookaheadStats
     from coordinator.membership import Member
-    from coordinator.rebalance import Report
+    from coordinator.ops.doctor import Check
+    from coordinator.ops.rebalancer import Report
     from engine.heat import HeatRecord
     from engine.placement import SpeedAssumptions, WorkerCapacity
     from engine.sizes import ModelSizes

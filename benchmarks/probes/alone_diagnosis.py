@@ -23,7 +23,7 @@ from benchmarks.bench import WORKERS, bench_files
 from benchmarks.measure import bench_prompt
 from benchmarks.probes.batch_invariance import largest_difference
 from coordinator.generate import open_remote_model
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 
 ROWS = (1, 2, 4, 7, 8, 16, 64)

@@ -27,7 +27,7 @@ from mlx_lm.utils import load_model
 
 from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
 from coordinator.generate import open_remote_model
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 

@@ -66,7 +66,7 @@ def run(quick: bool) -> dict:
     from benchmarks.bench import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
-    from coordinator.local import start_workers, stop_workers
+    from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import load_secret
 
     events: dict[str, list[tuple[str, float]]] = {}

@@ -29,7 +29,7 @@ def worker_addresses(text: str) -> list[str]:
     """--workers HOST:PORT,...: refused at once when nothing listens at one of them, rather
     than after loading the model and waiting for it to answer."""
     from coordinator.cluster import parse_addresses
-    from coordinator.doctor import refused_at_once
+    from coordinator.ops.doctor import refused_at_once
 
     addresses = parse_addresses(text)
     refused = [a for a in addresses if refused_at_once(a)]
@@ -118,7 +118,7 @@ def open_live_workers(
 
 def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
     """Fold the workers' token counts into OUT_DIR/heat.msgpack; a failure only warns."""
-    from coordinator.heat import fetch_readings, record_heat
+    from coordinator.ops.heat_record import fetch_readings, record_heat
 
     try:
         record_heat(model_dir, manifest, fetch_readings(links))

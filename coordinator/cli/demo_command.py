@@ -20,7 +20,7 @@ from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
     from coordinator.generate import GenerationResult, RemoteModel
-    from coordinator.local import LocalWorker
+    from coordinator.ops.local_processes import LocalWorker
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -145,7 +145,7 @@ def demo_workers(sharded: Path, workers: int) -> Iterator[tuple[RemoteModel, lis
     and closed on leaving, also on Ctrl-C."""
     from builders.demo_models import cache_root
     from coordinator.generate import open_remote_model
-    from coordinator.local import start_workers, stop_workers
+    from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import ensure_secret, load_secret
 
     root = cache_root() / "demo"

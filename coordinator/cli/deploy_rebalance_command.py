@@ -1,4 +1,4 @@
-"""`shoal deploy` and `shoal rebalance`: their arguments and the run (coordinator/rebalance.py
+"""`shoal deploy` and `shoal rebalance`: their arguments and the run (coordinator/ops/rebalancer.py
 plans, executes and words the result; coordinator/report.py makes its --json)."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def max_bytes(args: argparse.Namespace) -> int | None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.rebalance import describe, migrate
+    from coordinator.ops.rebalancer import describe, migrate
     from engine.manifest import read_manifest
 
     limit = max_bytes(args)

@@ -1,5 +1,5 @@
 """`shoal doctor`: check this machine, and the workers the options name, for what Shoal needs
-(the checks themselves are coordinator/doctor.py)."""
+(the checks themselves are coordinator/ops/doctor.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from coordinator.cluster import parse_addresses
     from coordinator.discovery import Candidate, parse_endpoint
-    from coordinator.doctor import (
+    from coordinator.membership import Membership
+    from coordinator.ops.doctor import (
         check_mdns,
         check_memory,
         check_mlx,
@@ -60,7 +61,6 @@ def main(args: argparse.Namespace) -> None:
         format_checks,
         inspect_workers,
     )
-    from coordinator.membership import Membership
     from coordinator.report import doctor_report, member_rows
     from engine.manifest import read_manifest
 

@@ -161,8 +161,8 @@ def decode(
     """The prompt through the remote model (with a draft model proposing tokens when asked),
     and the report of the run; with --stats, the workers' counters are read around it."""
     from coordinator.generate import encode_prompt, generate
+    from coordinator.ops.worker_stats import read_stats
     from coordinator.report import generation_report, generation_stats
-    from coordinator.worker_stats import read_stats
 
     options = kv_cache_settings(args)
     if args.prompt_cache_file is not None:

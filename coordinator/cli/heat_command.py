@@ -1,5 +1,5 @@
 """`shoal heat`: the tokens routed to each expert, read from the live workers into the record
-kept in OUT_DIR/heat.msgpack (coordinator/heat.py), then shown."""
+kept in OUT_DIR/heat.msgpack (coordinator/ops/heat_record.py), then shown."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.heat import (
+    from coordinator.ops.heat_record import (
         fetch_readings,
         format_heat_summary,
         load_record,

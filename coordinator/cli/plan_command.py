@@ -1,4 +1,4 @@
-"""`shoal plan`: an offline what-if over a model and some Macs (coordinator/planning.py; the
+"""`shoal plan`: an offline what-if over a model and some Macs (coordinator/ops/planning.py; the
 plan as plain data, also its --json, is coordinator/report.py's)."""
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.hub import local_model
-    from coordinator.planning import VERDICT_EXIT, parse_worker_capacity, print_plan
+    from coordinator.ops.hub import local_model
+    from coordinator.ops.planning import VERDICT_EXIT, parse_worker_capacity, print_plan
     from coordinator.report import plan_report
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> None:
 def recorded_heat(model: Path) -> tuple[dict | None, str]:
     """The heat the cluster recorded in a sharded model's folder (`shoal heat` shows it), and
     where it came from; (None, "uniform") when there is none."""
-    from coordinator.heat import load_record, record_path
+    from coordinator.ops.heat_record import load_record, record_path
     from engine.manifest import MANIFEST_NAME, read_manifest
 
     if not (Path(model) / MANIFEST_NAME).is_file() or not record_path(model).is_file():

@@ -1,5 +1,5 @@
 """`shoal pull`: download a checkpoint from the Hugging Face Hub into its local cache
-(coordinator/hub.py), ready for `shoal plan` and `shoal shard`."""
+(coordinator/ops/hub.py), ready for `shoal plan` and `shoal shard`."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.hub import cache_entry, pull
+    from coordinator.ops.hub import cache_entry, pull
 
     done: dict[str, object] = {}
 

@@ -45,7 +45,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.hub import local_model
+    from coordinator.ops.hub import local_model
     from engine.sharding import shard
 
     manifest = shard(

@@ -26,7 +26,7 @@ from coordinator.cli import (
     shard_command,
     workers_command,
 )
-from coordinator.hub import hub_may_be_reached
+from coordinator.ops.hub import hub_may_be_reached
 from engine.errors import ShoalError, worded
 from engine.pipes import guard_standard_streams
 from engine.process import launch_directly

@@ -86,8 +86,8 @@ def main(args: argparse.Namespace) -> None:
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:
     """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
+    from coordinator.ops.worker_stats import fetch_worker_stats
     from coordinator.report import summarize_stats
-    from coordinator.worker_stats import fetch_worker_stats
 
     for row in rows:
         if row["state"] != "healthy":

@@ -24,8 +24,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from coordinator.dispatch import Dispatcher, LayerStats
-from coordinator.heat import fetch_readings, record_heat
 from coordinator.link import WorkerLink
+from coordinator.ops.heat_record import fetch_readings, record_heat
 from coordinator.report import BREAKDOWN_PARTS
 from coordinator.server.answering import Guard, Service, authorized
 from coordinator.server.dashboard_views import (
@@ -99,7 +99,7 @@ class LiveRebalance:
                 s["steps_done"] += 1
 
     def _run(self, addresses: list[str]) -> None:
-        from coordinator.rebalance import describe, migrate
+        from coordinator.ops.rebalancer import describe, migrate
         from coordinator.report import migration_report
 
         links = [WorkerLink(address, self.secret) for address in addresses]
@@ -260,7 +260,7 @@ class Dashboard:
 
     def rebalance_plan(self) -> dict:
         """`shoal rebalance --dry-run --json` over the healthy workers, with its text."""
-        from coordinator.rebalance import describe, migrate
+        from coordinator.ops.rebalancer import describe, migrate
         from coordinator.report import migration_report
 
         links = [self._link(m.address) for m in self.service.membership.snapshot()

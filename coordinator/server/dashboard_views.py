@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from coordinator.dispatch import LayerStats
-from coordinator.heat import name_workers, summarize_heat
 from coordinator.membership import Member
+from coordinator.ops.heat_record import name_workers, summarize_heat
 from coordinator.report import member_rows, summarize_stats
 from engine.heat import HeatRecord
 from engine.manifest import ExpertKey, Manifest

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from coordinator.cli.shoal_command import main
-from coordinator.heat import encode_record, load_record, record_path, summarize_heat
+from coordinator.ops.heat_record import encode_record, load_record, record_path, summarize_heat
 from engine.heat import HeatRecord, fold_reading
 from engine.manifest import read_manifest
 from engine.sharding import shard
@@ -83,7 +83,7 @@ def test_a_uniform_model_is_drawn_hot_on_a_scale_from_zero(tiny_checkpoint, tmp_
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    from coordinator.heat import colour_limits, plot_heat
+    from coordinator.ops.heat_record import colour_limits, plot_heat
 
     assert colour_limits(120) == (0.0, 120.0) and colour_limits(0) == (0.0, 1.0)
     out = tmp_path / "out"

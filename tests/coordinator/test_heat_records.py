@@ -3,7 +3,7 @@ totals that neither double-count nor lose a worker's restart, and survive a msgp
 
 import pytest
 
-from coordinator.heat import decode_record, encode_record, name_workers
+from coordinator.ops.heat_record import decode_record, encode_record, name_workers
 from engine.errors import CorruptData
 from engine.heat import HeatRecord, difference, fold_reading, heat_from_json, heat_to_json
 

@@ -3,7 +3,7 @@ written, ignored when it is another model's, refused when it is not JSON, gone o
 
 import pytest
 
-from coordinator.rebalance import MIGRATION_FILE, clear_target, load_target, save_target
+from coordinator.ops.rebalancer import MIGRATION_FILE, clear_target, load_target, save_target
 from engine.errors import CorruptData
 
 TARGET = {(0, 1): ("a", "b"), (0, 0): ("b",), (3, 7): ("c",)}

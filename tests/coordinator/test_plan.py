@@ -148,7 +148,7 @@ def test_every_command_keeps_its_exit_status_when_its_reader_goes_away(tmp_path)
 
 
 def test_plan_of_a_sharded_folder_uses_the_heat_its_cluster_recorded(sharded):
-    from coordinator.heat import Reading, record_heat, reset_heat
+    from coordinator.ops.heat_record import Reading, record_heat, reset_heat
     from engine.manifest import read_manifest
 
     manifest = read_manifest(sharded)

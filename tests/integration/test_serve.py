@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.generate import encode_messages, encode_text, generate
-from coordinator.local import (
+from coordinator.ops.local_processes import (
     LocalServer,
     LocalWorker,
     start_server,

@@ -30,7 +30,7 @@ from openai.types import completion_create_params as text_params
 from openai.types.chat import completion_create_params as chat_params
 from playwright.sync_api import sync_playwright
 
-from coordinator.local import start_server, start_workers, stop_workers
+from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 from coordinator.server.anthropic_api import FIELDS as ANTHROPIC_FIELDS
 from coordinator.server.anthropic_api import NEUTRAL as ANTHROPIC_NEUTRAL
 from coordinator.server.ollama_api import CHAT_FIELDS as OLLAMA_CHAT_FIELDS

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
+from coordinator.ops.worker_stats import read_stats
 from coordinator.report import streaming_report
-from coordinator.worker_stats import read_stats
 from engine.auth import load_secret
 from engine.errors import Unavailable
 from engine.sharding import shard

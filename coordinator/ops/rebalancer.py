@@ -3,7 +3,7 @@ there step by step while the cluster keeps serving.
 
 Observe, plan, then execute: `observe` asks the live workers what each serves and drains, its
 memory budget and free disk; engine/rebalance_plan.py's `propose` plans, as pure functions
-over that, both the placement and the steps that reach it; coordinator/transfer.py's
+over that, both the placement and the steps that reach it; coordinator/ops/migration_executor.py's
 `Executor` runs the steps. The target is kept in OUT_DIR/migration.json until it is reached,
 so a run stopped at any step (a killed worker, a full disk, Ctrl-C, rot) is finished by
 running the command again: the steps are derived anew from what the workers then hold, and a
@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.heat import fetch_readings, name_workers, record_heat
 from coordinator.link import WorkerLink
-from coordinator.transfer import QUIET_SECONDS, Event, Execution, Executor
+from coordinator.ops.heat_record import fetch_readings, name_workers, record_heat
+from coordinator.ops.migration_executor import QUIET_SECONDS, Event, Execution, Executor
 from engine.cache_policy import format_bytes
 from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic
