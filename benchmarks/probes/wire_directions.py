@@ -31,11 +31,11 @@ TIMES_DIR = "SHOAL_WIRE_DIRECTIONS_DIR"  # parent -> worker: where each worker w
 def as_worker(argv: list[str]) -> None:
     """Run worker.daemon with argv, its Compute messages timed (see the module's docstring)."""
     from proto import lane as lane_wire
-    from worker import lane
+    from worker import lane_server
     from worker.daemon import main
 
     times: list[tuple[str, float]] = []
-    answer, write_frame = lane.ComputeAnswers.answer, lane.write_frame
+    answer, write_frame = lane_server.ComputeAnswers.answer, lane_server.write_frame
 
     def timed_answer(self, data):
         times.append(("received", time.perf_counter()))
@@ -55,7 +55,7 @@ def as_worker(argv: list[str]) -> None:
             time.sleep(0.5)
             path.write_text(json.dumps(times))
 
-    lane.ComputeAnswers.answer, lane.write_frame = timed_answer, timed_write_frame
+    lane_server.ComputeAnswers.answer, lane_server.write_frame = timed_answer, timed_write_frame
     threading.Thread(target=keep_writing, daemon=True).start()
     sys.argv = ["shoal-worker", *argv]
     main()
