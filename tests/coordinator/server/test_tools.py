@@ -12,7 +12,7 @@ from coordinator.server.openai_api import longest_token, parse_request, prepare
 from coordinator.server.tools import CallReader, ToolUse, template_messages, tool_use
 from engine.errors import InvalidInput
 
-TEMPLATE = Path(__file__).parents[1] / "integration" / "tool_template.jinja"
+TEMPLATE = Path(__file__).parents[2] / "integration" / "tool_template.jinja"
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 HI = [{"role": "user", "content": "hi"}]
 

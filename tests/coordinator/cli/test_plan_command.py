@@ -10,7 +10,7 @@ import pytest
 from coordinator.cli.shoal_command import main
 from engine.sharding import shard
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:

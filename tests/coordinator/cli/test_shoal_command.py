@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from engine.auth import create_secret
 from engine.sharding import shard
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def shoal(*args: str, timeout: float = 180, module: str = "coordinator.cli"):
