@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.errors import ShoalError
 
 START_TIMEOUT = 120.0
+CHECKOUT = Path(__file__).resolve().parents[2]  # the folder that holds coordinator/ and worker/
 _READY = re.compile(r"serving .* on (\S+:\d+)$", re.MULTILINE)
 _LANE = re.compile(r"expert lane on port (\d+)$", re.MULTILINE)
 
@@ -139,13 +140,7 @@ def start_worker(
             raise ShoalError("a forked worker cannot run through a command prefix")
         proc: subprocess.Popen | ForkedWorker = ForkedWorker.start(args, log)
     else:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "worker.daemon", *args],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                cwd=Path(__file__).resolve().parents[1],
-            )
+        proc = _launch([*prefix, sys.executable, "-m", "worker.daemon", *args], log)
     worker = LocalWorker(proc, "", log)
     try:
         worker.address = _await_line(proc, log, _READY, timeout, "a local worker")
@@ -153,6 +148,15 @@ def start_worker(
         worker.stop()  # not left running when the wait fails (or is interrupted)
         raise
     return worker
+
+
+def _launch(cmd: Sequence[str], log: Path) -> subprocess.Popen:
+    """`cmd` started from the checkout's folder, its output (unbuffered) into `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=CHECKOUT,
+        )
 
 
 def _await_line(proc, log: Path, pattern: re.Pattern, timeout: float, what: str) -> str:
@@ -232,15 +236,9 @@ def start_server(
            "--workers", ",".join(workers), "--port", "0", "--secret-file", str(secret_file),
            *extra]
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            cwd=Path(__file__).resolve().parents[1],
-        )
-    server = LocalServer(proc, "", log)
+    server = LocalServer(_launch(cmd, log), "", log)
     try:
-        server.url = _await_line(proc, log, _SERVING, timeout, "shoal serve")
+        server.url = _await_line(server.proc, log, _SERVING, timeout, "shoal serve")
     except BaseException:
         server.stop()
         raise
