@@ -24,11 +24,12 @@ import numpy as np
 from benchmarks.echo import lane_round_trips, round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
+from builders.demo_models import build_once, cache_root
 from builders.synthetic import build_checkpoint
-from coordinator.demo import build_once, cache_root
-from coordinator.generate import breakdown_table, open_remote_model
+from coordinator.generate import open_remote_model
 from coordinator.link import LANE, Transport
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
+from coordinator.report import breakdown_table
 from engine.auth import ensure_secret, load_secret
 from engine.errors import ShoalError
 from engine.manifest import read_manifest

@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
-from coordinator.heat import fetch_readings  # noqa: E402
 from coordinator.link import WorkerLink  # noqa: E402
-from coordinator.local import start_workers, stop_workers  # noqa: E402
-from coordinator.rebalance import migrate  # noqa: E402
+from coordinator.ops.heat_record import fetch_readings  # noqa: E402
+from coordinator.ops.local_processes import start_workers, stop_workers  # noqa: E402
+from coordinator.ops.rebalancer import migrate  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes, parse_budget  # noqa: E402
 from engine.heat import difference  # noqa: E402
@@ -63,7 +63,7 @@ def model_folder(args: argparse.Namespace, scratch: Path) -> Path:
         source = build_checkpoint(scratch / "source", "qwen3_moe")
         shard(source, scratch / "out", workers=args.workers, progress=False)
         return scratch / "out"
-    from coordinator.demo import prepare
+    from builders.demo_models import prepare
 
     cached = prepare(args.experts, args.top_k, args.workers)
     shutil.copytree(cached, scratch / "out")
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
             for link in links:
                 link.close()
             stop_workers(workers)
-        from coordinator.heat import load_record, record_path
+        from coordinator.ops.heat_record import load_record, record_path
 
         manifest = read_manifest(sharded)
         heat = load_record(record_path(sharded), manifest.fingerprint).total()

@@ -22,7 +22,7 @@ import time
 
 from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
 from benchmarks.measure import bench_prompt
-from coordinator.local import start_server, start_workers, stop_workers
+from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 

@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
-from coordinator.local import start_worker  # noqa: E402
-from coordinator.worker_stats import read_stats, run_report  # noqa: E402
+from coordinator.ops.local_processes import start_worker  # noqa: E402
+from coordinator.ops.worker_stats import read_stats  # noqa: E402
+from coordinator.report import streaming_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402
@@ -241,8 +242,8 @@ def run_budget(
     finally:
         worker.stop()
     hints = remote.dispatcher.lookahead.stats if lookahead else None
-    (prefill,) = run_report(connected, before, 0, None)["workers"].values()
-    report = run_report(before, after, 0, hints)  # 0: per forward pass, one per decode token
+    (prefill,) = streaming_report(connected, before, 0, None)["workers"].values()
+    report = streaming_report(before, after, 0, hints)  # 0: per forward pass, one per decode token
     (summary,) = report["workers"].values()
     drive = summary["drives"][0]
     return {
@@ -290,7 +291,7 @@ def local_once(sharded: str, store: str, share: int, ids: list[int], tokens: int
         after = read_stats(remote.cluster.links)
     finally:
         remote.close()
-    (summary,) = run_report(before, after, 0, None)["workers"].values()
+    (summary,) = streaming_report(before, after, 0, None)["workers"].values()
     breakdown = remote.dispatcher.stats.decode.breakdown()
     print(json.dumps({
         "share": share, "tokens": out, "decode_tps": last.generation_tps,
@@ -379,7 +380,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="with --local (default 4)")
     args = parser.parse_args()
 
-    from coordinator.demo import moe_folder, prepare
+    from builders.demo_models import moe_folder, prepare
 
     sharded = prepare(args.experts, args.top_k, 1)
     source = moe_folder(args.experts, args.top_k)

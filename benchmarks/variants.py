@@ -45,7 +45,7 @@ def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
     from coordinator.link import Transport
-    from coordinator.local import start_workers, stop_workers
+    from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import load_secret
 
     _, sharded, secret, logs = bench_files(quick, "variant-logs")

@@ -62,9 +62,7 @@ def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None)
     `address = "HOST:PORT"` (or `addresses = [...]`, the path then chosen as for Bonjour),
     and [coordinator] with the `stores` of the coordinator's own Mac (relative to `folder`,
     the config's) and their `memory_budget`."""
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise InvalidInput(f"{origin}: unknown setting(s) {', '.join(sorted(unknown))}")
+    _known_keys(data, _TOP_KEYS, origin)
     name = data.get("name")
     if not isinstance(name, str):
         raise InvalidInput(f'{origin}: give the cluster a name (name = "desk")')
@@ -80,9 +78,7 @@ def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None)
         where = f"{origin}: worker {index + 1}"
         if not isinstance(worker, dict):
             raise InvalidInput(f"{where}: expected a [[workers]] table")
-        unknown = set(worker) - _WORKER_KEYS
-        if unknown:
-            raise InvalidInput(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+        _known_keys(worker, _WORKER_KEYS, where)
         addresses = worker.get("addresses", [worker.get("address")])
         if "address" in worker and "addresses" in worker:
             raise InvalidInput(f"{where}: give address or addresses, not both")
@@ -104,15 +100,21 @@ def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None)
     return ClusterConfig(name, interface, tuple(candidates), stores, memory_budget)
 
 
+def _known_keys(table: Mapping, keys: set[str], where: str) -> None:
+    """Refuse, naming them, the settings a table of the file does not take (a misspelt one
+    would otherwise be ignored without a word)."""
+    unknown = set(table) - keys
+    if unknown:
+        raise InvalidInput(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+
+
 def _coordinator_table(
     table: object, origin: str, folder: Path | None
 ) -> tuple[tuple[Path, ...], str | None]:
     where = f"{origin}: [coordinator]"
     if not isinstance(table, dict):
         raise InvalidInput(f"{where}: expected a table")
-    unknown = set(table) - _COORDINATOR_KEYS
-    if unknown:
-        raise InvalidInput(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+    _known_keys(table, _COORDINATOR_KEYS, where)
     stores = table.get("stores", [])
     if not isinstance(stores, list) or not all(isinstance(s, str) and s for s in stores):
         raise InvalidInput(f'{where}: stores must be a list of folders, e.g. ["/Volumes/A/w0"]')

@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster import Cluster, FixedMembers, layer_sizes, with_local
-from coordinator.dispatch import Dispatcher, DispatchStats, install
+from coordinator.dispatch import Dispatcher, install
 from coordinator.link import LANE, Transport
 from coordinator.local_experts import LocalExperts, open_local_experts
 from coordinator.lookahead import Lookahead
@@ -214,62 +214,3 @@ def generate(
         result.decode_tps = response.generation_tps
         result.finish_reason = response.finish_reason
     return result
-
-
-def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
-    """Per-layer dispatch figures and per-token timing, for --stats and --json."""
-    generated = max(len(result.token_seconds), 1)
-    layers = {
-        str(layer): {
-            "calls": s.calls,
-            "requests": s.requests,
-            "ms_per_call": 1e3 * s.seconds / max(s.calls, 1),
-            "worker_compute_ms_per_call": 1e3 * s.worker_compute_seconds / max(s.calls, 1),
-            "slowest_worker_ms_per_call": 1e3 * s.slowest_compute_seconds / max(s.calls, 1),
-            "shared_expert_ms_per_call": 1e3 * s.shared_seconds / max(s.calls, 1),
-            "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received,
-        }
-        for layer, s in sorted(stats.layers.items())
-    }
-    total = stats.total()
-    return {
-        "token_ms": [round(1e3 * t, 3) for t in result.token_seconds],
-        "layers": layers,
-        "bytes_sent_per_token": total.bytes_sent / generated,
-        "bytes_received_per_token": total.bytes_received / generated,
-        "dispatch_seconds": total.seconds,
-        "requests": total.requests,
-        "breakdown": stats.decode.breakdown(),  # decode calls only, us per MoE layer call
-    }
-
-
-def speculative_report(result: GenerationResult) -> dict:
-    """What the draft proposed and the target accepted, with the decode speed it gave."""
-    assert result.speculative is not None
-    # token_seconds has one entry per target token, the stopping EOS included
-    report = result.speculative.report(len(result.token_seconds))
-    report["decode_tps"] = result.decode_tps
-    return report
-
-
-BREAKDOWN_PARTS = (
-    ("sync", "coordinator: wait for attention and router"),
-    ("send", "coordinator: group, build and send requests"),
-    ("wire", "wire: critical worker's round trip less its own time"),
-    ("worker_parse", "worker: parse the request"),
-    ("worker_matrix", "worker: matrix work (MLX evaluation alone)"),
-    ("worker_bookkeeping", "worker: validation, cache, heat, graph building"),
-    ("worker_reads", "worker: waiting for experts read from its drives"),
-    ("worker_reply", "worker: build the reply"),
-    ("worker_waited", "worker: waiting for its other streams' pieces (overlaps them)"),
-    ("parse_scatter", "coordinator: parse replies, scatter into the result"),
-    ("shared", "coordinator: shared expert (overlaps the workers)"),
-    ("round_trip", "round trip: send to result, all of the above but sync"),
-)
-
-
-def breakdown_table(breakdown: dict[str, float]) -> str:
-    """The per-layer breakdown as aligned lines, one part a line."""
-    return "\n".join(f"  {breakdown[f'{part}_us']:>9.1f}  {label}"
-                     for part, label in BREAKDOWN_PARTS if f"{part}_us" in breakdown)

@@ -340,22 +340,3 @@ def stream_speculative(
                 return
     finally:
         tokens.close()
-
-
-def format_report(report: dict, decode_tps: float, *, changes: bool = False) -> list[str]:
-    """Lines for stderr: what the draft proposed and the target accepted; with `changes`,
-    when adaptive drafting changed the number of drafted tokens."""
-    lines = [
-        f"draft: proposed {report['proposed']}, accepted {report['accepted']} "
-        f"({100 * report['acceptance_rate']:.0f}%), {report['tokens_per_step']:.2f} tokens per "
-        f"target forward ({report['verify_steps']} verifying, {report['plain_steps']} plain), "
-        f"decode {decode_tps:.1f} tok/s"
-    ]
-    if changes:
-        steps = []
-        for change in report["draft_changes"]:
-            n = change["num_draft_tokens"]
-            steps.append(f"from token {change['token']}: "
-                         + (f"{n} drafted" if n else "drafting stopped (it did not pay)"))
-        lines.append("adaptive drafting: " + "; ".join(steps))
-    return lines

@@ -6,7 +6,7 @@ them, each unless the user chose otherwise; `launch_directly` runs first thing i
   must read the router's choice) and a worker at every request: short runs of a few kernels,
   where capturing and launching a graph costs more than it saves (measured with `python -m
   benchmarks.variants`: docs/benchmarks.md, "Figures behind choices in the code"); the same
-  kernels run either way (`python -m benchmarks.greedy_digest`: every logit's bits equal).
+  kernels run either way (`python -m benchmarks.probes.greedy_digest`: every logit's bits equal).
   MLX reads the setting once per process, at its first kernel. Elsewhere it means nothing.
 """
 

@@ -2,7 +2,7 @@
 (plain frozen data) to the target placement (engine/placement.py) and the steps that reach it
 (engine/migration.py), plus the small decisions the executor takes between steps.
 
-coordinator/rebalance.py observes the workers, saves the target and runs the steps; every
+coordinator/ops/rebalancer.py observes the workers, saves the target and runs the steps; every
 choice it makes is a function here, so a test calls them without a network.
 """
 

@@ -130,7 +130,8 @@ def _clear_split(out_dir: Path, stores: list[str]) -> None:
     manifests, heat and any unfinished rebalance (they describe the old split)."""
     for name in [*stores, "dense"]:
         shutil.rmtree(out_dir / name, ignore_errors=True)
-    # The heat record and the stored rebalance target (coordinator/heat.py, rebalance.py).
+    # The heat record and the stored rebalance target (coordinator/ops/: heat_record.py,
+    # rebalancer.py).
     for name in (MANIFEST_NAME, "heat.msgpack", "migration.json", SHARD_MARKER):
         (out_dir / name).unlink(missing_ok=True)
 

@@ -22,7 +22,8 @@ REQUEST_LIMIT = 256 << 20
 # Bytes of an expert file one ExpertChunk carries (PushExpert, ReadExpert; the last may be
 # shorter): the size both senders, the coordinator's and a worker's, cut a file into.
 CHUNK_BYTES = 1 << 20
-HANDSHAKE_SECONDS = 5  # as the expert lane gives a connection to prove itself (worker/lane.py)
+# as the expert lane gives a connection to prove itself (worker/lane_server.py)
+HANDSHAKE_SECONDS = 5
 IDLE_SECONDS = 30  # a connection with no call in progress for this long is closed
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),

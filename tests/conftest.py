@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from builders.synthetic import build_checkpoint
-from coordinator.local import LocalWorker
-from coordinator.local import start_worker as launch_worker
+from coordinator.ops.local_processes import LocalWorker
+from coordinator.ops.local_processes import start_worker as launch_worker
 from engine.auth import create_secret
 from engine.sharding import shard
 

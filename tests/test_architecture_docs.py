@@ -1,5 +1,5 @@
 """docs/architecture.md names every module of the product: a module added without a line
-there fails here. A folder's row may name its files (`coordinator/commands/`, `builders/`)."""
+there fails here. A folder's row may name its files (`coordinator/cli/`, `builders/`)."""
 
 from pathlib import Path
 

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT = ("coordinator", "worker", "engine", "benchmarks", "scripts")
+PRODUCT = ("coordinator", "worker", "engine", "builders", "benchmarks", "scripts")
 # Set by Shoal for its own child processes or test tooling, never by a user.
 INTERNAL = {"SHOAL_CUDA_GRAPHS_DEFAULTED", "SHOAL_VARIANT_WORKER_ENV",
             "SHOAL_WIRE_DIRECTIONS_DIR", "SHOAL_FAMILIES_REPORT"}

@@ -41,7 +41,7 @@ from proto import (
 from proto.lane import server_context
 from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.interceptors import AuthInterceptor, BoundedErrors, PeerLimit
-from worker.lane import LaneServer
+from worker.lane_server import LaneServer
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate

@@ -1,5 +1,5 @@
 """The gRPC servicer of the expert service: validate, delegate, map errors. Compute's messages
-are answered by the same `ComputeAnswers` as the expert lane's (worker/lane.py); no expert
+are answered by the same `ComputeAnswers` as the expert lane's (worker/lane_server.py); no expert
 logic lives here (`Residency` owns it), and the interceptors are worker/interceptors.py's.
 """
 
@@ -11,7 +11,7 @@ import grpc
 
 from engine.errors import ShoalError
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
-from worker.lane import ComputeAnswers, Refused
+from worker.lane_server import ComputeAnswers, Refused
 from worker.residency import Residency
 from worker.store import free_disk
 from worker.transfer import ExpertFiles, FileState, TransferChunk

@@ -7,9 +7,9 @@ arrived the file is flushed, checked against the manifest's checksum as it lies 
 only then renamed into place (and the folder flushed), so a file under its real name is always
 complete and verified; the worker then serves it at once. Dropping is two-phase: `drain`
 stops offering a copy while still computing it, `delete` removes it once it has drained and
-nobody asked for it for a while. The caller (coordinator/transfer.py) makes sure another
-worker holds an intact copy first, by asking it to `keep` its copy, which hashes the file on
-disk against the manifest at that moment; nothing here deletes an expert on its own.
+nobody asked for it for a while. The caller (coordinator/ops/migration_executor.py) makes sure
+another worker holds an intact copy first, by asking it to `keep` its copy, which hashes the
+file on disk against the manifest at that moment; nothing here deletes an expert on its own.
 """
 
 from __future__ import annotations

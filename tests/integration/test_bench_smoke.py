@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.generate import BREAKDOWN_PARTS
+from coordinator.report import BREAKDOWN_PARTS
 
 REPO = Path(__file__).resolve().parents[2]
 RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",

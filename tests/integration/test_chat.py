@@ -18,7 +18,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from builders.synthetic import build_checkpoint
 from builders.synthetic_config import SHAPES
 from coordinator.generate import encode_messages, generate
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow

@@ -18,16 +18,16 @@ import pytest
 from playwright.sync_api import sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.dashboard_views import (
+from coordinator.dispatch import LayerStats
+from coordinator.membership import Member
+from coordinator.ops.local_processes import LocalWorker, start_server, start_worker, stop_workers
+from coordinator.server.dashboard_views import (
     Counters,
     coordinator_card,
     heat_view,
     speed_sample,
     worker_cards,
 )
-from coordinator.dispatch import LayerStats
-from coordinator.local import LocalWorker, start_server, start_worker, stop_workers
-from coordinator.membership import Member
 from engine.heat import HeatRecord, WorkerCounts
 from engine.interfaces import Route
 from engine.manifest import ExpertFile, Manifest, MoeLayer

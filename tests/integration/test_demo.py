@@ -42,7 +42,7 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
-    from coordinator.demo import moe_folder, prepare
+    from builders.demo_models import moe_folder, prepare
     from coordinator.generate import encode_prompt, open_remote_model
     from engine.auth import load_secret
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.doctor import Check, check_secret, check_workers, failed, format_checks
-from coordinator.local import start_worker as launch_worker
+from coordinator.ops.doctor import Check, check_secret, check_workers, failed, format_checks
+from coordinator.ops.local_processes import start_worker as launch_worker
 from engine.auth import create_secret
 from engine.sharding import shard
 

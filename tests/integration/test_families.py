@@ -27,7 +27,7 @@ from builders.families import TINY, discover
 from builders.synthetic import build_checkpoint
 from builders.synthetic_config import all_families
 from coordinator.generate import open_remote_model
-from coordinator.local import LocalWorker, start_worker, stop_workers
+from coordinator.ops.local_processes import LocalWorker, start_worker, stop_workers
 from engine.auth import load_secret
 from engine.sharding import shard
 from tests.integration.test_equivalence import GROUP_SIZE, NEW_TOKENS, PROMPT, greedy_tokens

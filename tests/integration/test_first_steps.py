@@ -181,8 +181,8 @@ def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, s
 def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_path,
                                                          start_worker, secret_file):
     from coordinator.link import WorkerLink
-    from coordinator.rebalance import observe
-    from coordinator.transfer import Executor
+    from coordinator.ops.migration_executor import Executor
+    from coordinator.ops.rebalancer import observe
     from engine.auth import load_secret
     from engine.manifest import read_manifest
     from engine.migration import MigrationPlan, Step

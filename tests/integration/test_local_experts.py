@@ -8,7 +8,8 @@ from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
 from coordinator.local_experts import ADDRESS
-from coordinator.worker_stats import read_stats, run_report
+from coordinator.ops.worker_stats import read_stats
+from coordinator.report import streaming_report
 from engine.auth import load_secret
 from engine.sharding import shard
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
@@ -42,7 +43,7 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
         assert remote.cluster.links == [remote.local]  # no worker at all
         assert mx.array_equal(logits, expected_logits), budget
         assert tokens == expected, budget
-        local = run_report(before, after, NEW_TOKENS,
+        local = streaming_report(before, after, NEW_TOKENS,
                            remote.dispatcher.lookahead.stats)["workers"][ADDRESS]
         assert not local["problems"]
         if budget == "100%":
@@ -121,7 +122,7 @@ def test_shoal_serve_on_one_mac_alone_answers_as_mlx_lm_batched_or_not(
     from mlx_lm.utils import load_tokenizer
 
     from coordinator.generate import encode_messages, generate
-    from coordinator.local import start_server
+    from coordinator.ops.local_processes import start_server
 
     source = tiny_checkpoint("qwen3_moe")
     sharded = tmp_path / "sharded"
@@ -170,8 +171,8 @@ def test_experts_move_from_the_coordinator_to_a_worker_and_back_stopped_at_every
     some drive, and generation (which follows the moves) still gives mlx-lm's tokens."""
     import shutil
 
-    from coordinator.rebalance import observe
-    from coordinator.transfer import Executor
+    from coordinator.ops.migration_executor import Executor
+    from coordinator.ops.rebalancer import observe
     from engine.migration import plan_migration
     from engine.rebalance_plan import state_of
     from worker.store import scan_stores
@@ -243,8 +244,8 @@ def test_a_worker_killed_mid_copy_to_or_from_the_coordinator_loses_nothing_and_a
     import shutil
     import time
 
-    from coordinator.rebalance import observe
-    from coordinator.transfer import Executor
+    from coordinator.ops.migration_executor import Executor
+    from coordinator.ops.rebalancer import observe
     from engine.errors import ShoalError
     from engine.migration import plan_migration
     from engine.rebalance_plan import state_of

@@ -3,7 +3,7 @@ daemon's own message, and stop by PID."""
 
 import pytest
 
-from coordinator.local import start_worker
+from coordinator.ops.local_processes import start_worker
 from engine.errors import ShoalError
 from engine.sharding import shard
 

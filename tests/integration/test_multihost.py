@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.generate import generate
-from coordinator.local import LocalWorker
+from coordinator.ops.local_processes import LocalWorker
 from engine.sharding import shard
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from coordinator.generate import open_remote_model
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 from engine.sharding import shard
 

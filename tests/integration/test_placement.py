@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
-from coordinator.heat import fetch_readings
 from coordinator.link import WorkerLink
+from coordinator.ops.heat_record import fetch_readings
 from engine.auth import load_secret
 from engine.manifest import MANIFEST_NAME, read_manifest
 from engine.sharding import shard

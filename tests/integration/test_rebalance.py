@@ -14,10 +14,10 @@ import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.generate import generate, open_remote_model
-from coordinator.heat import fetch_readings
 from coordinator.link import WorkerLink
-from coordinator.rebalance import MIGRATION_FILE, migrate, observe
-from coordinator.transfer import Executor
+from coordinator.ops.heat_record import fetch_readings
+from coordinator.ops.migration_executor import Executor
+from coordinator.ops.rebalancer import MIGRATION_FILE, migrate, observe
 from engine.auth import load_secret
 from engine.errors import CorruptData, ShoalError
 from engine.heat import difference

@@ -12,9 +12,8 @@ import openai
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.batching import make_detokenizer
 from coordinator.generate import encode_messages, encode_text, generate
-from coordinator.local import (
+from coordinator.ops.local_processes import (
     LocalServer,
     LocalWorker,
     start_server,
@@ -22,6 +21,7 @@ from coordinator.local import (
     start_workers,
     stop_workers,
 )
+from coordinator.server.batching import make_detokenizer
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow

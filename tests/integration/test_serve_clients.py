@@ -30,14 +30,14 @@ from openai.types import completion_create_params as text_params
 from openai.types.chat import completion_create_params as chat_params
 from playwright.sync_api import sync_playwright
 
-from coordinator.anthropic_api import FIELDS as ANTHROPIC_FIELDS
-from coordinator.anthropic_api import NEUTRAL as ANTHROPIC_NEUTRAL
-from coordinator.local import start_server, start_workers, stop_workers
-from coordinator.ollama_api import CHAT_FIELDS as OLLAMA_CHAT_FIELDS
-from coordinator.ollama_api import GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS
-from coordinator.ollama_api import NEUTRAL as OLLAMA_NEUTRAL
-from coordinator.ollama_api import OPTIONS as OLLAMA_OPTIONS
-from coordinator.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
+from coordinator.ops.local_processes import start_server, start_workers, stop_workers
+from coordinator.server.anthropic_api import FIELDS as ANTHROPIC_FIELDS
+from coordinator.server.anthropic_api import NEUTRAL as ANTHROPIC_NEUTRAL
+from coordinator.server.ollama_api import CHAT_FIELDS as OLLAMA_CHAT_FIELDS
+from coordinator.server.ollama_api import GENERATE_FIELDS as OLLAMA_GENERATE_FIELDS
+from coordinator.server.ollama_api import NEUTRAL as OLLAMA_NEUTRAL
+from coordinator.server.ollama_api import OPTIONS as OLLAMA_OPTIONS
+from coordinator.server.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from coordinator.heat import load_record, record_path
-from coordinator.local import LocalServer, start_server, start_workers, stop_workers
+from coordinator.ops.heat_record import load_record, record_path
+from coordinator.ops.local_processes import LocalServer, start_server, start_workers, stop_workers
 from engine.manifest import read_manifest
 from engine.sharding import shard
 from tests.integration import socket_flood

@@ -5,7 +5,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 
-from coordinator.local import start_server, start_workers, stop_workers
+from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 

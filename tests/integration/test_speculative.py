@@ -14,7 +14,7 @@ from mlx_lm.utils import load
 
 from builders.synthetic import build_random_draft
 from coordinator.generate import RemoteModel, generate, open_remote_model
-from coordinator.local import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_workers
 from coordinator.speculative import Draft, DraftPolicy
 from engine.auth import load_secret
 from engine.sharding import shard
@@ -112,7 +112,7 @@ def test_sampling_with_a_draft_is_seeded_like_plain_sampling(clusters):
 @pytest.mark.slow
 def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, monkeypatch):
     """The demo's 16-expert MoE on 2 workers; its dense float32 source agrees always."""
-    from coordinator.demo import prepare, prepare_dense
+    from builders.demo_models import prepare, prepare_dense
 
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
     sharded = prepare(16, 16, 2, progress=False)

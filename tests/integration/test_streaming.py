@@ -8,7 +8,8 @@ import pytest
 from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
-from coordinator.worker_stats import read_stats, run_report
+from coordinator.ops.worker_stats import read_stats
+from coordinator.report import streaming_report
 from engine.auth import load_secret
 from engine.errors import Unavailable
 from engine.sharding import shard
@@ -54,7 +55,7 @@ def test_tokens_identical_at_budgets_of_100_50_and_10_percent(
             for worker in workers:
                 worker.stop()
         assert tokens == expected, share
-        report = run_report(before, after, NEW_TOKENS, remote.dispatcher.lookahead.stats)
+        report = streaming_report(before, after, NEW_TOKENS, remote.dispatcher.lookahead.stats)
         summaries = [report["workers"][w.address] for w in workers]
         if share == "100%":
             assert all(s["hit_rate"] == 1.0 and s["bytes_read"] == 0 for s in summaries)

@@ -1,0 +1,105 @@
+"""`shoal chat`: a conversation with the sharded model in the terminal, like mlx-lm's chat
+command (the conversation itself is coordinator/chat.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coordinator.cli.connect import members_secret, remote_model
+from coordinator.cli.options import (
+    AddParser,
+    check_model_args,
+    kv_cache_options,
+    kv_cache_settings,
+    model_options,
+    secret_option,
+)
+from engine.errors import InvalidInput
+
+HELP = "/reset forgets the conversation, /quit (or Ctrl-D) ends it, /help shows this"
+
+
+def setup_arg_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "chat", help="chat with the model in the terminal (history, /reset, streaming)",
+        description="Load the dense part of a sharded model, connect to the workers, and "
+        "hold a conversation: each line you type is a message, the reply streams as it "
+        "comes, then its tokens/s. The history goes through the chat template each turn, "
+        "and the KV cache of earlier turns is kept, so a turn computes only its new "
+        f"message. {HELP}.",
+    )
+    model_options(p, wait=30.0)
+    p.add_argument("--system", metavar="TEXT", help="a system prompt for the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                   help="at most N tokens a reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling (default 1: off)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    kv_cache_options(p)
+    secret_option(p)
+    p.set_defaults(main=main)
+
+
+def check_chat_args(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise InvalidInput(f"--top-p must be above 0 and at most 1, got {args.top_p}")
+    kv_cache_settings(args)
+    check_model_args(args)
+
+
+def main(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    from coordinator.chat import Conversation
+    from coordinator.membership import stderr_log
+    from engine.manifest import read_manifest
+
+    check_chat_args(args)
+    secret = members_secret(args, read_manifest(args.model))
+    with remote_model(args, secret, stderr_log) as remote:
+        if remote.tokenizer.chat_template is None:
+            raise InvalidInput("this model's tokenizer has no chat template: use "
+                               "`shoal generate` for plain text")
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        conversation = Conversation(remote.model, remote.tokenizer, system=args.system,
+                                    max_tokens=args.max_tokens,
+                                    temperature=args.temperature, top_p=args.top_p,
+                                    kv_cache=kv_cache_settings(args))
+        print(f"shoal chat: {Path(args.model).resolve().name}; {HELP}", file=sys.stderr,
+              flush=True)
+        converse(conversation)
+
+
+def converse(conversation) -> None:
+    """The loop: a line in, a reply out, until /quit or the end of the input."""
+    prompt = ">> " if sys.stdin.isatty() else ""
+    while True:
+        try:
+            line = input(prompt).strip()
+        except EOFError:
+            break
+        if not line:
+            continue
+        if line in ("/quit", "/exit", "/q"):
+            break
+        if line == "/reset":
+            conversation.reset()
+            print("shoal chat: the conversation starts over", file=sys.stderr, flush=True)
+            continue
+        if line == "/help":
+            print(f"shoal chat: {HELP}", file=sys.stderr, flush=True)
+            continue
+        turn = conversation.say(line, lambda text: print(text, end="", flush=True))
+        print(flush=True)
+        print(f"[{turn.tokens} tokens at {turn.tokens_per_second:.1f} tok/s; prompt "
+              f"{turn.prompt_tokens} tokens, {turn.cached_tokens} from the cache]",
+              file=sys.stderr, flush=True)
