@@ -1,5 +1,6 @@
-"""`shoal bench`: Shoal against mlx-lm (one process, and its own two-process distributed
-generation) and against a bare gRPC echo, on one checkpoint, in one run.
+"""`shoal bench`: Shoal (two workers; one machine all local; one local store + one worker)
+against mlx-lm (one process, and its own two-process distributed generation) and against bare
+expert-lane and gRPC echoes, on one checkpoint, in one run.
 
 The checkpoint is a DeepSeek-V3-shaped MoE (builders/synthetic.py, size "bench": hidden 1024,
 64 routed experts + 1 shared, top-8, 12 layers, 4-bit), built once into the cache.

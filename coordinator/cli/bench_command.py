@@ -19,12 +19,14 @@ HARNESS = "benchmarks.bench"
 
 def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
-        "bench", help="measure Shoal against mlx-lm and a bare gRPC echo on one checkpoint",
+        "bench", help="measure Shoal against mlx-lm and bare transport echoes on one checkpoint",
         description="Build (once) a DeepSeek-V3-shaped 4-bit benchmark checkpoint, start two "
         "local workers, and measure decode and prefill tokens/s, per-layer round trips and "
-        "bytes per token; run mlx-lm in one process, mlx-lm's own two-process tensor- and "
-        "pipeline-parallel generation (mlx.launch, ring backend), and a bare gRPC echo with "
-        "the same message sizes, and report Shoal's ratios to each.",
+        "bytes per token; then the same with every expert served by the coordinator itself "
+        "(one machine, no worker) and with one store local and one worker; run mlx-lm in one "
+        "process, mlx-lm's own two-process tensor- and pipeline-parallel generation "
+        "(mlx.launch, ring backend), and bare expert-lane and gRPC echoes with the same "
+        "message sizes, and report Shoal's ratios to each. Run it from a Shoal checkout.",
     )
     p.add_argument("--quick", action="store_true",
                    help="a tiny checkpoint and few runs: checks the harness, not the speed")
