@@ -49,8 +49,8 @@ def to_numpy(array: mx.array) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, dtype_name_: str) -> mx.array:
-    out = mx.array(array)
-    return out.view(mx.bfloat16) if dtype_name_ == "bfloat16" else out
+    """A host array in the wire's byte layout of `dtype_name_` into MLX (one array: to_mlx)."""
+    return _as_mlx(array, mlx_dtype(dtype_name_))
 
 
 def mlx_dtype(dtype_name_: str) -> mx.Dtype:
