@@ -186,7 +186,8 @@ def measure_shoal_local(sharded: Path, settings: dict, secret_file: Path, log_di
         if remote_ones else []
     try:
         remote = open_remote_model(sharded, [w.address for w in workers],
-                                   load_secret(secret_file), local_stores=local)
+                                   load_secret(secret_file) if workers else b"",
+                                   local_stores=local)
         try:
             return decode_and_prefill(remote.model, remote.tokenizer,
                                       remote.manifest.config["vocab_size"],
@@ -197,6 +198,18 @@ def measure_shoal_local(sharded: Path, settings: dict, secret_file: Path, log_di
             remote.close()
     finally:
         stop_workers(workers)
+
+
+def measure_all_local(sharded: Path, settings: dict) -> dict:
+    """One Mac, every store local, in a process of its own started as `shoal generate
+    --local-store` starts: a coordinator with no worker keeps MLX's own launch setting
+    (engine/process.py), which this process, having run workers, no longer can."""
+    figures = baseline_figures("Shoal with every store local", lambda out: [
+        sys.executable, "-m", "benchmarks.bench", "--all-local", str(sharded),
+        "--settings", json.dumps(settings), "--out", str(out)])
+    if "error" in figures:
+        raise ShoalError(figures["error"])
+    return figures
 
 
 def decode_dispatch(remote, vocab: int, tokens: int, prefill_length: int) -> dict:
@@ -368,8 +381,7 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         ("mlx_lm_single", lambda: measure_single(source, settings)),
         ("shoal", lambda: measure_shoal_on(network, sharded, settings, secret_file, log_dir,
                                            transport)),
-        ("shoal_one_mac_all_local", lambda: measure_shoal_local(
-            sharded, settings, secret_file, log_dir, remote_stores=0)),
+        ("shoal_one_mac_all_local", lambda: measure_all_local(sharded, settings)),
         ("shoal_one_local_one_remote", lambda: measure_shoal_local(
             sharded, settings, secret_file, log_dir, remote_stores=1)),
         ("mlx_lm_tensor_parallel", lambda: measure_mlx_distributed(source, "tensor", settings)),
@@ -497,20 +509,28 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    """`python -m benchmarks.bench --single SOURCE [--settings JSON] [--out FILE]`: mlx-lm's
-    one-process figures, as `measure_single` runs them in a process of its own."""
+    """`python -m benchmarks.bench --single SOURCE | --all-local SHARDED [--settings JSON]
+    [--out FILE]`: mlx-lm's one-process figures, or Shoal's with every store local, each as
+    `shoal bench` runs it in a process of its own."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench",
-        description="mlx-lm's decode and prefill figures in this process (shoal bench runs "
-                    "the whole comparison)")
-    parser.add_argument("--single", type=Path, required=True, metavar="SOURCE",
-                        help="the checkpoint, as mlx-lm loads it")
+        description="mlx-lm's, or one-machine Shoal's, decode and prefill figures in this "
+                    "process (shoal bench runs the whole comparison)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--single", type=Path, metavar="SOURCE",
+                       help="the checkpoint, as mlx-lm loads it")
+    which.add_argument("--all-local", type=Path, metavar="SHARDED",
+                       help="Shoal instead, every store of this split served in process")
     parser.add_argument("--settings", type=json.loads, default=FULL, metavar="JSON",
                         help="lengths, decode_tokens, runs and long_runs (default: the full "
                              "bench's)")
     parser.add_argument("--out", type=Path, help="write the figures here (default: print)")
     args = parser.parse_args()
-    figures = json.dumps(measure_single_here(args.single, args.settings))
+    if args.single is not None:
+        figures = json.dumps(measure_single_here(args.single, args.settings))
+    else:
+        figures = json.dumps(measure_shoal_local(args.all_local, args.settings, None, None,
+                                                 remote_stores=0))
     if args.out is None:
         print(figures)
     else:

@@ -1,10 +1,10 @@
-"""The workers a generation uses: their links, what each holds, the routing table.
+"""The members a generation uses, as the dispatcher reads them: a frozen `Snapshot` (hosts,
+what each holds, the routing table), made anew by `Cluster` whenever its members change (an
+event: a worker found, lost, or holding other experts), never re-read inside a layer call.
 
-A `Cluster` follows a set of members: a `Membership` (discovery, --cluster-config: workers
-come and go with their health) or `FixedMembers` (--workers: a listed worker that does not
-answer at the start, or fails later, is routed around for good where others hold its
-experts). Either way the cluster rebuilds its links and routes between layer calls when the
-members' `version` changed.
+Members come from a `Membership` (Bonjour, --cluster-config: workers come and go with their
+health) or `FixedMembers` (--workers: a listed worker that fails is routed around for good),
+with the coordinator's own experts first when it holds some (`with_local`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from coordinator.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake, held
+from coordinator.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
+from coordinator.link_errors import held
 from engine.auth import Secret
 from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
@@ -24,57 +25,92 @@ from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
 
 if TYPE_CHECKING:
+    from coordinator.hosts import ExpertHost
     from coordinator.local_experts import LocalExperts
 
 
 class Members(Protocol):
-    """What a Cluster follows: the live workers, which change when `version` does."""
+    """Where a Cluster's members come from: the live ones now, and a call to `watch` them
+    (the callback runs, on whichever thread saw it, after every change)."""
 
     version: int
 
-    def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]: ...
+    def live(self) -> tuple[int, list[ExpertHost], list[frozenset[ExpertKey]]]: ...
 
-    def update_inventory(self, link: WorkerLink, inventory: shoal_pb2.Inventory) -> None: ...
+    def watch(self, changed: Callable[[], None]) -> None: ...
 
-    def report_failure(self, link: WorkerLink, detail: str) -> None: ...
+    def update_inventory(self, link: ExpertHost, inventory: shoal_pb2.Inventory) -> None: ...
+
+    def report_failure(self, link: ExpertHost, detail: str) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
+class Snapshot:
+    """The members at one moment: `links` in a fixed order (replies are read in it), what
+    each holds, every copy of each expert per layer (primary first), and, when some expert
+    has no live holder, why (`missing`: the routes are then those of nothing)."""
+
+    links: tuple[ExpertHost, ...]
+    holdings: tuple[frozenset[ExpertKey], ...]
+    routes: dict[int, LayerRoutes]
+    version: int
+    missing: str = ""
+
+
+def snapshot_of(members: Members, layers: dict[int, int]) -> Snapshot:
+    """The members' live hosts now, with their routing table (pure over what `live` says)."""
+    version, links, holdings = members.live()
+    try:
+        routes = replica_routes(layers, holdings)
+    except Unavailable as e:
+        return Snapshot(tuple(links), tuple(holdings), {}, version, str(e))
+    return Snapshot(tuple(links), tuple(holdings), routes, version)
+
+
 class Cluster:
-    links: list[WorkerLink]
-    routes: dict[int, LayerRoutes]  # per layer, every copy of each expert, primary first
-    layers: dict[int, int]  # layer -> number of experts
-    holdings: list[frozenset[ExpertKey]]  # per link
-    members: Members
-    version: int  # the members' version the links and routes were built from
-    reloads: int = 0  # inventories fetched again because a worker's changed
+    """Follows its members: `current` is the snapshot of their last change."""
+
+    def __init__(self, members: Members, layers: dict[int, int], current: Snapshot) -> None:
+        self.members = members
+        self.layers = layers  # layer -> number of experts
+        self.current = current
+        self.reloads = 0  # inventories fetched again because a worker's changed
+        self._lock = threading.Lock()
+        members.watch(self._follow)
 
     @classmethod
     def of(cls, members: Members, layers: dict[int, int]) -> Cluster:
         """The cluster of the members' live workers now; raises Unavailable naming the
         experts none of them holds."""
-        version, links, holdings = members.live()
-        return cls(links, replica_routes(layers, holdings), layers, holdings, members, version)
+        current = snapshot_of(members, layers)
+        if current.missing:
+            raise Unavailable(current.missing)
+        return cls(members, layers, current)
 
-    def refresh(self) -> None:
-        """Follow the members: when the live workers changed, rebuild the links and the
-        routing table. Raises Unavailable naming the experts no live worker holds."""
-        if self.members.version == self.version:
-            return
-        version, links, holdings = self.members.live()
-        self.routes = replica_routes(self.layers, holdings)
-        # Every stream is reopened at its next call, not only those of workers that left: a
-        # worker that stopped and came back between two calls (an idle server) is in both
-        # sets, and its old stream still holds the error of its stop. Membership changes
-        # are rare; a new stream costs one call's setup.
-        for link in {*self.links, *links}:
-            link.reset()
-        self.links, self.holdings, self.version = links, holdings, version
+    def _follow(self) -> None:
+        # made outside the lock: `live` takes the members' own, which their thread may hold
+        current = snapshot_of(self.members, self.layers)
+        with self._lock:
+            if current.version > self.current.version:  # versions only grow
+                self.current = current
+
+    # what the commands and tests read of the snapshot now
+    @property
+    def links(self) -> list[ExpertHost]:
+        return list(self.current.links)
+
+    @property
+    def holdings(self) -> list[frozenset[ExpertKey]]:
+        return list(self.current.holdings)
+
+    @property
+    def routes(self) -> dict[int, LayerRoutes]:
+        return self.current.routes
 
     def reload(self, index: int) -> None:
         """Worker `index` says its inventory changed (experts received, drained or deleted):
         fetch it again and route by it. Raises Unavailable if an expert is left unowned."""
-        link = self.links[index]
+        link = self.current.links[index]
         self.reloads += 1
         try:
             inventory = link.fetch_inventory()
@@ -82,35 +118,32 @@ class Cluster:
             self.lost(index, e)
             return
         self.members.update_inventory(link, inventory)
-        try:
-            self.refresh()
-        except Unavailable:
+        if self.current.missing:
             # It gave up an expert that moved (shoal rebalance): the new holder took it in
             # before this worker let it go, but its inventory here may be older than that.
-            self._fetch_others(index)
-            self.refresh()
+            self._fetch_others(link)
+            if self.current.missing:
+                raise Unavailable(self.current.missing)
 
-    def _fetch_others(self, index: int) -> None:
+    def _fetch_others(self, link: ExpertHost) -> None:
         """Fetch every other worker's inventory again (one that does not answer is left as
         it was: its liveness is the members' to judge)."""
-        for other, link in enumerate(self.links):
-            if other == index:
+        for other in self.current.links:
+            if other is link:
                 continue
             try:
-                inventory = link.fetch_inventory()
+                inventory = other.fetch_inventory()
             except ShoalError:
                 continue
             self.reloads += 1
-            self.members.update_inventory(link, inventory)
+            self.members.update_inventory(other, inventory)
 
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a
         live owner (the caller then retries), else raise Unavailable naming those that do not."""
-        try:
-            self.members.report_failure(self.links[index], str(error))
-            self.refresh()
-        except Unavailable as e:
-            raise Unavailable(f"{error}; {e}") from None
+        self.members.report_failure(self.current.links[index], str(error))
+        if self.current.missing:
+            raise Unavailable(f"{error}; {self.current.missing}")
 
 
 # Seconds a listed worker may still answer its handshake once the others hold every expert.
@@ -127,6 +160,15 @@ class FixedMembers:
         self.links = [transport.link(address, secret) for address in addresses]
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        self._watchers.append(changed)
+
+    def _changed(self) -> None:
+        self.version += 1
+        for changed in self._watchers:
+            changed()
 
     def join(self, manifest: Manifest, log: Callable[[str], None] | None = None,
              local: LocalExperts | None = None) -> Cluster:
@@ -191,22 +233,18 @@ class FixedMembers:
         return answers
 
     def _covers(self, manifest: Manifest, local: LocalExperts | None) -> bool:
-        try:
-            Cluster.of(with_local(self, local), layer_sizes(manifest))
-        except Unavailable:
-            return False
-        return True
+        return not snapshot_of(with_local(self, local), layer_sizes(manifest)).missing
 
     def live(self) -> tuple[int, list[WorkerLink], list[frozenset[ExpertKey]]]:
         return self.version, list(self.links), list(self._holdings)
 
     def update_inventory(self, link: WorkerLink, inventory: shoal_pb2.Inventory) -> None:
         self._holdings[self.links.index(link)] = held(inventory)
-        self.version += 1
+        self._changed()
 
     def report_failure(self, link: WorkerLink, detail: str) -> None:
         self._holdings[self.links.index(link)] = frozenset()
-        self.version += 1
+        self._changed()
 
     def close(self) -> None:
         for link in self.links:

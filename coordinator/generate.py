@@ -30,6 +30,7 @@ from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
 from engine.moe_layers import check_safetensors, expert_keys
+from engine.process import launch_directly
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model"
@@ -99,6 +100,8 @@ def open_remote_model(
     until every expert has an owner; workers may leave and come back afterwards); and on
     this Mac's own store folders, `local_stores`, served in this process under
     `memory_budget` (the worker's forms). With local stores and no workers, this Mac alone."""
+    if addresses or membership is not None:  # every MoE layer evaluates: engine/process.py
+        launch_directly()
     manifest = read_manifest(Path(model_dir))
     model, tokenizer = load_dense(model_dir, manifest)
     local = owned = None

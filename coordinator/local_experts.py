@@ -1,14 +1,6 @@
-"""The coordinator's own experts, served in its own process: `LocalExperts` holds the worker's
-`Residency` over this Mac's store folders (memory budget, drives, prefetch, read checks, heat)
-and stands in the cluster as one more member, link-shaped, with no gRPC and no wire bytes.
-
-The dispatcher hands it a layer call's share as MLX arrays (`submit`) after the remote
-requests are sent and takes its outputs (`result`) before their replies are read, so its
-experts compute while the workers compute theirs; a layer whose every expert is held here in
-memory runs as mlx-lm runs it (`whole`: the switch module over the stack, lazily, no
-evaluation for routing). Inventory, counters, heat and expert files are answered by the
-worker's own servicer methods, called in process, so `shoal heat`, replicas and transfers see
-the coordinator as they see a worker.
+"""The coordinator's own experts, served in its own process (`LocalExperts`, an ExpertHost):
+the worker's `Residency` over this Mac's store folders, whose layers held whole in memory run
+as mlx-lm runs them; inventory, heat and files answered by the worker's own servicer methods.
 """
 
 from __future__ import annotations
@@ -18,25 +10,21 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from coordinator.hosts import IN_PROCESS, Answer, Share
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
-from engine.tensors import dtype_name
-from proto import EXPERT_REQUEST, error_class_for, shoal_pb2
+from proto import error_class_for, shoal_pb2
 from worker.residency import Request, Residency, Timing
 
 LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
 ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
-# `whole` calls whose heat waits to be counted: their routers' picks are read only once
-# evaluated, and mlx-lm builds one forward pass while the one before it runs, so picks two
-# passes old are done (see LocalExperts._note)
-PASSES_KEPT = 2
+PASSES_KEPT = 2  # `whole` calls' picks left uncounted until evaluated (LocalExperts._count)
 
 
 class _Context:
@@ -63,24 +51,17 @@ class _Streamed:
         self._answer.close()
 
 
-@dataclass(frozen=True)
-class _Work:
-    layer: int
-    hidden: mx.array  # (n, input width): the rows this share needs
-    rows: np.ndarray  # each pair's row among them
-    experts: np.ndarray
-    call_pairs: int
-    seq: int
-
-
 class LocalExperts:
-    """The coordinator's Mac as a member: its experts computed here, its holdings, heat and
-    files answered as a worker's link answers them. One thread computes at a time (the
-    dispatcher's); the residency's lock guards MLX against transfers meanwhile."""
+    """The coordinator's Mac as a member, an ExpertHost (coordinator/hosts.py): its experts
+    computed here, its holdings, heat and files answered as a worker's link answers them. One
+    thread computes at a time (the dispatcher's); the residency's lock guards MLX against
+    transfers meanwhile."""
 
     address = ADDRESS
     connections = 1
     open_streams = 1
+    in_process = True
+    path = IN_PROCESS
 
     def __init__(self, residency: Residency, node_id: str, locks: Sequence[int] = ()) -> None:
         from worker.service import ExpertServicer
@@ -89,8 +70,8 @@ class LocalExperts:
         self.residency = residency
         self.node_id = node_id
         self._servicer = ExpertServicer(residency, node_id, residency.budget)
-        self._work: deque[_Work] = deque()
-        self._noted: deque[tuple[int, mx.array]] = deque()
+        self._answers: deque[Answer] = deque()
+        self._noted: list[tuple[int, mx.array]] = []
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
         self.inventory = self.fetch_inventory()
 
@@ -101,64 +82,58 @@ class LocalExperts:
         memory (lazy, like the single-process model's); else None."""
         out = self.residency.whole(layer, x, inds)
         if out is not None:
-            self._note(layer, inds)
+            self._noted.append((layer, inds))
+            if len(self._noted) >= 2 * self._kept:  # counted in batches, not a call at a time
+                self._count(len(self._noted) - self._kept)
         return out
 
-    def submit(self, layer: int, x: mx.array, needed: slice | np.ndarray, rows: np.ndarray,
-               experts: np.ndarray, call_pairs: int, seq: int,
-               prefetch: shoal_pb2.PrefetchHint | None = None) -> None:
-        """A share of a layer call on the switch input `x`: its tokens `needed`, each pair's
-        row among them and expert. Computed at `result`; a prefetch hint starts reads now."""
-        if prefetch is not None:
-            self.residency.prefetch(prefetch.layer, prefetch.experts)
-        hidden = x.reshape(-1, x.shape[-1])
-        hidden = hidden[needed if isinstance(needed, slice) else mx.array(needed)]
-        self._work.append(_Work(layer, hidden, rows, experts, call_pairs, seq))
-
-    def result(self) -> tuple[shoal_pb2.ExpertReply, mx.array, mx.Dtype]:
-        """Compute the oldest share submitted: the reply a worker would send (its timing,
-        inventory version), the outputs (m, output width), started on the device and left
-        where MLX holds them (no copy through host memory), and their dtype. Raises what the
+    def submit(self, share: Share, timeout: float) -> int:
+        """Start computing a share of a layer call: its outputs are started on the device and
+        left where MLX holds them (no copy through host memory); the dispatcher submits this
+        after the workers' shares, so it computes while theirs travel. Raises what the
         residency raises (Moved for an expert that left this machine)."""
-        work = self._work.popleft()
+        if share.hint is not None:
+            self.residency.prefetch(share.hint.layer, share.hint.experts)
         started = time.perf_counter()
+        x = share.call.x
+        hidden = x.reshape(-1, x.shape[-1])
+        hidden = hidden[share.needed if isinstance(share.needed, slice)
+                        else mx.array(share.needed)]
         timing = Timing()
-        request = Request(work.layer, work.hidden, dtype_name(work.hidden.dtype), work.rows,
-                          work.experts, work.call_pairs)
-        # started on the device, not waited for: the dispatcher reads the workers' replies
-        # meanwhile, and the gather that joins them waits for these outputs
+        request = Request(share.call.layer, hidden, share.call.wire_dtype, share.rows,
+                          share.experts, share.call.experts.size)
         out = self.residency.compute(request, timing, started=True)
         done = time.perf_counter()
         reply = shoal_pb2.ExpertReply(
-            seq=work.seq, compute_seconds=done - started - timing.waited,
+            seq=share.seq, compute_seconds=done - started - timing.waited,
             inventory_version=self.residency.holdings.version,
             timing=shoal_pb2.WorkerTiming(
                 matrix=timing.matrix, waited=timing.waited, reads=timing.reads,
                 bookkeeping=done - started - timing.matrix - timing.waited - timing.reads),
         )
-        return reply, out, out.dtype
+        self._answers.append(Answer(reply, out, out.dtype))
+        return 0
 
-    def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
-             timeout: float = 0.0) -> None:
-        """A prefetch hint alone, written for a worker's stream (the dispatcher sends those to
-        every member that streams): its reads start here."""
-        message, _ = EXPERT_REQUEST.read(request, "prefetch hint")
-        if message.HasField("prefetch"):
-            self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
+    def collect(self, share: Share, timeout: float) -> Answer:
+        return self._answers.popleft()
 
-    def _note(self, layer: int, inds: mx.array) -> None:
-        """Keep a `whole` call's picks to count once evaluated, and count those old enough."""
-        self._noted.append((layer, inds))
-        while len(self._noted) > self._kept:
-            self._count(*self._noted.popleft())
+    def hint(self, layer: int, hint: shoal_pb2.PrefetchHint) -> None:
+        self.residency.prefetch(hint.layer, hint.experts)
 
-    def _count(self, layer: int, inds: mx.array) -> None:
-        self.residency.counted(layer, np.asarray(inds).reshape(-1).astype(np.int64))
+    def _count(self, count: int) -> None:
+        """Count the heat of the oldest `count` picks noted, a layer at a time: a pick is
+        read once evaluated, and mlx-lm builds one forward pass while the one before it runs,
+        so picks `PASSES_KEPT` passes old are done."""
+        by_layer: dict[int, list[np.ndarray]] = {}
+        for layer, inds in self._noted[:count]:
+            by_layer.setdefault(layer, []).append(np.asarray(inds).reshape(-1))
+        del self._noted[:count]
+        for layer, picks in by_layer.items():
+            self.residency.counted(layer, np.concatenate(picks).astype(np.int64))
 
     def settle(self) -> None:
         """Count every pick noted (read before the heat or the counters are)."""
-        while self._noted:
-            self._count(*self._noted.popleft())
+        self._count(len(self._noted))
 
     # -- what a link answers ---------------------------------------------------------------
 
@@ -186,9 +161,9 @@ class LocalExperts:
 
     def reset(self) -> None:
         """Forget the shares submitted for a call that is being redone."""
-        self._work.clear()
+        self._answers.clear()
 
-    def close_lanes(self) -> None:
+    def end_pass(self) -> None:
         pass
 
     def close(self) -> None:
@@ -264,6 +239,16 @@ class WithLocal:
         self.remote = remote
         self._own = 1  # bumped when the local holdings change; both counters only grow
         self._held = local.held()
+        self._watchers: list[Callable[[], None]] = []
+        if remote is not None:
+            remote.watch(self._changed)
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        self._watchers.append(changed)
+
+    def _changed(self) -> None:
+        for changed in self._watchers:
+            changed()
 
     @property
     def version(self) -> int:
@@ -288,6 +273,7 @@ class WithLocal:
         if link is self.local:
             self._held = self.local.held()
             self._own += 1
+            self._changed()
         elif self.remote is not None:
             self.remote.update_inventory(link, inventory)
 
@@ -295,5 +281,6 @@ class WithLocal:
         if link is self.local:  # its experts are routed around, like a lost worker's
             self._held = frozenset()
             self._own += 1
+            self._changed()
         elif self.remote is not None:
             self.remote.report_failure(link, detail)

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from coordinator.cluster import Cluster, layer_sizes, with_local
 from coordinator.discovery import Browser, Candidate
-from coordinator.link import LANE, Transport, WorkerLink, handshake, held, incompatibility
+from coordinator.link import LANE, Transport, WorkerLink, handshake
+from coordinator.link_errors import held, incompatibility
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
@@ -175,6 +176,7 @@ class Membership:
         self._browser: Browser | None = None
         self._closed = False
         self.version = 0
+        self._watchers: list[Callable[[], None]] = []
 
     # sources -------------------------------------------------------------------------
 
@@ -320,6 +322,8 @@ class Membership:
         if healthy != self._healthy:
             self._healthy = healthy
             self.version += 1
+            for changed in self._watchers:
+                changed()
         self._changed.notify_all()
 
     def _forget_locked(self, key: str) -> None:
@@ -328,6 +332,11 @@ class Membership:
             stop.set()
         if link is not None:
             link.close()
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        """Call `changed` after every change of the healthy workers (under this one's lock)."""
+        with self._changed:
+            self._watchers.append(changed)
 
     def snapshot(self) -> list[Member]:
         with self._changed:

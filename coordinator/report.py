@@ -92,7 +92,19 @@ def stats_report(stats: DispatchStats, result: GenerationResult) -> dict:
         "dispatch_seconds": total.seconds,
         "requests": total.requests,
         "breakdown": stats.decode.breakdown(),  # decode calls only, us per MoE layer call
+        "members": members_report(stats),
     }
+
+
+def members_report(stats: DispatchStats) -> dict[str, dict]:
+    """How each member's experts were reached, by address: its path (in process, lane, grpc),
+    layer calls, requests and round trip; layers computed whole in process have no round trip."""
+    members = {address: m.report() for address, m in stats.members.items()}
+    if stats.whole_calls:
+        members["local (whole layers)"] = {"path": "in process, mlx-lm's call",
+                                           "calls": stats.whole_calls, "requests": 0,
+                                           "round_trip_us": 0.0}
+    return members
 
 
 def speculative_report(result: GenerationResult) -> dict:
@@ -161,6 +173,9 @@ def stats_lines(stats: dict) -> list[str]:
                  f"received {stats['bytes_received_per_token']:.0f}")
     lines.append("per-layer decode breakdown (us per MoE layer call):")
     lines.append(breakdown_table(stats["breakdown"]))
+    lines.append("members (path, layer calls, round trip us per call):")
+    lines += [f"  {address:<22} {m['path']:<12} {m['calls']:>6} {m['round_trip_us']:>9.1f}"
+              for address, m in stats["members"].items()]
     return lines
 
 

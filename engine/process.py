@@ -1,13 +1,6 @@
-"""Settings Shoal gives its own processes (`shoal`, `shoal-worker`) for the libraries under
-them, each unless the user chose otherwise; `launch_directly` runs first thing in both commands.
-
-- **MLX's CUDA backend launches each evaluation's kernels as they come**, instead of capturing
-  them into a CUDA graph first (MLX's default). A coordinator evaluates at every MoE layer (it
-  must read the router's choice) and a worker at every request: short runs of a few kernels,
-  where capturing and launching a graph costs more than it saves (measured with `python -m
-  benchmarks.variants`: docs/benchmarks.md, "Figures behind choices in the code"); the same
-  kernels run either way (`python -m benchmarks.probes.greedy_digest`: every logit's bits equal).
-  MLX reads the setting once per process, at its first kernel. Elsewhere it means nothing.
+"""Settings Shoal gives its own processes for the libraries under them, unless the user chose:
+MLX's CUDA graphs off where every MoE layer evaluates (a worker, a coordinator with workers),
+MLX's default where nothing does (a coordinator alone). Elsewhere than CUDA it means nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +13,11 @@ CHOSEN_BY_SHOAL = "SHOAL_CUDA_GRAPHS_DEFAULTED"  # set beside it when Shoal chos
 
 def launch_directly() -> None:
     """Turn MLX's CUDA graphs off for this process and those it starts, unless the user set
-    MLX_USE_CUDA_GRAPHS (either way: theirs is kept)."""
+    MLX_USE_CUDA_GRAPHS (either way: theirs is kept). Call it before MLX's first kernel: MLX
+    reads the setting once. Short evaluations of a few kernels (a worker's request, the
+    router's choice a coordinator must read at every MoE layer) cost more to capture into a
+    graph than the graph saves; a coordinator alone with every expert resident evaluates once
+    a token, as mlx-lm does, and keeps MLX's default (docs/benchmarks.md)."""
     if GRAPHS not in os.environ:
         os.environ[GRAPHS] = "0"
         os.environ[CHOSEN_BY_SHOAL] = "1"

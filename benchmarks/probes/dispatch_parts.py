@@ -16,7 +16,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from coordinator.cluster import Snapshot
 from coordinator.dispatch import Dispatcher
+from coordinator.link import answer_of, request_bytes
 from engine.placement import replica_routes
 from engine.process import launch_directly
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
@@ -27,10 +29,24 @@ WIDTH, TOP_K, EXPERTS, WORKERS = 1024, 8, 64, 2
 class _Link:
     """A worker that answers at once with zeros of the right shape."""
 
+    in_process = False
+    path = "stand-in"
+
     def __init__(self, index: int) -> None:
         self.address = f"stand-in-{index}"
         self.inventory = None
         self._requests: list[bytes] = []
+
+    def whole(self, layer, x, inds) -> None:
+        return None
+
+    def submit(self, share, timeout: float) -> int:
+        request = request_bytes(share)
+        self.send(request)
+        return len(request)
+
+    def collect(self, share, timeout: float):
+        return answer_of(self.receive(timeout), self.address)
 
     def send(self, request: bytes, lane: int = 0, *, reply: bool = True,
              timeout: float = 0.0) -> None:
@@ -46,7 +62,7 @@ class _Link:
     def reset(self) -> None:
         self._requests.clear()
 
-    def close_lanes(self) -> None:
+    def end_pass(self) -> None:
         pass
 
 
@@ -54,11 +70,8 @@ class _Cluster:
     def __init__(self) -> None:
         holdings = [frozenset((0, e) for e in range(EXPERTS) if e % WORKERS == w)
                     for w in range(WORKERS)]
-        self.routes = replica_routes({0: EXPERTS}, holdings)
-        self.links = [_Link(w) for w in range(WORKERS)]
-
-    def refresh(self) -> None:
-        pass
+        self.current = Snapshot(tuple(_Link(w) for w in range(WORKERS)), tuple(holdings),
+                                replica_routes({0: EXPERTS}, holdings), 1)
 
 
 def run(calls: int) -> dict:

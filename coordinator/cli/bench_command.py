@@ -13,6 +13,7 @@ from types import ModuleType
 
 from coordinator.cli.options import AddParser, transport_of, transport_options
 from engine.errors import NotFound
+from engine.process import launch_directly
 
 HARNESS = "benchmarks.bench"
 
@@ -49,6 +50,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    launch_directly()  # before the harness's first kernel: its workers' runs evaluate per layer
     harness = load_harness()
     report = harness.run(quick=args.quick, plot=args.plot, network=args.network,
                          runs=args.runs, long_runs=args.long_runs,

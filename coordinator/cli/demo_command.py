@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.cli.options import AddParser
 from engine.errors import InvalidInput
+from engine.process import launch_directly
 
 if TYPE_CHECKING:
     from coordinator.generate import GenerationResult, RemoteModel
@@ -57,6 +58,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    launch_directly()  # before building the models' first kernel: the demo runs workers
     if args.max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
     run_demo(args.prompt, experts=args.experts, top_k=args.top_k, workers=args.workers,

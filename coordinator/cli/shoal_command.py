@@ -29,7 +29,6 @@ from coordinator.cli import (
 from coordinator.ops.hub import hub_may_be_reached
 from engine.errors import ShoalError, worded
 from engine.pipes import guard_standard_streams
-from engine.process import launch_directly
 
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
 COMMANDS = (cluster_init_command, pull_command, shard_command, generate_command, chat_command,
@@ -72,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     guard_standard_streams()
-    launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     args = build_parser().parse_args(argv)
     hub_may_be_reached(args.command)
     try:

@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from coordinator.cluster import Cluster, FixedMembers
-from coordinator.link import CALL, INVENTORY, STREAM, error_for
+from coordinator.link_errors import CALL, INVENTORY, STREAM, error_for
 from engine.auth import load_secret
 from engine.errors import InvalidInput, Moved, Unauthenticated, Unavailable
 from proto import shoal_pb2
@@ -31,7 +31,7 @@ def test_a_failed_listed_worker_keeps_its_place_and_is_routed_around(secret_file
             members.update_inventory(link, both)
         cluster = Cluster.of(members, {0: 2})
         routes = cluster.routes
-        cluster.refresh()  # nothing changed: the same table
+        members.watch(lambda: None)  # a watcher more changes nothing: the same table
         assert cluster.routes is routes
         cluster.lost(1, Unavailable("worker b failed"))
         assert cluster.links == members.links  # indices stay: replies are read in their order
@@ -81,8 +81,7 @@ def test_a_worker_that_let_a_moved_expert_go_sends_us_to_its_new_holder(secret_f
 
         now[1] = _inventory(2)  # expert 1 really is nowhere now: lost, and said so
         members.update_inventory(members.links[0], _inventory(0, 1))
-        members.update_inventory(members.links[1], _inventory(2))
-        cluster.refresh()
+        members.update_inventory(members.links[1], _inventory(2))  # followed: an event
         with pytest.raises(Unavailable, match="no live worker holds these experts: layer 0: "
                                               "experts? 1"):
             cluster.reload(0)

@@ -2,13 +2,15 @@
 same result), where install() puts it, where prefetch hints go when experts have copies,
 and a prompt pass cut into pieces and put back together in place."""
 
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install, plan_call
+from coordinator.call_plan import plan_call
+from coordinator.cluster import Snapshot
+from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
+from coordinator.link import answer_of, request_bytes
 from engine.experts import build_skeleton
 from engine.manifest import read_manifest
 from engine.moe_layers import get_module
@@ -90,13 +92,34 @@ def test_install_wraps_a_shared_expert_where_the_block_has_one(tiny_checkpoint, 
 
 
 class _Link:
-    """Answers a request in process with zeros: enough to see who was sent what."""
+    """Answers a request in process with zeros, through a worker's request and reply bytes:
+    enough to see who was sent what."""
+
+    in_process = False
+    path = "lane"
 
     def __init__(self) -> None:
         self.inventory = None
         self.address = "in-process"
-        self.replies: dict[int, list] = {}  # by stream (lane): each answers in order
+        self.replies: dict[int, list] = {}  # by channel: each answers in order
         self.experts: list[int] = []
+
+    def whole(self, layer, x, inds) -> None:
+        return None
+
+    def submit(self, share, timeout: float) -> int:
+        data = request_bytes(share)
+        self.send(data, share.channel)
+        return len(data)
+
+    def collect(self, share, timeout: float):
+        return answer_of(self.receive(timeout, share.channel), self.address)
+
+    def hint(self, layer, hint) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
     def send(self, data: bytes, lane: int = 0, *, reply: bool = True,
              timeout: float = 0.0) -> None:
@@ -113,18 +136,14 @@ class _Link:
     def receive(self, timeout: float, lane: int = 0):
         return self.replies[lane].pop(0)
 
-    def close_lanes(self) -> None:
+    def end_pass(self) -> None:
         assert not any(self.replies.get(lane) for lane in self.replies if lane), "replies owed"
         self.closed_lanes = True
 
 
-@dataclass
 class _Cluster:
-    links: list
-    routes: dict
-
-    def refresh(self) -> None:
-        pass
+    def __init__(self, links: list, routes: dict) -> None:
+        self.current = Snapshot(tuple(links), (), routes, 1)
 
 
 def test_hints_name_the_copy_that_the_next_decode_step_will_use():
@@ -145,7 +164,7 @@ def test_hints_name_the_copy_that_the_next_decode_step_will_use():
 
 
 def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
-    from coordinator.dispatch import spread
+    from coordinator.call_plan import spread
     from engine.placement import replica_routes
 
     holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
@@ -197,7 +216,7 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
     for piece_pairs, lanes in ((0, 4), (4, 4), (1, 4), (1, 1)):
         links = [_Scaling(), _Scaling()]
         dispatcher = Dispatcher(_Cluster(links, routes))
-        dispatcher.piece_pairs, dispatcher.lanes = piece_pairs, lanes
+        dispatcher.piece_pairs, dispatcher.channels = piece_pairs, lanes
         out = dispatcher(0, x, mx.array(inds))
         assert np.array_equal(np.asarray(out), expected), piece_pairs
         owners = [inds.reshape(9, 3) % 2 == w for w in range(2)]
@@ -222,13 +241,13 @@ def test_a_prompt_pass_goes_in_pieces_of_whole_tokens_and_comes_back_in_place():
 def test_a_calls_plan_sends_every_workers_first_piece_first_in_whole_tokens_over_its_lanes():
     k = 2
     owner = np.array([0, 1] * 8 + [1, 1] * 8)  # 16 tokens: worker 1 has 24 pairs, 0 has 8
-    plan = plan_call(owner, k, piece_pairs=4, lanes=2)
+    plan = plan_call(owner, k, piece_pairs=4, channels=2)
     assert [p.worker for p in plan[:2]] == [0, 1]  # each worker's first piece before seconds
     for worker in (0, 1):
         pieces = [p for p in plan if p.worker == worker]
         pairs = np.concatenate([p.pairs for p in pieces])
         assert np.array_equal(pairs, np.flatnonzero(owner == worker))  # all, once, in order
-        assert [p.lane for p in pieces] == [i % 2 for i in range(len(pieces))]
+        assert [p.channel for p in pieces] == [i % 2 for i in range(len(pieces))]
         for p in pieces:
             tokens = p.pairs // k
             assert len(set(tokens.tolist()) & {t for q in pieces if q is not p
@@ -237,6 +256,49 @@ def test_a_calls_plan_sends_every_workers_first_piece_first_in_whole_tokens_over
             assert np.array_equal(needed[p.rows], tokens)  # each pair's row is its token's
     assert len([p for p in plan if p.worker == 1]) == 6
     # a worker that streams from its drives, and a decode-sized call, go whole
-    assert len([p for p in plan_call(owner, k, piece_pairs=4, lanes=2, whole=lambda w: w == 1)
+    assert len([p for p in plan_call(owner, k, piece_pairs=4, channels=2, whole=lambda w: w == 1)
                 if p.worker == 1]) == 1
-    assert len(plan_call(owner, k, piece_pairs=0, lanes=4)) == 2
+    assert len(plan_call(owner, k, piece_pairs=0, channels=4)) == 2
+
+
+class _Members:
+    """Two fake workers holding every expert of layer 0; counts how often it is read."""
+
+    def __init__(self, links: list) -> None:
+        self.links, self.version, self.reads = links, 1, 0
+        self.holdings = [frozenset((0, e) for e in range(8))] * 2
+        self._watchers: list = []
+
+    def live(self):
+        self.reads += 1
+        return self.version, list(self.links), list(self.holdings)
+
+    def watch(self, changed) -> None:
+        self._watchers.append(changed)
+
+    def report_failure(self, link, detail: str) -> None:
+        self.holdings[self.links.index(link)] = frozenset()
+        self.version += 1
+        for changed in self._watchers:
+            changed()
+
+
+def test_layer_calls_read_the_members_snapshot_and_it_changes_only_by_events():
+    from coordinator.cluster import Cluster
+
+    links = [_Link(), _Link()]
+    members = _Members(links)
+    dispatcher = Dispatcher(Cluster.of(members, {0: 8}))
+    inds = mx.array(np.array([[[0, 3, 5, 6]]], dtype=np.int32))
+    for _ in range(5):
+        dispatcher(0, mx.zeros((1, 1, 4)), inds)
+    assert members.reads == 1  # the snapshot made once, never re-read inside a call
+    assert links[0].experts and links[1].experts  # copies on both take turns
+    members.report_failure(links[1], "lost")  # an event: the snapshot is made anew, once
+    assert members.reads == 2
+    links[0].experts.clear()
+    links[1].experts.clear()
+    for _ in range(3):
+        dispatcher(0, mx.zeros((1, 1, 4)), inds)
+    assert members.reads == 2
+    assert len(links[0].experts) == 12 and not links[1].experts

@@ -61,7 +61,7 @@ def test_a_worker_answers_every_malformed_request_clearly_and_still_serves(
     width = manifest.config["hidden_size"]
     worker = start_worker([sharded / "experts"], "--no-advertise")
     link = WorkerLink(worker.address, load_secret(secret_file))
-    stub, meta = link._stub, link._metadata
+    stub, meta = link._stub, link.metadata
     rng = np.random.default_rng(SEED)
     layers = [layer.layer for layer in manifest.layers]
 

@@ -56,7 +56,7 @@ def test_calls_that_never_send_a_body_are_refused_at_once_and_starve_nobody(
     call = channel.stream_unary(METHOD, request_serializer=bytes, response_deserializer=bytes)
     pending = [call.future(never(), metadata=[("shoal-auth", "forged")]) for _ in range(40)]
     link = WorkerLink(worker.address, load_secret(secret_file))
-    idle = [link._stub.Compute(silent(release), metadata=link._metadata("Compute"))
+    idle = [link._stub.Compute(silent(release), metadata=link.metadata("Compute"))
             for _ in range(16)]  # sixteen idle authenticated streams, as idle coordinators
     try:
         started = time.monotonic()
@@ -93,7 +93,7 @@ def test_one_host_cannot_hold_more_calls_than_its_share(sharded, start_worker, s
     worker = start_worker([sharded / "experts"], "--no-advertise")
     link = WorkerLink(worker.address, load_secret(secret_file))
     release = threading.Event()
-    streams = [link._stub.Compute(silent(release), metadata=link._metadata("Compute"))
+    streams = [link._stub.Compute(silent(release), metadata=link.metadata("Compute"))
                for _ in range(30)]
     try:
         # Which 24 the worker admits depends on the order it sees them: the other 6 end.

@@ -15,6 +15,7 @@ from mlx_lm.utils import load_model
 
 from coordinator.generate import open_remote_model
 from coordinator.link import Transport, WorkerLink
+from coordinator.report import members_report
 from engine.auth import create_secret, load_secret, make_credential
 from engine.errors import Unauthenticated
 from engine.manifest import read_manifest
@@ -103,8 +104,32 @@ def test_the_lane_and_the_grpc_fallback_give_mlx_lms_tokens(
             assert [link.uses_lane for link in remote.cluster.links] == lanes, transport
             served = remote.dispatcher.stats.worker_requests
             assert all(served[w.address] > 0 for w in workers), served
+            # --stats names the path each member took
+            paths = {a: m["path"] for a, m in members_report(remote.dispatcher.stats).items()}
+            assert paths == {w.address: "lane" if lane else "grpc"
+                             for w, lane in zip(workers, lanes, strict=True)}, transport
         finally:
             remote.close()
+
+
+@pytest.mark.slow
+def test_a_lane_that_cannot_be_opened_falls_back_to_grpc_and_says_so(
+    sharded, expected, start_worker, secret_file, capfd
+):
+    workers = [start_worker([sharded / f"worker-{k}"], "--no-advertise") for k in range(2)]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on: the lane cannot be opened
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        remote.cluster.links[1].lane_address = f"127.0.0.1:{closed.getsockname()[1]}"
+        assert greedy_tokens(remote.model, PROMPT, 8) == expected
+        paths = {a: m["path"] for a, m in members_report(remote.dispatcher.stats).items()}
+        assert paths[workers[0].address] == "lane"
+        assert paths[workers[1].address].startswith("grpc (lane refused: worker ")
+        assert "using gRPC for this worker" in capfd.readouterr().err
+    finally:
+        remote.close()
+        closed.close()
 
 
 def test_a_lane_refuses_strangers_before_reading_their_requests(
@@ -274,7 +299,7 @@ def test_a_tensor_field_of_the_wrong_wire_type_is_refused_on_both_transports(
         sock.close()
         compute = link._channel.stream_stream(COMPUTE, _registered_method=True)
         with pytest.raises(grpc.RpcError) as refused:
-            next(compute(iter([data]), metadata=link._metadata("Compute"), timeout=30))
+            next(compute(iter([data]), metadata=link.metadata("Compute"), timeout=30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "wire type 0" in refused.value.details()
     finally:

@@ -2,6 +2,8 @@
 exactly mlx-lm's output: this Mac alone, one local store beside one remote worker, and replicas
 across the two, in float32 and 4-bit, with every expert in memory and under a 10% budget."""
 
+import os
+
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
@@ -9,8 +11,9 @@ from mlx_lm.utils import load_model
 from coordinator.generate import open_remote_model
 from coordinator.local_experts import ADDRESS
 from coordinator.ops.worker_stats import read_stats
-from coordinator.report import streaming_report
+from coordinator.report import members_report, streaming_report
 from engine.auth import load_secret
+from engine.process import GRAPHS
 from engine.sharding import shard
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 
@@ -24,8 +27,10 @@ def expected_output(source):
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
-    bits, tiny_checkpoint, tmp_path
+    bits, tiny_checkpoint, tmp_path, monkeypatch
 ):
+    monkeypatch.setenv(GRAPHS, "recorded")  # restored after the test
+    monkeypatch.delenv(GRAPHS)
     source = tiny_checkpoint("qwen3_moe", quantize_bits=bits)
     expected_logits, expected = expected_output(source)
     sharded = tmp_path / "sharded"
@@ -41,7 +46,10 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
         finally:
             remote.close()
         assert remote.cluster.links == [remote.local]  # no worker at all
+        # nothing evaluates per layer without workers: MLX keeps its own launch setting
+        assert GRAPHS not in os.environ
         assert mx.array_equal(logits, expected_logits), budget
+        paths = {a: m["path"] for a, m in members_report(remote.dispatcher.stats).items()}
         assert tokens == expected, budget
         local = streaming_report(before, after, NEW_TOKENS,
                            remote.dispatcher.lookahead.stats)["workers"][ADDRESS]
@@ -49,10 +57,12 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
         if budget == "100%":
             # every layer ran as mlx-lm runs it: the switch over the stack, no dispatch
             assert not remote.dispatcher.stats.layers
+            assert paths == {"local (whole layers)": "in process, mlx-lm's call"}
             assert local["hit_rate"] == 1.0 and local["bytes_read"] == 0
             assert local["demands"] > 0  # the heat and hits were counted all the same
         else:
             assert remote.dispatcher.stats.total().calls > 0
+            assert paths[ADDRESS] == "in process"
             assert local["bytes_read"] > 0 and local["hit_rate"] < 1.0
             assert local["prefetch_issued"] > 0  # the router's lookahead reached the cache
             # the time spent waiting for the drives is its own part, not bookkeeping's
@@ -78,8 +88,10 @@ def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint,
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [None, 4])
 def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
-    bits, tiny_checkpoint, tmp_path, start_worker, secret_file
+    bits, tiny_checkpoint, tmp_path, start_worker, secret_file, monkeypatch
 ):
+    monkeypatch.setenv(GRAPHS, "recorded")  # restored after the test
+    monkeypatch.delenv(GRAPHS)
     source = tiny_checkpoint("qwen3_moe", quantize_bits=bits)
     expected_logits, expected = expected_output(source)
     sharded = tmp_path / "sharded"
@@ -97,9 +109,12 @@ def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
             remote = open_remote_model(sharded, [worker.address], secret, local_stores=[here],
                                        memory_budget=budget)
             try:
+                assert os.environ[GRAPHS] == "0"  # with workers every layer evaluates
                 logits = remote.model(mx.array([PROMPT]))
                 tokens = greedy_tokens(remote.model, PROMPT, NEW_TOKENS)
                 routes = remote.cluster.routes
+                paths = {a: m["path"]
+                         for a, m in members_report(remote.dispatcher.stats).items()}
             finally:
                 remote.close()
                 worker.stop()
@@ -108,6 +123,7 @@ def test_one_local_store_and_one_worker_with_and_without_replicas_match_mlx_lm(
             assert tokens == expected, case
             served = remote.dispatcher.stats.worker_requests
             assert served[ADDRESS] > 0 and served[worker.address] > 0, (case, served)
+            assert paths[ADDRESS] == "in process" and paths[worker.address] == "lane", case
             assert any(r.replicated for r in routes.values()) == (name == "replicas"), case
 
 

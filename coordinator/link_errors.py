@@ -1,0 +1,84 @@
+"""How a failed call to a worker reads for the user: one table (`ErrorWording`) for every
+call on a link, gRPC's or an expert lane's; and why a worker cannot serve this model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from engine.errors import ShoalError, Unauthenticated, Unavailable
+from engine.manifest import ExpertKey, Manifest
+from proto import ERROR_CODES, PROTOCOL_VERSION, error_class_for, shoal_pb2
+
+
+def incompatibility(
+    address: str, protocol: int, fingerprint: str, manifest: Manifest | None
+) -> str | None:
+    """Why a worker (its inventory or its Bonjour advert) cannot serve this model, or None.
+    Without a manifest (`shoal workers`) only the protocol is judged."""
+    if protocol != PROTOCOL_VERSION:
+        return (
+            f"worker {address} speaks protocol {protocol}, this coordinator "
+            f"{PROTOCOL_VERSION}: upgrade Shoal on both"
+        )
+    if manifest is not None and fingerprint != manifest.fingerprint:
+        return (
+            f"worker {address} serves a different model ({fingerprint[:12]}, expected "
+            f"{manifest.model_type} {manifest.fingerprint[:12]})"
+        )
+    return None
+
+
+def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
+    return frozenset((h.layer, h.expert) for h in inventory.experts)
+
+
+@dataclass(frozen=True)
+class ErrorWording:
+    """How one kind of call on a link words a failed gRPC call for the user.
+
+    A status code in `refusals` is the worker's own answer: it raised that ShoalError there
+    (proto.ERROR_CODES read back; FAILED_PRECONDITION stands for any other), and the details
+    are its message. Any other code means the call did not get through: Unavailable, worded
+    by `failed`; with `identity`, a refused credential or TLS handshake is Unauthenticated
+    instead (the worker belongs to another cluster, or the clocks disagree).
+    """
+
+    refusals: frozenset[grpc.StatusCode] = frozenset()
+    failed: str = "worker {address}: {code}: {details}"
+    identity: bool = False
+
+
+_REFUSALS = frozenset(code for _, code in ERROR_CODES) | {grpc.StatusCode.FAILED_PRECONDITION}
+OTHER_IDENTITY = (
+    "worker {address} refused this cluster's TLS identity or holds another's: copy the same "
+    "cluster secret file (shoal cluster-init) to every Mac"
+)
+# The calls of a link: the handshake and the counters are the worker's bookkeeping, which it
+# never refuses; any other call (heat, expert files) answers with the worker's refusals; on
+# the Compute stream only "an expert moved" is an answer (see Cluster.reload), any other
+# failure loses the worker for this call.
+INVENTORY = ErrorWording(identity=True)
+STATS = ErrorWording()
+HEALTH = ErrorWording(identity=True)
+CALL = ErrorWording(_REFUSALS, failed="worker {address}: {details}")
+STREAM = ErrorWording(frozenset({grpc.StatusCode.ABORTED}),
+                 failed="worker {address} failed: {code}: {details}")
+
+
+def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) -> ShoalError:
+    """A failed call to the worker at `address` as the ShoalError the user is shown."""
+    return error_for_code(error.code(), error.details() or error.code().name, address, wording)
+
+
+def error_for_code(code: grpc.StatusCode, details: str, address: str,
+                   wording: ErrorWording = CALL) -> ShoalError:
+    """The same, from a status code and its details (an expert lane's ERROR frame)."""
+    if code in wording.refusals:
+        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
+    if wording.identity and "handshake failed" in details.lower():
+        return Unauthenticated(OTHER_IDENTITY.format(address=address))
+    refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
+    kind = Unauthenticated if refused else Unavailable
+    return kind(wording.failed.format(address=address, code=code.name, details=details))
