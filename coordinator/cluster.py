@@ -107,6 +107,10 @@ class Cluster:
     def routes(self) -> dict[int, LayerRoutes]:
         return self.current.routes
 
+    @property
+    def version(self) -> int:
+        return self.current.version
+
     def reload(self, index: int) -> None:
         """Worker `index` says its inventory changed (experts received, drained or deleted):
         fetch it again and route by it. Raises Unavailable if an expert is left unowned."""
