@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.bench import machine
+from benchmarks.records import machine
 from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
 from coordinator.cli.demo_command import demo_workers

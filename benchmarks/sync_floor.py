@@ -20,8 +20,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import switch_layers
 from mlx_lm.utils import load
 
-from benchmarks.bench import FULL, QUICK, bench_checkpoint, machine
+from benchmarks.checkpoints import FULL, QUICK, bench_checkpoint
 from benchmarks.measure import bench_prompt
+from benchmarks.records import machine
 
 MODES = ("plain", "sync", "sync_host")
 SWITCHES = (switch_layers.SwitchGLU, switch_layers.SwitchMLP)

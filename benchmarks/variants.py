@@ -33,6 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.records import command_line, from_variants, write_record
 from engine.process import launch_directly
 
 RESULT = "RESULT "
@@ -41,8 +42,9 @@ SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
-    from benchmarks.bench import bench_files, decode_dispatch
+    from benchmarks.checkpoints import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
+    from benchmarks.shoal_runs import decode_dispatch
     from coordinator.generate import open_remote_model
     from coordinator.link import Transport
     from coordinator.ops.local_processes import start_workers, stop_workers
@@ -132,6 +134,7 @@ def main() -> None:
         launch_directly()  # as `shoal` does, before any kernel (engine/process.py)
         print(RESULT + json.dumps(measure(args.quick, args.runs, args.prefill)), flush=True)
         return
+    results = []
     for text in args.variants:
         label, env, workers = parse_variant(text)
         command = [sys.executable, "-m", "benchmarks.variants", "--one", "--runs",
@@ -146,6 +149,11 @@ def main() -> None:
             continue
         result = {"variant": label, **json.loads(lines[-1][len(RESULT):])}
         print(RESULT + json.dumps(result), flush=True)
+        results.append(result)
+    if results:
+        figures, baselines = from_variants(results)
+        write_record(what="variants-" + "-".join(dict.fromkeys(r["variant"] for r in results)),
+                     command=command_line(), figures=figures, baselines=baselines)
 
 
 if __name__ == "__main__":

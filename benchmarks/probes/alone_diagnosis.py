@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.bench import WORKERS, bench_files
+from benchmarks.checkpoints import WORKERS, bench_files
 from benchmarks.measure import bench_prompt
 from benchmarks.probes.batch_invariance import largest_difference
 from coordinator.generate import open_remote_model

@@ -25,7 +25,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
+from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
+from benchmarks.records import machine
 from coordinator.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.bench import bench_checkpoint
+from benchmarks.checkpoints import bench_checkpoint
 from benchmarks.measure import bench_prompt
 
 

@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench import bench_checkpoint
+from benchmarks.checkpoints import bench_checkpoint
 from engine import tensors
 from engine.process import launch_directly
 from engine.tensors import mlx_dtype, to_mlx
