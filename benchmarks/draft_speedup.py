@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.records import machine
+from benchmarks.records import machine, write_record
 from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
 from coordinator.cli.demo_command import demo_workers
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
+    write_record(what="draft-speedup", figures=report["results"], **report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.records import write_record  # noqa: E402
 from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
 from coordinator.link import WorkerLink  # noqa: E402
 from coordinator.ops.heat_record import fetch_readings  # noqa: E402
@@ -202,6 +203,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report = run(args)
+    write_record(what="rebalance" + ("-quick" if args.quick else ""), figures=report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

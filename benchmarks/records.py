@@ -66,12 +66,16 @@ def make_record(*, what: str, command: str, figures: dict, baselines: dict | Non
             **details}
 
 
-def write_record(*, what: str, command: str, figures: dict, baselines: dict | None = None,
-                 ratios: dict | None = None, **details: object) -> Path:
-    """Write one run's record as <machine>-<what>-<time>.json in the results folder; the
-    newest record of a (machine, what) is the one the docs render."""
-    record = make_record(what=what, command=command, figures=figures, baselines=baselines,
-                         ratios=ratios, **details)
+def write_record(*, what: str, figures: dict, baselines: dict | None = None,
+                 ratios: dict | None = None, command: str | None = None,
+                 **details: object) -> Path:
+    """The one call a benchmark makes: its run's record, written as <machine>-<what>-<time>.json
+    to the results folder (the command defaults to this process's own command line)."""
+    details.pop("machine", None)  # the record's own names this machine
+    # a report passed whole beside its figures: not stored twice
+    details = {k: v for k, v in details.items() if v is not figures and v is not baselines}
+    record = make_record(what=what, command=command or command_line(), figures=figures,
+                         baselines=baselines, ratios=ratios, **details)
     return save(record)
 
 
@@ -87,11 +91,14 @@ def save(record: dict, folder: Path | None = None) -> Path:
 
 def command_line() -> str:
     """How this process was started, as a reader would type it again."""
-    argv = [Path(sys.argv[0]).name if sys.argv[0].endswith("shoal") else sys.argv[0],
-            *sys.argv[1:]]
-    if argv[0].endswith(".py") and "benchmarks" in argv[0]:
-        argv[0] = "python -m benchmarks." + Path(argv[0]).stem
-    return " ".join(argv)
+    program = Path(sys.argv[0]).resolve()
+    if program.name == "shoal" or program.parent == REPO / "coordinator" / "cli":
+        head = "shoal"
+    elif program.is_relative_to(REPO) and program.suffix == ".py":
+        head = "python -m " + ".".join(program.relative_to(REPO).with_suffix("").parts)
+    else:
+        head = sys.argv[0]
+    return " ".join([head, *sys.argv[1:]])
 
 
 def from_bench(report: dict, *, what: str = "bench", command: str = "shoal bench --json",

@@ -22,7 +22,7 @@ from mlx_lm.utils import load
 
 from benchmarks.checkpoints import FULL, QUICK, bench_checkpoint
 from benchmarks.measure import bench_prompt
-from benchmarks.records import machine
+from benchmarks.records import machine, write_record
 
 MODES = ("plain", "sync", "sync_host")
 SWITCHES = (switch_layers.SwitchGLU, switch_layers.SwitchMLP)
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     report = run(quick=args.quick, runs=args.runs, tokens=args.tokens)
+    write_record(what="sync-floor" + ("-quick" if args.quick else ""),
+                 figures=report["results"], **report)
     if args.json:
         print(json.dumps(report, indent=1))
         return

@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.records import command_line, from_variants, write_record
+from benchmarks.records import from_variants, write_record
 from engine.process import launch_directly
 
 RESULT = "RESULT "
@@ -153,7 +153,7 @@ def main() -> None:
     if results:
         figures, baselines = from_variants(results)
         write_record(what="variants-" + "-".join(dict.fromkeys(r["variant"] for r in results)),
-                     command=command_line(), figures=figures, baselines=baselines)
+                     figures=figures, baselines=baselines)
 
 
 if __name__ == "__main__":
