@@ -1,13 +1,6 @@
-"""Speculative decoding on the demo model: decode tokens/s of the 16-expert SmolLM2 MoE served
-by local workers, plainly and with drafts (docs/speculative.md).
-
-Drafts: SmolLM2-135M itself, dense and quantized to 4 bits (the demo's), adaptive and with a
-fixed N; the dense float32 model (agrees always: the ceiling); a random model with the same
-tokenizer (agrees never), adaptive, which must stay within 5% of plain decoding, and fixed,
-which shows what adaptation saves. Every drafted run must give the plain run's greedy tokens.
-
-    python -m benchmarks.draft_speedup [--json] [--runs R] [--tokens T] [--num-draft-tokens N]
-"""
+"""Speculative decoding on the demo model: decode tokens/s of the 16-expert SmolLM2 MoE on local
+workers, plainly and with drafts (the demo's 4-bit one, the dense float32 ceiling, a random
+floor), each drafted run checked to give the plain run's greedy tokens (docs/speculative.md)."""
 
 from __future__ import annotations
 

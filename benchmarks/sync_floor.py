@@ -1,11 +1,6 @@
-"""What any design that leaves the device at every MoE layer can reach: mlx-lm in one process
-on `shoal bench`'s checkpoint, decoding plainly, with an evaluation of every switch module's
-input and output (what a coordinator must do to read the router's choice), and with that plus
-a copy of the rows, the routing and the outputs through host memory (what a network hop
-needs). No workers, no network: the floor under Shoal's per-layer cost (docs/benchmarks.md).
-
-    python -m benchmarks.sync_floor [--quick] [--json] [--runs R] [--tokens T]
-"""
+"""What any design that leaves the device at every MoE layer can reach: mlx-lm in one process,
+plain, synced at every switch module, and synced through host memory (what a network hop
+needs); no workers, no network (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

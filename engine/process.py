@@ -1,19 +1,15 @@
 """Settings Shoal gives its own processes (`shoal`, `shoal-worker`) for the libraries under
-them, each unless the user chose otherwise; `launch_directly` runs first thing in both commands.
-
-- **MLX's CUDA backend launches each evaluation's kernels as they come**, instead of capturing
-  them into a CUDA graph first (MLX's default). A coordinator evaluates at every MoE layer (it
-  must read the router's choice) and a worker at every request: short runs of a few kernels,
-  where capturing and launching a graph costs more than it saves (measured with `python -m
-  benchmarks.variants`: docs/benchmarks.md, "Figures behind choices in the code"); the same
-  kernels run either way (`python -m benchmarks.probes.greedy_digest`: every logit's bits equal).
-  MLX reads the setting once per process, at its first kernel. Elsewhere it means nothing.
-"""
+them, each unless the user chose otherwise; `launch_directly` runs first thing in both."""
 
 from __future__ import annotations
 
 import os
 
+# MLX's CUDA backend launches each evaluation's kernels as they come instead of capturing a
+# CUDA graph first: a coordinator evaluates at every MoE layer and a worker at every request,
+# short runs of kernels where capturing a graph costs more than it saves (docs/benchmarks.md);
+# the same kernels run either way (`benchmarks.probes.greedy_digest`: every logit's bits equal).
+# MLX reads the setting once per process, at its first kernel; elsewhere it means nothing.
 GRAPHS = "MLX_USE_CUDA_GRAPHS"
 CHOSEN_BY_SHOAL = "SHOAL_CUDA_GRAPHS_DEFAULTED"  # set beside it when Shoal chose, not the user
 
