@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from benchmarks.records import REPO, load, results_folder, value
@@ -116,8 +118,7 @@ def bench_cell(machine: str, key: str, fmt: str = ".1f") -> Cell:
 
 def bench_rows(machine: str) -> tuple[Row, ...]:
     """What every `shoal bench` record holds: two workers against mlx-lm's three ways."""
-    def cell(key: str, fmt: str = ".1f") -> Cell:
-        return bench_cell(machine, key, fmt)
+    cell = partial(bench_cell, machine)
 
     return (
         Row("decode tok/s, two workers", cell(f"{SHOAL}.decode_tps"),
@@ -136,8 +137,7 @@ def bench_rows(machine: str) -> tuple[Row, ...]:
 
 def local_rows(machine: str) -> tuple[Row, ...]:
     """The one-machine configurations and the lane echo, in bench records since they came."""
-    def cell(key: str, fmt: str = ".1f") -> Cell:
-        return bench_cell(machine, key, fmt)
+    cell = partial(bench_cell, machine)
 
     return (
         Row("decode tok/s, one machine, every expert local (`--local-store`)",
@@ -170,6 +170,12 @@ H200_ROWS = bench_rows(H200) + local_rows(H200) + (
         (Cell((H200, "sync-floor"), "figures.plain.decode_tps"),
          Cell((H200, "sync-floor"), "figures.sync.decode_tps"),
          Cell((H200, "sync-floor"), "figures.sync_host.decode_tps"))),
+    Row("decode tok/s with MLX's CUDA graphs off in every process (`engine/process.py`), "
+        "alternated", Cell((H200, "graphs-off"), "figures.alloff.tok_s"),
+        Cell((H200, "graphs-off"), "baselines.base.tok_s"), "graphs on"),
+    Row("the coordinator's wait for attention and router, us a layer, graphs off",
+        Cell((H200, "graphs-off"), "figures.alloff.sync_us", ".0f"),
+        Cell((H200, "graphs-off"), "baselines.base.sync_us", ".0f"), "graphs on"),
     Row("a kernel's first read of a 4 KB array from host bytes, us, with the GPU told it "
         "reads it (`engine/tensors.py`)",
         Cell((H200, "host-arrays"), "figures.4096.first_read_advised", ".0f"),
@@ -180,22 +186,22 @@ H200_ROWS = bench_rows(H200) + local_rows(H200) + (
               for n in (1, 2, 8, 64))),
 )
 
+def call_cost(label: str, name: str) -> Row:
+    """One part of a layer call in process, after the cuts against before (alternated)."""
+    slot = (CPU, "call-costs")
+    return Row(label, Cell(slot, f"figures.{name}", ".0f"), Cell(slot, f"baselines.{name}", ".0f"),
+               "before the cuts")
+
+
 CPU_ROWS = bench_rows(CPU) + (
     Row("tiny checkpoint: a layer's overhead beyond the slowest worker (ms), lane against "
         "gRPC", Cell((CPU, "bench-quick"), "layer_overhead_ms", ".2f"),
         Cell((CPU, "bench-quick-grpc"), "layer_overhead_ms", ".2f"), "gRPC stream"),
-    Row("the coordinator's send, us a decode layer call, in process (old and new alternated)",
-        Cell((CPU, "call-costs"), "figures.send_us", ".0f"),
-        Cell((CPU, "call-costs"), "baselines.send_us", ".0f"), "before the cuts"),
-    Row("the coordinator's parse and scatter, us a decode layer call",
-        Cell((CPU, "call-costs"), "figures.parse_scatter_us", ".0f"),
-        Cell((CPU, "call-costs"), "baselines.parse_scatter_us", ".0f"), "before the cuts"),
-    Row("a worker's decode request: validating it, us",
-        Cell((CPU, "call-costs"), "figures.validate_us", ".0f"),
-        Cell((CPU, "call-costs"), "baselines.validate_us", ".0f"), "before the cuts"),
-    Row("a worker's decode request: building the call, us",
-        Cell((CPU, "call-costs"), "figures.build_us", ".0f"),
-        Cell((CPU, "call-costs"), "baselines.build_us", ".0f"), "before the cuts"),
+    *(call_cost(label, name) for label, name in (
+        ("the coordinator's send, us a decode layer call, in process", "send_us"),
+        ("the coordinator's parse and scatter, us a decode layer call", "parse_scatter_us"),
+        ("a worker's decode request: validating it, us", "validate_us"),
+        ("a worker's decode request: building the call, us", "build_us"))),
 )
 
 BREAKDOWN = (("sync", "the coordinator's wait for attention and router"),
@@ -263,11 +269,61 @@ def projection(records: Records) -> list[str]:
     return lines + ["", f"Measured inputs from {source(records, [(H200, 'bench')])}."]
 
 
+def mean_of(records: Records, cell: Cell) -> float:
+    return statistics.mean(figure(records, cell))
+
+
+def ratio_of(ours: Cell, theirs: Cell) -> Callable[[Records], float]:
+    return lambda r: mean_of(r, ours) / mean_of(r, theirs)
+
+
+H200_BENCH, LANES, FLOOR = (H200, "bench"), (H200, "lane-vs-grpc"), (H200, "sync-floor")
+H200_BREAKDOWN = f"{SHOAL}.dispatch.breakdown"
+# (what, how it is measured, at least or at most, the bound, its unit)
+TARGETS: tuple[tuple[str, Callable[[Records], float], str, float, str], ...] = (
+    ("decode on the lane against the gRPC stream (same call)",
+     ratio_of(Cell(LANES, "figures.lane.tok_s"), Cell(LANES, "baselines.grpc.tok_s")),
+     ">=", 1.4, "x"),
+    ("decode against the sync floor through host memory (same call)",
+     ratio_of(Cell(LANES, "figures.lane.tok_s"), Cell(FLOOR, "figures.sync_host.decode_tps")),
+     ">=", 0.8, "x"),
+    ("the wire part of a decode layer call against a bare lane echo of its sizes",
+     lambda r: (mean_of(r, Cell(H200_BENCH, f"{H200_BREAKDOWN}.wire_us")) / 1e3
+                / mean_of(r, Cell(H200_BENCH, f"{SHOAL}.echo.lane_round_trip_ms"))),
+     "<=", 2.0, "x"),
+    ("the coordinator's send plus parse and scatter, a decode layer call in the cluster",
+     lambda r: (mean_of(r, Cell(H200_BENCH, f"{H200_BREAKDOWN}.send_us"))
+                + mean_of(r, Cell(H200_BENCH, f"{H200_BREAKDOWN}.parse_scatter_us"))),
+     "<=", 150, " us"),
+    ("prefill of 512 tokens against mlx-lm in one process",
+     ratio_of(Cell(H200_BENCH, f"{SHOAL}.prefill_tps.512"),
+              Cell(H200_BENCH, f"{MLX}.prefill_tps.512")), ">=", 0.35, "x"),
+    ("one local store + one worker against two workers, decode",
+     ratio_of(Cell(H200_BENCH, "figures.shoal_one_local_one_remote.decode_tps"),
+              Cell(H200_BENCH, f"{SHOAL}.decode_tps")), ">=", 1.3, "x"),
+    ("every expert local and resident against mlx-lm in one process, decode",
+     ratio_of(Cell(H200_BENCH, "figures.shoal_one_mac_all_local.decode_tps"),
+              Cell(H200_BENCH, f"{MLX}.decode_tps")), ">=", 0.95, "x"),
+)
+
+
+def targets(records: Records) -> list[str]:
+    lines = ["| target (H200 machine) | bound | measured | |", "|---|---:|---:|---|"]
+    for what, measure, sense, bound, unit in TARGETS:
+        got = measure(records)
+        met = got >= bound if sense == ">=" else got <= bound
+        shown_got = f"{got:.0f}" if unit == " us" else f"{got:.2f}"
+        lines.append(f"| {what} | {sense} {bound:g}{unit} | {shown_got}{unit} | "
+                     f"{'met' if met else 'not met'} |")
+    return lines
+
+
 BLOCKS = {
     "h200": lambda r: table(r, H200_ROWS),
     "cpu": lambda r: table(r, CPU_ROWS),
     "breakdown": breakdown,
     "projection": projection,
+    "targets": targets,
 }
 
 
