@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -31,20 +32,23 @@ def machine() -> dict:
     docs' tables choose records by."""
     import mlx.core as mx
 
-    device = mx.default_device()
-    name = mx.device_info().get("device_name", "") if device.type == mx.gpu else ""
-    label = os.environ.get(MACHINE_ENV) or device_label(str(name))
-    return {"label": label, "device": str(name) or "cpu", "platform": platform.platform(),
+    gpu = mx.default_device().type == mx.gpu
+    name = str(mx.device_info().get("device_name", "")) if gpu else ""
+    label = os.environ.get(MACHINE_ENV) or device_label(name, gpu=gpu)
+    return {"label": label, "device": name or ("gpu" if gpu else "cpu"),
+            "platform": platform.platform(),
             "processor": platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "mlx": mx.__version__}
 
 
-def device_label(device_name: str) -> str:
-    """"NVIDIA H200" -> "h200", "Apple M3 Ultra" -> "m3-ultra", no GPU -> "cpu"."""
-    words = device_name.lower().split()
+def device_label(device_name: str, *, gpu: bool = True) -> str:
+    """"NVIDIA H200" -> "h200", "Apple M3 Ultra" -> "m3-ultra"; no GPU -> "cpu"."""
+    if not gpu:
+        return "cpu"
+    words = re.sub(r"[^a-z0-9 ]", "", device_name.lower()).split()
     if words and words[0] in ("nvidia", "apple", "amd"):
         words = words[1:]
-    return "-".join(words) or "cpu"
+    return "-".join(words) or "gpu"
 
 
 def commit() -> str:

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.figures import DOC, MissingFigure, newest, render
-from benchmarks.records import BENCH_BASELINES, BENCH_FIGURES, RESULTS, load, value
+from benchmarks.records import (
+    BENCH_BASELINES,
+    BENCH_FIGURES,
+    RESULTS,
+    device_label,
+    from_variants,
+    load,
+    value,
+    write_record,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 H200_BENCH = "h200-bench-closing.json"
@@ -67,3 +76,31 @@ def test_a_bench_report_printed_before_records_renders_as_a_record(tmp_path):
     key = "figures.shoal.decode_tps"
     assert value(made, key) == value(record, key)
     assert "at abc1234" in render(DOC.read_text(), records)
+
+
+def test_a_machine_is_named_by_its_device():
+    assert device_label("NVIDIA H200") == "h200"
+    assert device_label("Apple M3 Ultra") == "m3-ultra"
+    assert device_label("Intel(R) Xeon(R) Processor", gpu=False) == "cpu"
+    assert device_label("", gpu=True) == "gpu"
+
+
+def test_a_benchmark_writes_one_record_with_one_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_RESULTS", str(tmp_path))
+    report = {"results": {"plain": {"decode_tps": 10.0}}, "size": "tiny", "machine": {}}
+    path = write_record(what="sync-floor-quick", figures=report["results"], **report)
+    record = load(path)
+    assert path.parent == tmp_path and path.name.startswith("cpu-sync-floor-quick-")
+    assert value(record, "figures.plain.decode_tps") == 10.0
+    assert record["size"] == "tiny" and "results" not in record  # not stored twice
+    assert record["machine"]["label"] == "cpu" and record["commit"]
+    assert newest(tmp_path)[("cpu", "sync-floor-quick")][0] == path
+
+
+def test_variants_lines_become_figures_against_baselines():
+    lines = [{"variant": "lane", "tok_s": 32.3, "breakdown": {"wire_us": 554}},
+             {"variant": "grpc", "tok_s": 26.0, "breakdown": {"wire_us": 1138}},
+             {"variant": "lane", "tok_s": 34.2, "breakdown": {"wire_us": 460}}]
+    figures, baselines = from_variants(lines)
+    assert figures == {"lane": {"tok_s": [32.3, 34.2], "wire_us": [554, 460]}}
+    assert baselines == {"grpc": {"tok_s": [26.0], "wire_us": [1138]}}

@@ -42,3 +42,32 @@ def test_every_relative_link_resolves(page):
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target} (no such heading)")
     assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+NAMED = re.compile(r"`([A-Z][A-Za-z0-9]*)\.([_a-z][a-z0-9_]*)(?:\(\))?`")
+SOURCES = sorted(p for folder in ("engine", "proto", "worker", "coordinator", "builders",
+                                  "benchmarks") for p in (REPO / folder).rglob("*.py")
+                 if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+
+
+def defines(name: str, attribute: str) -> bool:
+    """A class (or a message of shoal.proto) called `name` with `attribute`, in one file."""
+    proto = (REPO / "proto" / "shoal.proto").read_text()
+    rpc = re.search(rf"rpc {name}\(\w+\) returns \((\w+)\)", proto)
+    name = rpc.group(1) if rpc else name  # an RPC's reply, as `GetStats.problems`
+    message = re.search(rf"(message|service) {name} \{{(.*?)\n\}}", proto, re.S)
+    if message and re.search(rf"\b{attribute}\b", message.group(2)):
+        return True
+    for path in SOURCES:
+        text = path.read_text()
+        if re.search(rf"^\s*class {name}\b", text, re.M) and re.search(
+                rf"def {attribute}\b|\b{attribute}\s*[:=]|self\.{attribute}\b", text):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_class_member_the_docs_name_exists(page):
+    missing = sorted({f"{a}.{b}" for a, b in NAMED.findall(page.read_text())
+                      if not defines(a, b)})
+    assert not missing, f"{page.relative_to(REPO)} names what the code no longer has: {missing}"
