@@ -1,3 +1,3 @@
-"""Benchmarks that print figures and ratios against baselines run in the same script: `shoal
-bench`'s harness (bench.py), the measurements docs/ cites, and probes/, one question each.
-Outside the product: not in the installed package, run from a checkout."""
+"""Benchmarks that measure Shoal against baselines in the same run, each writing one result
+record (records.py) that docs/benchmarks.md is rendered from (figures.py); probes/ answer one
+question each. Outside the product: not in the installed package, run from a checkout."""

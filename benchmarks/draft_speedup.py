@@ -1,13 +1,6 @@
-"""Speculative decoding on the demo model: decode tokens/s of the 16-expert SmolLM2 MoE served
-by local workers, plainly and with drafts (docs/speculative.md).
-
-Drafts: SmolLM2-135M itself, dense and quantized to 4 bits (the demo's), adaptive and with a
-fixed N; the dense float32 model (agrees always: the ceiling); a random model with the same
-tokenizer (agrees never), adaptive, which must stay within 5% of plain decoding, and fixed,
-which shows what adaptation saves. Every drafted run must give the plain run's greedy tokens.
-
-    python -m benchmarks.draft_speedup [--json] [--runs R] [--tokens T] [--num-draft-tokens N]
-"""
+"""Speculative decoding on the demo model: decode tokens/s of the 16-expert SmolLM2 MoE on local
+workers, plainly and with drafts (the demo's 4-bit one, the dense float32 ceiling, a random
+floor), each drafted run checked to give the plain run's greedy tokens (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.bench import machine
+from benchmarks.records import machine, write_record
 from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
 from coordinator.cli.demo_command import demo_workers
@@ -200,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
+    write_record(what="draft-speedup", figures=report["results"], **report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -1,11 +1,5 @@
-"""The transport's floor: a bare echo with Shoal's message sizes, over a gRPC bidirectional
-stream or over an expert lane's framing (proto/lane.py) on a TLS socket.
-
-`python -m benchmarks.echo serve --reply-bytes N` answers every message on a stream with N
-bytes (`--lane`: every MESSAGE frame on a lane, whose HELLO it takes unchecked);
-`round_trips()` / `lane_round_trips()` time messages to W such servers at once, the way the
-dispatcher addresses W workers per layer. Raw bytes, no protobuf parsing: this is the floor.
-"""
+"""The transports' floor: a bare echo with Shoal's message sizes and fan-out, over a gRPC
+bidirectional stream or an expert lane's frames on a TLS socket; raw bytes, no protobuf."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""mlx-lm's own distributed generation, as a baseline for `shoal bench`.
-
-Run under `mlx.launch -n 2 --backend ring`, the way mlx-lm documents distributed inference:
-every rank loads its part with `mlx_lm.utils.sharded_load` (tensor or pipeline parallel) and
-runs the same generation; rank 0 writes the figures as JSON.
-"""
+"""mlx-lm's own distributed generation as a baseline for `shoal bench`: run under `mlx.launch
+-n 2 --backend ring`, every rank loads its part with `sharded_load` (tensor or pipeline
+parallel) and runs the same generation; rank 0 writes the figures as JSON."""
 
 from __future__ import annotations
 

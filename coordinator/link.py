@@ -1,7 +1,6 @@
-"""One worker as the coordinator reaches it (`WorkerLink`): its gRPC channel, the control
-plane (inventory, counters, heat, expert files, health), and its Compute channels, through
-which it serves as an ExpertHost (coordinator/hosts.py); the handshake that says whether it
-can serve this model; the transports (`Transport`)."""
+"""One worker as the coordinator reaches it (`WorkerLink`, an ExpertHost): its gRPC channel
+(inventory, counters, heat, files, health) and its Compute channels; the handshake that says
+whether it can serve this model; the transports (`Transport`)."""
 
 from __future__ import annotations
 

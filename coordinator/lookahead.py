@@ -1,11 +1,8 @@
-"""Router lookahead: while layer L's experts run, guess layer L+1's and tell their owners.
-
-The guess applies layer L+1's own router to layer L's MoE input, rescaled from layer L's
-post-attention norm to layer L+1's (the residual stream changes little from one layer to the
-next, so this ranks L+1's experts much as L+1 will). Guesses travel as `PrefetchHint`s on
-the existing Compute stream and only ever start reads on the workers: a wrong guess costs a
-read, never a result. Only workers that cannot keep all their experts in memory get hints.
-"""
+"""Router lookahead: while layer L's experts run, guess layer L+1's and tell their owners (only
+members that stream get hints): a wrong guess costs a read, never a result."""
+# The guess applies layer L+1's own router to layer L's MoE input, rescaled from layer L's
+# post-attention norm to layer L+1's: the residual stream changes little from one layer to the
+# next, so this ranks L+1's experts much as L+1 will.
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Membership: which workers of the cluster are up, what they hold, and the path to each.
-
-Workers come from Bonjour or a cluster config (coordinator/discovery.py). For each one the
-membership picks the best path (engine/interfaces.py), checks liveness with the standard
-grpc.health.v1 service every CHECK_INTERVAL, and verifies it with an authenticated handshake
-(GetInventory, which needs the cluster secret). Bonjour is never the liveness signal: a
-crashed worker stays in mDNS caches for a long time. States: connecting, healthy,
-unreachable, incompatible (other protocol or model), unauthenticated (other secret).
-
-The transitions are pure functions over frozen `Member`s; `Membership` is the thin threaded
-shell that feeds them check results.
-"""
+"""Membership: which workers of the cluster are up, what they hold, and the path to each;
+pure transitions over frozen `Member`s, fed by a thin threaded shell (`Membership`) that
+checks health every CHECK_INTERVAL and verifies each worker with an authenticated handshake."""
+# Bonjour is never the liveness signal: a crashed worker stays in mDNS caches for a long time.
+# States: connecting, healthy, unreachable, incompatible (other protocol or model),
+# unauthenticated (other secret).
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """What the commands report: the object each `--json` prints and the tables `--stats` adds, as
-plain data built from what a run counted (the counting stays where the work is done: the
-dispatcher, the lookahead, the draft, the workers). The dashboard shows the same objects.
-
-One section per command that has such a report: generate, workers, doctor, plan, heat,
-deploy and rebalance (`shoal bench`'s report is its harness's, benchmarks/bench.py).
-"""
+plain data built from what a run counted (the counting stays where the work is done). One
+section per command: generate, workers, doctor, plan, heat, deploy and rebalance."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """What a worker tells the local network about itself: the DNS-SD service type and its TXT
-record. Only public facts travel here (never the secret); both ends use these functions.
-
-TXT keys (each a short string, as DNS-SD recommends):
-    txtvers  version of this key set      id       node id
-    cluster  cluster name                 proto    protocol version (proto.PROTOCOL_VERSION)
-    model    model fingerprint            inv      digest of the held (layer, expert) pairs
-    experts  number of experts held       mem      memory budget, bytes
-    disk     free disk in the stores, bytes
-"""
+record. Only public facts travel here (never the secret); both ends use these functions."""
 
 from __future__ import annotations
 
@@ -54,6 +46,9 @@ def inventory_digest(held: Iterable[ExpertKey]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# TXT keys, each a short string as DNS-SD recommends: txtvers (this key set's version), id
+# (node id), cluster, proto (protocol version), model (fingerprint), inv (digest of the held
+# (layer, expert) pairs), experts (how many held), mem (memory budget) and disk (free bytes).
 def encode_txt(advert: Advert) -> dict[str, str]:
     return {
         "txtvers": TXT_VERSION,

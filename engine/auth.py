@@ -1,13 +1,5 @@
-"""The cluster secret file: where it lives, what it holds (the secret, and the cluster's
-TLS identity, engine/tls.py), and the per-call credential derived from the secret.
-
-The secret never travels. Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an
-HMAC-SHA256 of the time, nonce, method name and (but for the inventory and the liveness check)
-the node id of the worker it is for, under the secret; a worker accepts it within a freshness
-window and refuses a nonce it has already seen while it could be fresh.
-Links themselves are TLS with both ends' certificates checked, so a credential is never
-seen on the network to be replayed.
-"""
+"""The cluster secret file (the secret, and the cluster's TLS identity, engine/tls.py) and
+the per-call credential derived from it; the secret itself never travels."""
 
 from __future__ import annotations
 
@@ -24,6 +16,10 @@ from pathlib import Path
 from engine.errors import ShoalError, Unauthenticated
 from engine.tls import Identity, make_identity, read_identity
 
+# Each call carries `shoal-auth: <time>.<nonce>.<hmac>`, an HMAC-SHA256 of the time, nonce,
+# method and (but for the inventory and the liveness check) the worker's node id, under the
+# secret; a worker accepts it within a freshness window and refuses a nonce it has seen while it
+# could be fresh. Links are TLS with both ends' certificates checked, so it is never replayable.
 METADATA_KEY = "shoal-auth"
 SECRET_ENV = "SHOAL_SECRET_FILE"
 FRESHNESS_SECONDS = 300.0

@@ -1,9 +1,5 @@
-"""The one exception family of Shoal: messages are written for the user.
-
-The CLIs print a ShoalError without a traceback and exit non-zero (an unexpected I/O error
-too, worded by `worded`); the gRPC servicers map the subclasses to status codes with the same
-message.
-"""
+"""The one exception family of Shoal, its messages written for the user: the CLIs print them
+without a traceback and exit non-zero; the servicers map them to gRPC status codes."""
 
 
 class ShoalError(Exception):

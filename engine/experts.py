@@ -1,9 +1,6 @@
-"""Build mlx-lm's own switch module for one MoE layer and run it: over a stack of the
-resident experts in one gathered call, or one expert at a time while experts stream.
-
-The module class, activation and quantization all come from the model's mlx-lm
-architecture, so a worker computes exactly what the single-process model would.
-"""
+"""Build mlx-lm's own switch module for one MoE layer (class, activation and quantization from
+the model's architecture) and run it: over the stacked resident experts in one gathered call,
+or one expert at a time while experts stream, computing exactly what one process would."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Heat: the tokens routed to each (layer, expert) across the cluster, what placement
-weighs experts by. Here: its JSON file form `{"<layer>": {"<expert>": count, ...}, ...}` that
-`shoal heat --json` writes and `shoal plan --heat` reads, and the heat record, into which
-each worker's readings (its own counts since it started) are folded across runs.
-
-(A worker's cache keeps a score of its own, engine/cache_policy.py's `Heat`: the same tokens
-halved every few forward passes, to choose what to evict. It is not this histogram.)"""
+"""Heat, the tokens routed to each (layer, expert) across the cluster, which placement weighs
+experts by: its JSON form (`shoal heat --json`, `shoal plan --heat`) and the heat record that
+folds each worker's readings across runs (not the cache's eviction score, cache_policy.Heat)."""
 
 from __future__ import annotations
 

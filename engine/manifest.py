@@ -1,8 +1,6 @@
-"""The manifest: what a sharded model holds (its config, MoE layers, every expert file and its
-checksums), written by `shoal shard` and trusted by both sides; with the file helpers that
-write and check those files. Plain data and the standard library only: reading a manifest
-imports neither mlx nor mlx-lm.
-"""
+"""The manifest: what a sharded model holds (config, MoE layers, every expert file and its
+checksums), written by `shoal shard` and trusted by both sides, with the helpers that write and
+check those files; it imports neither mlx nor mlx-lm."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
 """Pure planning of a live migration: from the copies the workers hold now to a target
-placement, as ordered steps that never leave an expert without a verified copy.
-
-A copy of an expert on a worker is `serving` (verified against the manifest and offered),
-`draining` (verified, still computed if asked for, no longer offered) or, inside a plan,
-`unverified` (received but not yet confirmed). `LOCAL` stands for the coordinator's own
-expert files (`shoal deploy` sends from them); it is a source, never a target.
-
-Steps, per expert: `copy` to each new holder, `verify` it serves, `keep` a draining copy the
-target wants back, `drain` each copy the target no longer wants, then `delete` it. Two rules
-make every step safe, and `check_steps` checks them for any list of steps:
-
-- kept: every expert keeps at least one verified copy (serving or draining on a worker, or
-  LOCAL), so no failure at any step can lose an expert;
-- served: a copy is drained or deleted only while another worker serves a verified copy, so a
-  generating coordinator always has an owner to route to.
-
-Plans are derived from the state alone, so a migration interrupted after any prefix of its
-steps is finished by planning again from what the workers then report.
-"""
+placement, as ordered steps that never leave an expert without a verified copy."""
 
 from __future__ import annotations
 
@@ -27,6 +9,13 @@ from dataclasses import dataclass
 from engine.errors import InvalidInput
 from engine.manifest import ExpertKey
 
+# A copy of an expert on a worker is `serving` (verified and offered), `draining` (verified,
+# still computed if asked for, no longer offered) or, inside a plan, `unverified`. LOCAL stands
+# for the coordinator's own expert files (`shoal deploy` sends from them): a source, never a
+# target. Per expert the steps are: `copy` to each new holder, `verify` it serves, `keep` a
+# draining copy the target wants back, `drain` each copy it no longer wants, then `delete` it.
+# Plans derive from the state alone, so a migration stopped after any prefix of its steps is
+# finished by planning again from what the workers then report.
 SERVING, DRAINING, UNVERIFIED = "serving", "draining", "unverified"
 LOCAL = "(local files)"
 KINDS = ("copy", "verify", "keep", "drain", "delete")
@@ -125,6 +114,10 @@ def invariant_problems(state: State, served_before: Iterable[ExpertKey] = ()) ->
     return problems
 
 
+# The two rules every list of steps keeps: every expert keeps a verified copy at each step
+# (serving or draining on a worker, or LOCAL), so no failure loses an expert; and a copy is
+# drained or deleted only while another worker serves a verified one, so a generating
+# coordinator always has an owner to route to.
 def check_steps(state: State, steps: Sequence[Step]) -> dict[ExpertKey, dict[str, str]]:
     """Apply `steps` one by one, checking each precondition and both rules after every step;
     returns the final state, raises InvalidInput at the first violation."""

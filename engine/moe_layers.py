@@ -1,9 +1,6 @@
-"""mlx-lm's side of a checkpoint: load a source model lazily, and find its routed experts in
-the module tree (the switch modules, their parameters and bytes), whatever the architecture.
-
-Sharding (engine/sharding.py), size estimates (engine/sizes.py) and the expert runner
-(engine/experts.py) all take the model's structure from here.
-"""
+"""mlx-lm's side of a checkpoint: load a source model lazily and find its routed experts in the
+module tree (switch modules, parameters, bytes), whatever the architecture; sharding, size
+estimates and the expert runner take the model's structure from here."""
 
 from __future__ import annotations
 

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import os
 
+# MLX's CUDA backend launches each evaluation's kernels as they come instead of capturing a
+# CUDA graph first: a coordinator evaluates at every MoE layer and a worker at every request,
+# short runs of kernels where capturing a graph costs more than it saves (docs/benchmarks.md,
+# H200 table); the same kernels run either way (`benchmarks.probes.greedy_digest`: every
+# logit's bits equal).
+# MLX reads the setting once per process, at its first kernel; elsewhere it means nothing.
 GRAPHS = "MLX_USE_CUDA_GRAPHS"
 CHOSEN_BY_SHOAL = "SHOAL_CUDA_GRAPHS_DEFAULTED"  # set beside it when Shoal chose, not the user
 

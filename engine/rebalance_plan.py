@@ -1,10 +1,6 @@
-"""Pure planning of `shoal deploy` and `shoal rebalance`: from what the live workers report
-(plain frozen data) to the target placement (engine/placement.py) and the steps that reach it
-(engine/migration.py), plus the small decisions the executor takes between steps.
-
-coordinator/ops/rebalancer.py observes the workers, saves the target and runs the steps; every
-choice it makes is a function here, so a test calls them without a network.
-"""
+"""Pure planning of `shoal deploy` and `shoal rebalance`: from what the live workers report to
+the target placement (engine/placement.py), the steps that reach it (engine/migration.py) and
+the executor's small decisions between steps, so tests call them without a network."""
 
 from __future__ import annotations
 

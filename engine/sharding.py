@@ -1,11 +1,6 @@
-"""Split a source checkpoint into dense weights and one file per routed expert, spread over
-one or N store folders, and describe the result in a manifest (engine/manifest.py).
-
-Layout written by `shard`:
-    OUT/manifest.json             the model: config, MoE layers, every expert file + checksum
-    OUT/dense/                    config, tokenizer files, every weight except routed experts
-    OUT/experts/ or OUT/worker-K/ store folders: manifest.json + L{layer}/E{expert}.safetensors
-"""
+"""Split a source checkpoint into dense weights and one file per routed expert over one or N
+store folders (OUT/dense/, OUT/experts/ or OUT/worker-K/L{layer}/E{expert}.safetensors), and
+describe the result in OUT/manifest.json (engine/manifest.py)."""
 
 from __future__ import annotations
 

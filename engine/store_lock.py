@@ -1,8 +1,6 @@
-"""Who is using a store folder: a worker serving it holds a shared lock on its lock file,
-`shoal shard` writing it an exclusive one, so that neither starts while the other runs.
-
-The locks are the kernel's (flock): a process that ends, even by kill -9, lets go of them.
-"""
+"""Who is using a store folder: a serving worker holds a shared lock on its lock file, `shoal
+shard` writing it an exclusive one, so neither starts while the other runs; the locks are the
+kernel's (flock), so a process that ends, even by kill -9, lets go of them."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ def _managed_memory() -> bool:
 # buffer migrates its pages by faults, which costs a small kernel several times its own time;
 # told that the GPU reads it (SetAccessedBy), the driver maps the pages instead of faulting them
 # over. That is paid once per MoE layer on each end of a link (the worker's request, the
-# coordinator's replies); the figures are in docs/benchmarks.md ("Figures behind choices in the
-# code", `python -m benchmarks.probes.host_arrays`). Advice moves no data and changes no bits; where
+# coordinator's replies); the figure is in docs/benchmarks.md's H200 table
+# (`python -m benchmarks.probes.host_arrays`). Advice moves no data and changes no bits; where
 # the driver library or a call is missing, nothing is done.
 #
 # On Metal and on the CPU there is nothing to do: memory is one, and `to_gpu_reader` returns at

@@ -1,11 +1,6 @@
-"""The cluster's TLS identity: a private certificate authority that signs one certificate
-every node of the cluster presents, made once by `shoal cluster-init` and kept in the secret
-file beside the secret. Links are then encrypted and mutually authenticated: a worker accepts
-only peers holding that certificate's key, and a coordinator talks only to such workers.
-
-The authority's own key is thrown away once it has signed, so no one, not even the holder of
-the file, can mint a second identity: re-running cluster-init makes a new cluster.
-"""
+"""The cluster's TLS identity: a private certificate authority signs one certificate every node
+presents, made once by `shoal cluster-init` and kept in the secret file; links are then
+encrypted and mutually authenticated."""
 
 from __future__ import annotations
 
@@ -29,6 +24,8 @@ class Identity:
         return (self.authority + self.certificate + self.key).decode()
 
 
+# The authority's own key is thrown away once it has signed, so no one, not even the holder of
+# the file, can mint a second identity: re-running cluster-init makes a new cluster.
 def make_identity(years: int = 20) -> Identity:
     """A new authority and a node certificate it signed for NAME, for servers and clients."""
     from cryptography import x509

@@ -1,14 +1,5 @@
-"""The expert lane's wire: Compute's messages (EXPERT_REQUEST / EXPERT_REPLY, the same bytes
-as on the gRPC stream) in length-prefixed frames on a TLS socket, both ends presenting the
-cluster's certificate (engine/tls.py) exactly as the gRPC links do.
-
-A frame is a 5-byte header, the payload's length (uint32, little-endian) and its kind, then
-the payload. A lane opens with HELLO (coordinator -> worker: a `shoal-auth` credential for
-LANE_METHOD, engine/auth.py) answered by READY; then each MESSAGE the coordinator sends is one
-ExpertRequest, and the worker answers each that carries hidden rows with one ExpertReply
-MESSAGE, in order. A refusal is an ERROR frame (a gRPC status code's number, then its UTF-8
-message: proto.ERROR_CODES reads it back) after which the worker closes the lane.
-"""
+"""The expert lane's wire: Compute's messages (the same bytes as on the gRPC stream) in
+length-prefixed frames on a TLS socket, both ends presenting the cluster's certificate."""
 
 from __future__ import annotations
 
@@ -26,6 +17,11 @@ import grpc
 from engine.errors import MAX_MESSAGE, InvalidInput, Unavailable, clip
 from engine.tls import NAME, Identity
 
+# A frame is a 5-byte header (the payload's length, uint32 little-endian, and its kind), then
+# the payload. A lane opens with HELLO (a `shoal-auth` credential for LANE_METHOD) answered by
+# READY; then each MESSAGE the coordinator sends is one ExpertRequest, answered in order by one
+# ExpertReply MESSAGE when it carries hidden rows. A refusal is an ERROR frame (a gRPC status
+# code's number, then its UTF-8 message) after which the worker closes the lane.
 HEADER = struct.Struct("<IB")
 HELLO, READY, MESSAGE, ERROR = 1, 2, 3, 4
 KINDS = {HELLO: "hello", READY: "ready", MESSAGE: "message", ERROR: "error"}

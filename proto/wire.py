@@ -1,7 +1,6 @@
-"""The Compute messages' codec: ExpertRequest / ExpertReply written and read in protobuf's own
-wire format with each tensor's bytes copied once, and a received tensor checked against what
-its reader expects (`decode`). Both transports carry exactly these bytes (the gRPC Compute
-stream and the expert lane, proto/lane.py)."""
+"""The Compute messages' codec: ExpertRequest / ExpertReply in protobuf's own wire format with
+each tensor's bytes copied once, and a received tensor checked against what its reader expects
+(`decode`); both transports (gRPC stream, expert lane) carry exactly these bytes."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Bonjour registration of a worker (`_shoal._tcp.local.`), and its node id: stable per
-machine, kept in the config folder, and made anew when the file was copied from another Mac.
-
-A worker also watches the adverts of its cluster and warns when another worker announces
-its node id: a duplicate is said loudly on the worker's side as on the coordinator's.
-
-The node id file is JSON: {"node_id": "studio-3f9a1c", "machine": "<fingerprint>"}. The
-machine fingerprint is a hash of the platform's machine identity, so a config folder
-restored onto another Mac (Migration Assistant, dotfile sync) is noticed and not reused.
-"""
+"""Bonjour registration of a worker (`_shoal._tcp.local.`) and its node id, stable per machine
+and made anew when the config folder was copied from another Mac; a worker also warns when
+another worker of its cluster announces its node id."""
 
 from __future__ import annotations
 
@@ -30,6 +23,9 @@ from engine.auth import default_secret_path
 from engine.errors import InvalidInput
 from engine.manifest import write_atomic
 
+# The node id file is JSON: {"node_id": "studio-3f9a1c", "machine": "<fingerprint>"}; the
+# fingerprint hashes the platform's machine identity, so a config folder restored onto another
+# Mac (Migration Assistant, dotfile sync) is noticed and not reused.
 NODE_ID_FILE = "node-id"
 REGISTER_TIMEOUT = 10.0
 RESOLVE_TIMEOUT_MS = 3000

@@ -1,10 +1,5 @@
-"""What this worker offers: the experts it serves, those draining before a drop, the exact
-tokens computed per expert (the heat histogram), and when each was last asked for.
-
-Every change to the experts offered bumps `version`; replies carry it, so a coordinator
-notices within one layer call and routes by the new inventory. A draining expert is still
-computed if asked for (a coordinator may not have noticed yet) but is no longer offered.
-"""
+"""What this worker offers: the experts it serves, those draining before a drop, the tokens
+computed per expert (the heat histogram), and when each was last asked for."""
 
 from __future__ import annotations
 
@@ -21,6 +16,9 @@ SERVING, DRAINING = "serving", "draining"
 MAX_UNSETTLED = 256  # requests noted but not yet counted, at most (see Holdings.asked)
 
 
+# Every change to the experts offered bumps `version`; replies carry it, so a coordinator
+# notices within one layer call. A draining expert is still computed if asked for (a coordinator
+# may not have noticed yet) but is no longer offered.
 class Holdings:
     """Thread-safe: compute threads count, the servicer reads, transfers change the set."""
 

@@ -1,14 +1,5 @@
-"""`shoal-worker --scrub`: re-read the expert files this worker serves, slowly, and check
-each against the manifest's checksum, so that rot is found before a read or a migration
-needs the file.
-
-One thread walks the files of the experts served (and draining) in turn, reading around the
-page cache at no more than RATE bytes per second, so the drive stays free for demand reads.
-A file that fails stops being served (`ExpertCache.lose_copy`, the same path a failed read
-takes): it is reported on stderr and in `GetInventory`/`GetStats` problems, and an expert
-with no intact file left is no longer offered, so coordinators route it to another copy and
-`shoal deploy`/`shoal rebalance` can send a fresh one.
-"""
+"""`shoal-worker --scrub`: re-read the expert files this worker serves, slowly, and check each
+against the manifest's checksum, so that rot is found before a read or a migration needs it."""
 
 from __future__ import annotations
 
@@ -51,6 +42,11 @@ class _Stopped(Exception):
     pass
 
 
+# One thread walks the files of the experts served (and draining) in turn, reading around the
+# page cache at no more than the rate, so the drive stays free for demand reads. A file that
+# fails stops being served (`ExpertCache.lose_copy`, a failed read's path too), is reported on
+# stderr and in GetInventory/GetStats problems, and an expert with no intact file left is no
+# longer offered, so coordinators route to another copy and deploy/rebalance can send one.
 class Scrubber:
     """Checks `residency`'s files at `rate` bytes/s on its own thread, pass after pass."""
 

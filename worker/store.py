@@ -1,10 +1,5 @@
-"""Expert files on one or more store folders (one per drive): what is there and intact.
-
-A store folder holds the model's manifest and some expert files. Every file is checked
-against the manifest's checksum before it is served (read around the OS page cache, so the
-check does not fill memory); a bad file is reported, never deleted, so no copy of an expert
-is lost by the check itself. Every intact copy is kept: a worker reads from all its drives.
-"""
+"""Expert files on one or more store folders (one per drive): what is there and intact. A bad
+file is reported, never deleted, so the check itself loses no copy of an expert."""
 
 from __future__ import annotations
 
@@ -35,6 +30,9 @@ class StoreScan:
         return sum(sizes[key] for key in self.held)
 
 
+# Every file is checked against the manifest's checksum before it is served (read around the OS
+# page cache, so the check does not fill memory); every intact copy is kept, since a worker
+# reads from all its drives.
 def scan_stores(folders: list[Path], *, verify: bool = True) -> StoreScan:
     """Read the manifests of all store folders and find every intact expert file in them."""
     if not folders:

@@ -1,16 +1,6 @@
-"""Expert files arriving, leaving and being dropped on this worker (`shoal deploy`,
-`shoal rebalance`).
-
-A pushed file is written to a hidden partial name next to its final place; an interrupted
-push leaves the partial file, whose size is where the next push resumes. Once every byte has
-arrived the file is flushed, checked against the manifest's checksum as it lies on disk, and
-only then renamed into place (and the folder flushed), so a file under its real name is always
-complete and verified; the worker then serves it at once. Dropping is two-phase: `drain`
-stops offering a copy while still computing it, `delete` removes it once it has drained and
-nobody asked for it for a while. The caller (coordinator/ops/migration_executor.py) makes sure
-another worker holds an intact copy first, by asking it to `keep` its copy, which hashes the
-file on disk against the manifest at that moment; nothing here deletes an expert on its own.
-"""
+"""Expert files arriving, leaving and being dropped on this worker (`shoal deploy`, `shoal
+rebalance`): a file under its real name is always complete and verified, and nothing here
+deletes an expert on its own."""
 
 from __future__ import annotations
 
@@ -75,6 +65,13 @@ def log_to_stderr(message: str) -> None:
     print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
 
+# A pushed file is written to a hidden partial name beside its final place; an interrupted push
+# leaves it, and its size is where the next push resumes. Once every byte has arrived it is
+# flushed, checked against the manifest's checksum on disk, and only then renamed into place
+# (the folder flushed). Dropping is two-phase: `drain` stops offering a copy while still
+# computing it, `delete` removes it once drained and unasked for a while. The caller
+# (coordinator/ops/migration_executor.py) first has another worker `keep` its copy, which hashes
+# the file on disk against the manifest at that moment.
 class ExpertFiles:
     """The expert files of one worker's store folders, as a transfer sees them. Each copy
     that arrives, each drain, undrain and deletion is logged (one line), so that what a

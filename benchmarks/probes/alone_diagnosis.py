@@ -1,13 +1,6 @@
 """Where does Shoal's single-sequence output differ from mlx-lm's in one process on a backend?
-
-Two checks, each a largest absolute difference (0 means bit-identical):
-- the switch module with each row's 8 experts split in two calls of 4 (as two workers get
-  them) and with every pair as its own row, against one call with all 8;
-- one forward of L tokens, no cache, of the bench checkpoint: Shoal with two local workers
-  against mlx-lm in one process.
-
-    python -m benchmarks.probes.alone_diagnosis [--quick]
-"""
+The switch module with a row's experts split as two workers get them, and one forward of L
+tokens through two local workers, each against mlx-lm: a largest difference (0: identical)."""
 
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.bench import WORKERS, bench_files
+from benchmarks.checkpoints import WORKERS, bench_files
 from benchmarks.measure import bench_prompt
 from benchmarks.probes.batch_invariance import largest_difference
 from coordinator.generate import open_remote_model

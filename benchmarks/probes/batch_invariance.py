@@ -1,16 +1,6 @@
-"""Is a row computed in a batch bit-identical to the same row alone, on this machine's MLX?
-
-Three levels, each compared bit for bit (docs/serving.md):
-- operations: row 0 of a product or attention over a batch of B rows against the same row
-  alone (4-bit and float32 linears, the switch module as a worker runs it, attention with
-  left padding);
-- mlx-lm's own BatchGenerator in one process: each prompt alone against all together;
-- Shoal (two local workers) under the same BatchGenerator: alone and together, each against
-  mlx-lm in one process. Shoal adds no batching error of its own when its results equal
-  mlx-lm's in both cases, whatever the operations do.
-
-    python -m benchmarks.probes.batch_invariance [--quick] [--json] [--tokens T]
-"""
+"""Is a row computed in a batch bit-identical to the same row alone, on this machine's MLX? At
+three levels: operations, mlx-lm's BatchGenerator in one process, and Shoal (two local workers)
+under it, each against mlx-lm (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +15,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
-from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
+from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
+from benchmarks.records import machine
 from coordinator.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret

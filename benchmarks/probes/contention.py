@@ -1,11 +1,6 @@
-"""Does expert compute get faster by running on two cores of this machine?
-
-`python -m benchmarks.probes.contention` takes the worker stores that `shoal bench` built, and times
-decode-shaped requests (one token, four experts, as each of two workers gets with top-8 of
-64) in worker processes: one alone, two at once, and two at once beside a third process that
-keeps a core busy with shared-expert-sized 4-bit matmuls (as the coordinator does while the
-workers compute). No gRPC: only `Residency.compute`, the worker's own code.
-"""
+"""Does expert compute get faster by running on two cores of this machine? Decode-shaped requests
+in worker processes (`Residency.compute`, no gRPC): one alone, two at once, and two beside a
+third process keeping a core busy as the coordinator does."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The coordinator's own cost per decode layer call, with in-process stand-ins for the workers
-(no network, no expert compute): the dispatcher's `send` (group, build, queue the requests)
-and `parse_scatter` (replies into the result) parts, us per call, as `shoal bench`'s breakdown
-names them. Shapes of the bench checkpoint: hidden 1024, top-8 of 64 experts, 2 workers.
-
-    python -m benchmarks.probes.dispatch_parts [--calls N]
-"""
+"""The coordinator's own cost per decode layer call, workers replaced by in-process stand-ins
+(no network, no expert compute): the dispatcher's `send` and `parse_scatter` parts, us per
+call, on the bench checkpoint's shapes."""
 
 from __future__ import annotations
 

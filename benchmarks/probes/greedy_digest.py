@@ -1,10 +1,6 @@
 """mlx-lm in one process on `shoal bench`'s checkpoint, greedy, under the environment it is
-given: the tokens, a digest of every step's logits (their exact bits) and decode tokens/s.
-Run it under two settings and compare the digests to see whether a setting changes any bit:
-
-    MLX_USE_CUDA_GRAPHS=1 python -m benchmarks.probes.greedy_digest
-    MLX_USE_CUDA_GRAPHS=0 python -m benchmarks.probes.greedy_digest
-"""
+given: the tokens, a digest of every step's logits' bits, and decode tokens/s; run it under
+two settings and compare the digests to see whether a setting changes any bit."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from benchmarks.bench import bench_checkpoint
+from benchmarks.checkpoints import bench_checkpoint
 from benchmarks.measure import bench_prompt
 
 

@@ -1,21 +1,6 @@
-"""What moving a small array between host and MLX costs on this machine's backend, one kernel
-around it, us (median): the probe behind `to_gpu_reader` in engine/tensors.py.
-
-- `kernel_on_resident`: `mx.eval(a + 1)` on an array already on the device: the floor.
-- `first_read_of_host_array`: the same on an array just made from host bytes (`mx.array`).
-- `first_read_advised`: the same after `engine.tensors.to_gpu_reader` (CUDA only; on other
-  backends it does nothing and this equals the line above).
-- `host_read_device_output`: `np.asarray` of a kernel's output held in device memory (MLX's
-  CUDA backend moves it to managed memory first), cache cleared before each.
-- `host_read_warm`: the same once MLX's cache holds managed buffers of that size.
-- `make_array`: `mx.array` of host bytes alone (no kernel), and `advise_call`: the
-  `to_gpu_reader` call alone on such an array (what `to_mlx` adds on CUDA).
-- `kernel_after_host_read`: `mx.eval(a + 1)` on a kernel's output that the host has just
-  read (as the dispatcher reads a layer's hidden states before the shared expert computes on
-  them), and `kernel_after_host_read_advised`: the same with `to_gpu_reader` after the read.
-
-    python -m benchmarks.probes.host_arrays [--json]
-"""
+"""What moving a small array between host and MLX costs on this backend, one kernel around it,
+us (median): the probe behind `to_gpu_reader` in engine/tensors.py; each figure's name says
+what it times (`--help`)."""
 
 from __future__ import annotations
 
@@ -84,6 +69,12 @@ def probe(size: int, count: int) -> dict[str, float]:
             to_gpu_reader(y)
         return y
 
+    # kernel_on_resident: the floor; first_read_of_host_array: the same kernel on an array just
+    # made from host bytes; first_read_advised: after to_gpu_reader (CUDA only, else as above);
+    # host_read_device_output: np.asarray of a kernel's output in device memory, cache cleared;
+    # host_read_warm: the same once MLX's cache holds managed buffers of that size;
+    # kernel_after_host_read(_advised): a kernel on an output the host has just read, as the
+    # dispatcher reads a layer's hidden states before the shared expert computes on them.
     return {
         "make_array": median_us(lambda: None, lambda _: mx.array(host), count),
         "advise_call": median_us(lambda: mx.array(host), advise_only, count),

@@ -1,20 +1,6 @@
-"""What moving one MoE layer call's bytes costs, without expert work: the coordinator's
-`WorkerLink`s to real `ExpertServicer`s (TLS, the worker's server options and interceptors)
-whose experts are stand-ins that answer zeros of the right shape at once, against the bare
-gRPC echo (benchmarks/echo.py) of the same sizes and fan-out, median ms per call.
-
-A prompt pass moves megabytes per layer: with the bench checkpoint's shapes, 512 tokens and 2
-workers, 1 MB out and 4 MB back per worker in bfloat16, as a real model's activations travel
-(the bench checkpoint's own are float32, twice that): the part of its round trip that is not
-compute.
-
-`--keep-large-blocks` has glibc's malloc, in every process of the run, serve blocks up to
-32 MB from its heap and keep up to 256 MB of freed heap (`mallopt`), where by default it maps
-every block from 128 KB fresh from the system and unmaps it when freed, so that each page of
-each message's buffers faults on first touch: a trial (docs/benchmarks.md), not what Shoal does.
-
-    python -m benchmarks.probes.link_bytes [--tokens 512] [--keep-large-blocks]
-"""
+"""What moving one MoE layer call's bytes costs without expert work: the coordinator's links to
+real servicers whose experts answer zeros at once, against the bare gRPC echo of the same sizes
+and fan-out, median ms per call."""
 
 from __future__ import annotations
 
@@ -34,9 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench import REPO, wait_for_line
 from benchmarks.echo import round_trips
 from benchmarks.echo import serve as echo_serve
+from benchmarks.records import REPO
+from benchmarks.shoal_runs import wait_for_line
 from coordinator.link import WorkerLink
 from engine.auth import CredentialChecker, ensure_secret, load_secret
 from proto import EXPERT_REPLY, EXPERT_REQUEST, add_expert_service, shoal_pb2

@@ -1,9 +1,6 @@
-"""What constrained decoding costs per step: the time coordinator/server/grammars.py's processor
-takes (llguidance's mask, its unpacking, and the masked logits) on a real tokenizer, over
-answers walked through a JSON Schema grammar. Usage:
-    python -m benchmarks.probes.structured [--model DIR] [--answers N] [--json]
-DIR is a folder with a Hugging Face tokenizer (default: the demo's SmolLM2, 49152 tokens,
-built by `shoal demo`)."""
+"""What constrained decoding costs per step: coordinator/server/grammars.py's processor (mask,
+unpacking, masked logits) on a real tokenizer, over answers walked through a JSON Schema
+grammar."""
 
 from __future__ import annotations
 

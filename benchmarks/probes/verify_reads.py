@@ -1,13 +1,6 @@
-"""What checking every expert read costs: a worker's ReaderPool (reads around the page
-cache, 1 MiB chunks over 4 reader threads) reading one expert-sized file, timed from submit
-to the finished job, with no check, with SHA-256 or CRC-32 computed after the read, and with
-either fed chunk by chunk as the chunks arrive (what the pool does when a job has a digest).
-Also each checksum's raw speed on one core.
-
-    .venv/bin/python benchmarks/probes/verify_reads.py [--sizes 4,16,64] [--repeat 21] [--dir DIR]
-
-DIR (default: a temporary folder) should be on the drive the worker's store is on.
-"""
+"""What checking every expert read costs: a worker's ReaderPool reading one expert-sized file
+with no check, SHA-256 or CRC-32 after the read or fed chunk by chunk, and each checksum's raw
+speed on one core."""
 
 from __future__ import annotations
 
@@ -87,7 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,16,64", help="file sizes in MiB")
     parser.add_argument("--repeat", type=int, default=21)
-    parser.add_argument("--dir", type=Path, help="where to write the test files")
+    parser.add_argument("--dir", type=Path,
+                        help="where to write the test files: on the drive the worker's store "
+                        "is on (default a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         speeds = raw_speeds(os.urandom(8 << 20))

@@ -1,17 +1,6 @@
-"""Which way a decode layer call's wire time goes: the coordinator's write of the request, the
-request's way (from written to the worker's ComputeAnswers holding it), the worker's own time,
-its write of the reply (on the expert lane; 0 on the gRPC stream, which has no hook), and the
-reply's way (to the dispatcher holding it), median us per call and worker, in the real
-cluster (coordinator and 2 local workers, bench checkpoint, 32 decode tokens at a 16-token
-prompt).
-
-The two processes' clocks are one (`time.perf_counter` is the host's monotonic clock), so this
-holds on one machine only. The workers run through this module (`--as-worker`), which times
-their Compute messages where ComputeAnswers sees them and writes the times to a file
-twice a second; the worker's own code is unchanged.
-
-    python -m benchmarks.probes.wire_directions [--quick]
-"""
+"""Which way a decode layer call's wire time goes (the request's way, the worker's own time,
+its write of the reply, the reply's way), median us per call and worker, in a real cluster on
+one machine (one monotonic clock); the workers run through this module (`--as-worker`)."""
 
 from __future__ import annotations
 
@@ -63,7 +52,7 @@ def as_worker(argv: list[str]) -> None:
 
 def run(quick: bool) -> dict:
     import coordinator.link as link
-    from benchmarks.bench import bench_files
+    from benchmarks.checkpoints import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
     from coordinator.generate import open_remote_model
     from coordinator.ops.local_processes import start_workers, stop_workers

@@ -1,14 +1,6 @@
-"""One worker's decode request in process, part by part (no network, no other process): the
-validation, the heat count, building the gathered call's graph (the request's arrays into MLX
-and mlx-lm's switch module), its evaluation, and recording the request. What the worker's
-"bookkeeping" in `shoal bench`'s breakdown is made of, on this machine's backend.
-
-    python -m benchmarks.probes.worker_parts [--quick] [--requests N] [--gap US]
-
-With --gap the worker idles that long before each timed request, as in a cluster, where it
-waits for the coordinator's next layer between requests: what an idle gap costs the parts
-that follow it (cold caches, a sleeping core) shows against a run without.
-"""
+"""One worker's decode request in process, part by part (validate, count, build the gathered
+call, evaluate, record): what the worker's "bookkeeping" in `shoal bench`'s breakdown is made
+of on this backend; `--gap` idles before each request, as in a cluster."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench import bench_checkpoint
+from benchmarks.checkpoints import bench_checkpoint
 from engine import tensors
 from engine.process import launch_directly
 from engine.tensors import mlx_dtype, to_mlx

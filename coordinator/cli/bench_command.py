@@ -1,6 +1,5 @@
-"""`shoal bench`: Shoal against mlx-lm and bare echoes. The harness, benchmarks/bench.py, is
-not part of the installed package: it is loaded from the Shoal checkout this command runs
-from, when the command runs."""
+"""`shoal bench`: Shoal against mlx-lm and bare echoes, and `--report`, the docs' figures
+rendered from the records; the harness (benchmarks/) is loaded from the checkout it runs in."""
 
 from __future__ import annotations
 
@@ -43,29 +42,36 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--decode-tokens", type=int, metavar="N",
                    help="tokens generated per timed run (default 32)")
     transport_options(p)
-    p.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    p.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    p.add_argument("--report", action="store_true",
+                   help="measure nothing: render docs/benchmarks.md's figures from the newest "
+                   "records in the results folder (docs/measurements/, or $SHOAL_RESULTS)")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="draw decode speed against prompt length (needs matplotlib)")
     p.set_defaults(main=main)
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.report:
+        print(f"rendered {load_harness('benchmarks.figures').render_docs()}")
+        return
     launch_directly()  # before the harness's first kernel: its workers' runs evaluate per layer
     harness = load_harness()
-    report = harness.run(quick=args.quick, plot=args.plot, network=args.network,
+    record = harness.run(quick=args.quick, plot=args.plot, network=args.network,
                          runs=args.runs, long_runs=args.long_runs,
                          decode_tokens=args.decode_tokens, transport=transport_of(args))
-    print(json.dumps(report, indent=1) if args.json else harness.table(report))
+    load_harness("benchmarks.records").save(record)
+    print(json.dumps(record, indent=1) if args.json else harness.table(record))
 
 
-def load_harness() -> ModuleType:
+def load_harness(name: str = HARNESS) -> ModuleType:
     """benchmarks/bench.py: importable where the checkout is on the path (tests, `python -m`),
     else found beside the checkout's `coordinator/` (an editable install maps only the
     product's packages); an installed wheel has no benchmarks at all."""
     try:
-        return importlib.import_module(HARNESS)
+        return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", HARNESS):
+        if e.name not in ("benchmarks", name):
             raise
     checkout = Path(__file__).resolve().parents[2]  # the folder that holds coordinator/
     if not (checkout / "benchmarks" / "bench.py").is_file():
@@ -73,4 +79,4 @@ def load_harness() -> ModuleType:
                        "installed with the package. Clone the repository, run "
                        "scripts/setup.sh there, and run that checkout's .venv/bin/shoal bench")
     sys.path.insert(0, str(checkout))
-    return importlib.import_module(HARNESS)
+    return importlib.import_module(name)

@@ -1,7 +1,6 @@
-"""`shoal cache-prompt`: a long prompt's KV cache computed once on the cluster and written to
-a file that `shoal generate --prompt-cache-file` (or mlx-lm's generate) continues from, as
-mlx-lm's cache_prompt command does (the file format and its handling: coordinator/
-prompt_cache_file.py)."""
+"""`shoal cache-prompt`: a long prompt's KV cache computed once on the cluster and written to a
+file that `shoal generate --prompt-cache-file` (or mlx-lm's generate) continues from, as
+mlx-lm's cache_prompt does (the file: coordinator/prompt_cache_file.py)."""
 
 from __future__ import annotations
 

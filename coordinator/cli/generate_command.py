@@ -1,7 +1,6 @@
-"""`shoal generate`: one prompt through the sharded model, text streamed to stdout as it comes;
-with --stats or --json, a report of the run. The model and its loop are coordinator/generate.py,
-the report's shape coordinator/report.py; this module picks the workers and records the run's
-heat however it ends."""
+"""`shoal generate`: one prompt through the sharded model, text streamed as it comes, with
+--stats or --json a report (model and loop: coordinator/generate.py; the report's shape:
+coordinator/report.py); this module picks the workers and records the run's heat."""
 
 from __future__ import annotations
 

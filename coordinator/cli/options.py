@@ -1,7 +1,6 @@
-"""The options several commands share, and what they mean: where the workers come from
-(--workers, or --cluster / --cluster-config with --interface and --wait), the experts the
-coordinator serves itself (--local-store, --memory-budget), the cluster secret
-(--secret-file) and mlx-lm's KV-cache quantization (--kv-bits)."""
+"""The options several commands share: where the workers come from (--workers, --cluster,
+--cluster-config, --interface, --wait), the coordinator's own experts (--local-store,
+--memory-budget), the cluster secret (--secret-file) and mlx-lm's KV-cache bits (--kv-bits)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The `shoal` command: gathers the subcommands of coordinator/cli/ (one `*_command.py` each,
-which owns its arguments and what it does with them), and runs the one asked for.
-
-Expected failures (ShoalError) and unexpected I/O errors (OSError: the path and the problem)
-are printed as one line without a traceback, exit status 2.
-"""
+"""The `shoal` command: gathers the subcommands of coordinator/cli/ (one `*_command.py` each)
+and runs the one asked for; expected failures (ShoalError) and I/O errors (OSError) print as
+one line without a traceback, exit status 2."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""`shoal doctor`: what this machine and its cluster look like to Shoal, each finding with a
-verdict.
-
-Every finding is a `Check` (plain data). Each `check_*` function does one piece of I/O, or
-none, and returns Checks; the command prints them and exits 1 when any failed. The cluster
-part reuses the membership (discovery, health checks, handshakes) that `shoal generate` uses,
-so doctor sees the workers exactly as a run would.
-"""
+"""`shoal doctor`: what this machine and its cluster look like to Shoal, each finding (`Check`,
+plain data) with a verdict; the cluster part reuses the membership `shoal generate` uses, so
+doctor sees the workers exactly as a run would."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Checkpoints from the Hugging Face Hub: a repository id read from the local cache, and
-`shoal pull` downloading one into it with huggingface_hub (resumable, with progress).
-
-Everything else in Shoal reads local files only (the `shoal` command sets HF_HUB_OFFLINE for
-the others); this is the one place that reaches a model hub, and only when asked to.
-"""
+"""Checkpoints from the Hugging Face Hub: a repository id read from the local cache, and `shoal
+pull` downloading one with huggingface_hub; the one place that reaches a hub (every other
+command runs with HF_HUB_OFFLINE)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Running a migration plan's steps against live workers over gRPC: the coordinator's side
-of worker/transfer.py.
-
-Copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
-the expert) and verified by the receiver before it serves them; a copy is drained, then
-deleted, only once another worker serves a verified one, and right before a deletion the copy
-kept is hashed again on its worker's disk, so a copy that rotted since its worker started is
-caught (reported, no longer served there) and the one about to be deleted is kept instead.
-What to do is decided in engine/migration.py and engine/rebalance_plan.py; this module only
-talks to the workers.
-"""
+"""Running a migration plan's steps against live workers over gRPC, the coordinator's side of
+worker/transfer.py; what to do is decided in engine/migration.py and engine/rebalance_plan.py,
+this module only talks to the workers."""
 
 from __future__ import annotations
 
@@ -52,6 +44,11 @@ class _SourceFailed(Exception):
     pass
 
 
+# Copies are streamed in chunks (from this machine's files, or relayed from a worker that holds
+# the expert) and verified by the receiver before it serves them; a copy is drained, then
+# deleted, only once another worker serves a verified one, and right before a deletion the copy
+# kept is hashed again on its worker's disk, so a copy that rotted since its worker started is
+# caught and the one about to be deleted is kept instead.
 class Executor:
     """Runs a plan's steps against live workers (their links, by the names the plan uses),
     one at a time, in order."""

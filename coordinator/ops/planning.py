@@ -1,8 +1,6 @@
-"""`shoal plan`: the placement planner as a what-if tool: its sizes and workers read from the
-command line, and its answer (coordinator/report.py: plan_report) shown.
-
-Its exit status is the verdict, so scripts can ask "does this model fit these Macs?".
-"""
+"""`shoal plan`: the placement planner as a what-if tool, sizes and workers read from the
+command line and its answer shown; its exit status is the verdict, so scripts can ask "does
+this model fit these Macs?"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """`shoal deploy` and `shoal rebalance`: decide where experts should be, then move the files
-there step by step while the cluster keeps serving.
-
-Observe, plan, then execute: `observe` asks the live workers what each serves and drains, its
-memory budget and free disk; engine/rebalance_plan.py's `propose` plans, as pure functions
-over that, both the placement and the steps that reach it; coordinator/ops/migration_executor.py's
-`Executor` runs the steps. The target is kept in OUT_DIR/migration.json until it is reached,
-so a run stopped at any step (a killed worker, a full disk, Ctrl-C, rot) is finished by
-running the command again: the steps are derived anew from what the workers then hold, and a
-partly sent file resumes where it stopped.
-"""
+there step by step while the cluster keeps serving (observe, plan in engine/rebalance_plan.py,
+execute with migration_executor.Executor)."""
 
 from __future__ import annotations
 
@@ -27,6 +19,9 @@ from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, w
 from engine.rebalance_plan import MIN_GAIN, LiveWorker, Proposal, propose, state_of
 from proto import CHUNK_BYTES, shoal_pb2
 
+# The target is kept in OUT_DIR/migration.json until it is reached, so a run stopped at any
+# step (a killed worker, a full disk, Ctrl-C, rot) is finished by running the command again:
+# the steps are derived anew from what the workers then hold, and a partly sent file resumes.
 MIGRATION_FILE = "migration.json"
 
 

@@ -1,8 +1,5 @@
-"""Reading the workers' cache, prefetch and drive counters (the `GetStats` RPC).
-
-`shoal generate --stats` reads every worker before and after a run and reports the
-difference; `shoal workers --stats` shows one reading (coordinator/report.py words both).
-"""
+"""Reading the workers' cache, prefetch and drive counters (the `GetStats` RPC): `shoal generate
+--stats` reports the difference across a run, `shoal workers --stats` one reading."""
 
 from __future__ import annotations
 

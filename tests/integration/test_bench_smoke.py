@@ -1,4 +1,4 @@
-"""`shoal bench --quick` runs every system end to end and prints well-formed JSON.
+"""`shoal bench --quick` runs every system end to end and prints and writes its record.
 
 It checks the harness, not the speed: speed is read from the printed figures (docs/benchmarks.md).
 """
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.records import load
 from coordinator.report import BREAKDOWN_PARTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,10 +28,19 @@ def test_bench_quick_prints_a_complete_report(tmp_path, network):
         [sys.executable, "-m", "coordinator.cli", "bench", "--quick", "--json", "--network",
          network],
         capture_output=True, text=True, timeout=600, cwd=REPO,
-        env={**os.environ, "SHOAL_CACHE": str(tmp_path / "cache")},
+        env={**os.environ, "SHOAL_CACHE": str(tmp_path / "cache"),
+             "SHOAL_RESULTS": str(tmp_path / "results")},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout)
+    record = json.loads(run.stdout)
+    # the printed record is the one written to the results folder, and a record the docs read
+    written = list((tmp_path / "results").glob("*.json"))
+    assert [load(p) for p in written] == [record]
+    assert record["what"] == ("bench-quick" if network == "loopback" else
+                              "bench-quick-thunderbolt")
+    assert record["commit"] and record["machine"]["label"] == "cpu"
+    report = {**record["figures"], **record["baselines"], **record["ratios"],
+              "settings": record["settings"]}
     for key in RATIOS:
         assert key in report
     for system in ("shoal", "shoal_one_mac_all_local", "shoal_one_local_one_remote",

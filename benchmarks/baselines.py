@@ -1,0 +1,99 @@
+"""mlx-lm's baselines, each in processes of its own: one process, and its own two-process
+tensor- and pipeline-parallel generation (mlx.launch, ring backend, loopback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.checkpoints import FULL
+from benchmarks.measure import decode_and_prefill
+from benchmarks.records import REPO
+from engine.errors import ShoalError
+from engine.process import environment_as_given
+
+
+def baseline_env() -> dict[str, str]:
+    """mlx-lm's baselines run as the user would run mlx-lm: without the launch setting Shoal
+    gives its own processes (engine/process.py), with this checkout importable."""
+    env = environment_as_given()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def baseline_figures(what: str, command: Callable[[Path], list[str]]) -> dict:
+    """Run an mlx-lm baseline in processes of its own, `command(out)` writing its figures as
+    JSON to `out`; the figures, or {"error": ...} naming `what` with the output's tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        run = subprocess.run(command(out), capture_output=True, text=True, timeout=1800,
+                             cwd=REPO, env=baseline_env())
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stdout + run.stderr).strip()[-800:]
+            return {"error": f"{what} failed with {run.returncode}: {tail}"}
+        return json.loads(out.read_text())
+
+
+def measure_single(source: Path, settings: dict) -> dict:
+    """mlx-lm in one process, a process of its own (MLX reads its CUDA launch setting once per
+    process, and this one runs Shoal's coordinator with Shoal's)."""
+    figures = baseline_figures("mlx-lm in one process", lambda out: [
+        sys.executable, "-m", "benchmarks.baselines", "--single", str(source),
+        "--settings", json.dumps(settings), "--out", str(out)])
+    if "error" in figures:  # every ratio is taken against it
+        raise ShoalError(figures["error"])
+    return figures
+
+
+def measure_single_here(source: Path, settings: dict) -> dict:
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(source)
+    tokenizer = load_tokenizer(source)
+    return decode_and_prefill(model, tokenizer, config["vocab_size"],
+                              lengths=settings["lengths"],
+                              decode_tokens=settings["decode_tokens"], runs=settings["runs"],
+                              long_runs=settings["long_runs"])
+
+
+def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
+    """mlx-lm's own generation over mx.distributed: 2 ranks, ring backend on loopback."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    return baseline_figures(f"mlx.launch ({mode})", lambda out: [
+        str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable,
+        str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
+        "--mode", mode, "--out", str(out),
+        "--prompt-lengths", ",".join(map(str, settings["lengths"])),
+        "--decode-tokens", str(settings["decode_tokens"]), "--runs", str(settings["runs"]),
+        "--long-runs", str(settings["long_runs"])])
+
+
+def main() -> None:
+    """`python -m benchmarks.baselines --single SOURCE [--settings JSON] [--out FILE]`: mlx-lm's
+    one-process figures, as `measure_single` runs them in a process of its own."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.baselines",
+        description="mlx-lm's decode and prefill figures in this process (shoal bench runs "
+                    "the whole comparison)")
+    parser.add_argument("--single", type=Path, required=True, metavar="SOURCE",
+                        help="the checkpoint, as mlx-lm loads it")
+    parser.add_argument("--settings", type=json.loads, default=FULL, metavar="JSON",
+                        help="lengths, decode_tokens, runs and long_runs (default: the full "
+                             "bench's)")
+    parser.add_argument("--out", type=Path, help="write the figures here (default: print)")
+    args = parser.parse_args()
+    figures = json.dumps(measure_single_here(args.single, args.settings))
+    if args.out is None:
+        print(figures)
+    else:
+        args.out.write_text(figures)
+
+
+if __name__ == "__main__":
+    main()
