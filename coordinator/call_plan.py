@@ -16,14 +16,12 @@ from engine.tensors import to_mlx
 
 LARGE_CALL = 64  # (token, expert) pairs from which a call's time is mostly per pair
 # A worker's share of a prompt pass goes as pieces of about this many pairs, which it computes
-# one after the other while the next arrives and the last's reply leaves (the size was chosen
-# by measurement: docs/benchmarks.md, "Prompt passes in pieces"). The bits are the same: the
-# worker pads and sorts by the whole call's pair count, and each pair's output does not depend
-# on its call (checked on CUDA, and in the tests).
+# one after the other while the next arrives and the last's reply leaves (the size chosen by
+# measurement; git keeps the report). The bits are the same: the worker pads and sorts by the
+# whole call's pair count, and each pair's output does not depend on its call (in the tests).
 PIECE_PAIRS = 512
 # and those pieces are dealt over this many channels per worker, each a connection of its own,
-# so that their transfers overlap (docs/benchmarks.md, "A prompt pass's pieces over several
-# connections").
+# so that their transfers overlap.
 CHANNELS = 4
 
 

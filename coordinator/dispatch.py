@@ -329,7 +329,7 @@ class SharedAhead(nn.Module):
             return
         y = self.inner(x)
         # Started, not waited for: the device computes it while this thread goes on to read
-        # the replies (docs/benchmarks.md, "Figures behind choices in the code").
+        # the replies.
         mx.async_eval(y)
         self._ahead = (x, y)
 
