@@ -23,7 +23,7 @@ from benchmarks.records import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-H200_BENCH = "h200-bench-closing.json"
+H200_BENCH = "h200-bench-"  # every `shoal bench` record of the H200 machine
 
 
 def test_the_page_is_what_the_records_render():
@@ -37,7 +37,7 @@ def test_the_page_stays_a_reference_of_at_most_400_lines():
 
 def test_a_figure_whose_record_is_missing_fails(tmp_path):
     for path in RESULTS.iterdir():
-        if path.name != H200_BENCH:
+        if not path.name.startswith(H200_BENCH):
             shutil.copy(path, tmp_path)
     with pytest.raises(MissingFigure, match="'bench' on 'h200'"):
         render(DOC.read_text(), newest(tmp_path))
