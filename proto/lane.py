@@ -19,6 +19,7 @@ import ssl
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -143,12 +144,14 @@ def _read_into(sock: socket.socket, view: memoryview, deadline: float | None = N
 
 
 def read_frame(sock: socket.socket, limits: dict[int, int], *, idle: float | None = None,
-               within: float | None = None) -> tuple[int, bytearray]:
+               within: float | None = None,
+               begun: Callable[[], None] | None = None) -> tuple[int, bytearray]:
     """The next frame's kind and payload. `limits` gives the largest payload accepted for each
     kind expected here; any other kind, or a larger payload, is refused before its body is
     read (InvalidInput). With `idle`, a frame that has not begun within `idle` seconds
     raises LaneTimeout, and so does one begun but not complete within `within` seconds
-    (the socket's timeout is changed); without, the socket's own timeout applies."""
+    (the socket's timeout is changed); without, the socket's own timeout applies. `begun` is
+    called once the frame's first bytes are in (with `idle` only)."""
     header = bytearray(HEADER.size)
     view = memoryview(header)
     deadline = None
@@ -162,6 +165,8 @@ def read_frame(sock: socket.socket, limits: dict[int, int], *, idle: float | Non
             raise LaneClosed("the lane was closed")
         view = view[count:]
         deadline = time.monotonic() + (within if within is not None else idle)
+        if begun is not None:
+            begun()
     _read_into(sock, view, deadline)
     size, kind = HEADER.unpack(header)
     if kind not in limits:

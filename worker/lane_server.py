@@ -309,7 +309,7 @@ class LaneServer:
                 with self._lock:
                     self._lanes[host] -= 1
         except LaneTimeout as e:
-            self._say("timeout", f"expert lane: closing a lane from {host}: {e}")
+            self._say(f"timeout {e}", f"expert lane: closing a lane from {host}: {e}")
         except (OSError, ShoalError):
             pass  # a handshake that failed, a peer that left: nothing to answer
         finally:
@@ -320,6 +320,13 @@ class LaneServer:
         too long, or a request is refused (its ERROR frame ends the lane, as an abort ends a
         gRPC stream)."""
         answers, spin = self._answers, self.spin
+
+        def begun() -> None:  # a request is arriving: a stop lets it be answered
+            with self._lock:
+                if held.shut:
+                    raise LaneClosed("the worker is stopping")
+                held.busy = True
+
         while True:
             with self._lock:
                 held.busy = False
@@ -329,11 +336,7 @@ class LaneServer:
                 watch(lane, spin)
             try:
                 _, data = read_frame(lane, {MESSAGE: REQUEST_LIMIT}, idle=self.idle_seconds,
-                                     within=self.message_seconds)
-                with self._lock:
-                    if held.shut:  # a stop came while it arrived
-                        return
-                    held.busy = True
+                                     within=self.message_seconds, begun=begun)
                 lane.settimeout(self.message_seconds)  # for the reply: a reader that stopped
                 reply = answers.answer(data)
             except LaneTimeout:
