@@ -137,6 +137,8 @@ def _read_into(sock: socket.socket, view: memoryview, deadline: float | None = N
         try:
             count = sock.recv_into(view)
         except TimeoutError:
+            if deadline is None:  # the socket's own timeout: the caller's to word
+                raise
             raise LaneTimeout("a lane frame did not arrive in full in time") from None
         if count == 0:
             raise LaneClosed("the lane was closed")

@@ -31,6 +31,7 @@ from engine.process import launch_directly, raise_file_limit
 from engine.store_lock import hold_for_serving
 from engine.tls import Identity
 from proto import (
+    HANDSHAKE_SECONDS,
     PROTOCOL_VERSION,
     SERVER_OPTIONS,
     SERVICE,
@@ -39,6 +40,7 @@ from proto import (
 )
 from proto.lane import server_context
 from worker.advertise import Advertiser, load_node_id, node_id_path
+from worker.grpc_gate import Gate
 from worker.interceptors import AuthInterceptor, BoundedErrors, PeerLimit
 from worker.lane_server import LaneServer
 from worker.options import check_args, parse_args
@@ -75,44 +77,65 @@ def choose_budget(memory_budget: str | None, expert_bytes: int) -> tuple[int, st
 
 def connection_cap(file_limit: int) -> int:
     """Connections the gRPC port holds at once, all peers together, in a process that may
-    open `file_limit` files: FILES_SPARE fewer, or half of a limit under twice that; 0 (no
-    cap) where the limit is not known."""
-    return max(file_limit - FILES_SPARE, file_limit // 2)
+    open `file_limit` files: each takes three (the client's, the relay's and gRPC's end of
+    it), out of FILES_SPARE fewer, or half of a limit under twice that; 0 (no cap) where the
+    limit is not known."""
+    return max(file_limit - FILES_SPARE, file_limit // 2) // 3
+
+
+class GatedServer:
+    """The gRPC server behind its front door (worker/grpc_gate.py): what grpc.Server does,
+    with the door opened at start and closed to new connections at stop."""
+
+    def __init__(self, server: grpc.Server, gate: Gate, upstream: int) -> None:
+        self.server, self.gate, self._upstream = server, gate, upstream
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
+
+    def start(self) -> None:
+        self.server.start()
+        self.gate.start(("127.0.0.1", self._upstream))
+
+    def stop(self, grace: float | None) -> threading.Event:
+        self.gate.stop_accepting()
+        return self.server.stop(grace)
 
 
 def bind(
     host: str, port: int, executor: futures.Executor, checker: CredentialChecker,
     identity: Identity, max_connections: int = 0,
-) -> tuple[grpc.Server, int]:
+) -> tuple[GatedServer, int]:
     """A gRPC server that owns host:port alone, bound before any expert is loaded, serving
     TLS only (docs/security.md), holding at most `max_connections` connections (0: no cap).
 
-    gRPC sets SO_REUSEPORT by default, so a second worker on a taken port would start
-    silently and the kernel would deal connections out to both: turned off here. Beyond the
-    cap gRPC closes a new connection at once: a flood of connections that never finish their
-    handshake keeps the process off its file limit, where it could open no expert file and
-    gRPC's accept loop would log every second (grpcio has no cap per peer address).
+    The port is its front door's (worker/grpc_gate.py), which caps the connections still in
+    their handshake per source address; gRPC itself listens on a loopback port, with
+    SO_REUSEPORT off (gRPC's default would let a second server share it) and the same cap
+    in all: beyond it a new connection is closed at once, so that a flood keeps the process
+    off its file limit, where it could open no expert file.
     """
+    log = lambda m: print(f"shoal-worker: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    gate = Gate(host, port, proving=HANDSHAKE_SECONDS + 1, max_connections=max_connections,
+                log=log)
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 0)]
     if max_connections:
         options.append(("grpc.max_allowed_incoming_connections", max_connections))
     server = grpc.server(
         executor,
-        interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit(checker)],
+        interceptors=[BoundedErrors(), AuthInterceptor(checker),
+                      PeerLimit(checker, gate=gate)],
         options=options,
         maximum_concurrent_rpcs=MAX_CALLS,
     )
     try:
-        bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+        upstream = server.add_secure_port("127.0.0.1:0", server_credentials(identity))
     except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise ShoalError(
-            f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
-            "another program: `lsof -i :PORT` names it) or not an address of this host; "
-            "give another --port"
-        )
-    return server, bound
+        upstream = 0
+    if upstream == 0:
+        raise ShoalError("cannot listen on a loopback port for the gRPC server behind "
+                         f"{host}:{port}")
+    return GatedServer(server, gate, upstream), gate.port
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -213,7 +236,7 @@ def open_residency(
 
 
 def run(
-    args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
+    args: argparse.Namespace, server: GatedServer, port: int, residency: Residency,
     addresses: list[str], checker: CredentialChecker, lane: LaneServer | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""

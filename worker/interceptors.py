@@ -15,6 +15,7 @@ import grpc
 from engine.auth import HEALTH_CHECK, METADATA_KEY, CredentialChecker
 from engine.errors import MAX_MESSAGE, Unauthenticated, clip
 from proto import HANDLER_KINDS
+from worker.grpc_gate import Gate
 
 # Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
 # (no more than the Bonjour advert does), and it keeps "alive but holding another secret"
@@ -99,8 +100,9 @@ class PeerLimit(grpc.ServerInterceptor):
     liveness check has a small count of its own, and a deadline for its request."""
 
     def __init__(self, checker: CredentialChecker | None = None,
-                 limit: int = MAX_CALLS_PER_PEER) -> None:
+                 limit: int = MAX_CALLS_PER_PEER, gate: Gate | None = None) -> None:
         self.checker = checker
+        self.gate = gate  # the front door, which relays every connection
         self.limit = limit
         self._calls: dict[tuple[str, bool], int] = {}  # (host, liveness check?) -> calls
         self._lock = threading.Lock()
@@ -108,7 +110,10 @@ class PeerLimit(grpc.ServerInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, *, check: bool = False) -> Iterator[None]:
-        key = (context.peer().rsplit(":", 1)[0], check)
+        peer = context.peer()
+        if self.gate is not None:
+            self.gate.called(peer)
+        key = (self.gate.host_of(peer) if self.gate else peer.rsplit(":", 1)[0], check)
         limit = CHECKS_PER_PEER if check else self.limit
         with self._lock:
             count = self._calls.get(key, 0)
