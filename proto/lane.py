@@ -127,6 +127,10 @@ class LaneTimeout(LaneClosed):
     """A lane frame that did not come, or not in full, within its time (read_frame)."""
 
 
+class LaneIdle(LaneTimeout):
+    """No frame began within the idle time (read_frame): nothing was lost."""
+
+
 def _read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     while view:
         if deadline is not None:
@@ -151,7 +155,7 @@ def read_frame(sock: socket.socket, limits: dict[int, int], *, idle: float | Non
     """The next frame's kind and payload. `limits` gives the largest payload accepted for each
     kind expected here; any other kind, or a larger payload, is refused before its body is
     read (InvalidInput). With `idle`, a frame that has not begun within `idle` seconds
-    raises LaneTimeout, and so does one begun but not complete within `within` seconds
+    raises LaneIdle, and LaneTimeout does one begun but not complete within `within` seconds
     (the socket's timeout is changed); without, the socket's own timeout applies. `begun` is
     called once the frame's first bytes are in (with `idle` only)."""
     header = bytearray(HEADER.size)
@@ -162,7 +166,7 @@ def read_frame(sock: socket.socket, limits: dict[int, int], *, idle: float | Non
         try:
             count = sock.recv_into(view)
         except TimeoutError:
-            raise LaneTimeout(f"the lane was idle for {idle:g} s") from None
+            raise LaneIdle(f"the lane was idle for {idle:g} s") from None
         if count == 0:
             raise LaneClosed("the lane was closed")
         view = view[count:]

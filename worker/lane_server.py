@@ -25,6 +25,7 @@ from proto.lane import (
     MESSAGE,
     READY,
     LaneClosed,
+    LaneIdle,
     LaneTimeout,
     keep_alive,
     read_frame,
@@ -41,7 +42,10 @@ MAX_OPENING_PER_HOST = 8  # connections not yet past their credential, from one 
 MAX_OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
 MAX_LANES_PER_HOST = 16  # a coordinator opens one per worker, four in a prompt pass
 MAX_LANES = 64
-IDLE_SECONDS = 300.0  # a lane with no request for this long is closed (--lane-idle-seconds)
+IDLE_SECONDS = 300.0  # a lane with no request for this long is closed (--lane-idle-seconds),
+# unless it is one of the host's KEEP_IDLE lanes used last: a coordinator holds one a worker
+# (four in a prompt pass) and would see its idle lane closed only at its next request
+KEEP_IDLE = 4
 MESSAGE_SECONDS = 30.0  # a request, once begun, must be in within this (--lane-message-seconds)
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
 
@@ -124,6 +128,7 @@ class _Held:
         self.sock = sock
         self.busy = False
         self.shut = False
+        self.counted = False  # among its host's lanes (past its credential, not closing)
 
     def shutdown(self) -> None:
         """Wake its thread, wherever it waits (handshake, credential, request)."""
@@ -304,10 +309,12 @@ class LaneServer:
                 return
             try:
                 write_frame(lane, READY, b"")
-                self._answer(held, lane)
+                held.counted = True
+                self._answer(held, lane, host)
             finally:
                 with self._lock:
-                    self._lanes[host] -= 1
+                    if held.counted:
+                        self._lanes[host] -= 1
         except LaneTimeout as e:
             self._say(f"timeout {e}", f"expert lane: closing a lane from {host}: {e}")
         except (OSError, ShoalError):
@@ -315,7 +322,7 @@ class LaneServer:
         finally:
             self._forget(held, host)
 
-    def _answer(self, held: _Held, lane: ssl.SSLSocket) -> None:
+    def _answer(self, held: _Held, lane: ssl.SSLSocket, host: str) -> None:
         """Requests in, replies out, in order, until the coordinator closes the lane, it idles
         too long, or a request is refused (its ERROR frame ends the lane, as an abort ends a
         gRPC stream)."""
@@ -339,6 +346,13 @@ class LaneServer:
                                      within=self.message_seconds, begun=begun)
                 lane.settimeout(self.message_seconds)  # for the reply: a reader that stopped
                 reply = answers.answer(data)
+            except LaneIdle:
+                with self._lock:  # idle lanes time out longest-idle first
+                    if self._lanes[host] <= KEEP_IDLE:
+                        continue
+                    self._lanes[host] -= 1  # closing: the next one to time out may stay
+                    held.counted = False
+                raise
             except LaneTimeout:
                 raise
             except LaneClosed:

@@ -15,11 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.generate import open_remote_model
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard
 from proto import EXPERT_REPLY, REQUEST_LIMIT
 from proto import lane as wire
+from tests.integration.test_equivalence import PROMPT, greedy_tokens
 from tests.integration.test_lane import (
     REPLIES,
     answer_of,
@@ -28,6 +30,7 @@ from tests.integration.test_lane import (
     ready_lane,
     request_bytes,
 )
+from worker.lane_server import KEEP_IDLE
 
 REPO = Path(__file__).resolve().parents[2]
 BARE_LANES = 200  # per worker, each computing one request
@@ -161,7 +164,8 @@ def test_announced_lane_bodies_cost_memory_only_as_they_arrive_and_idle_lanes_ar
 ):
     """Four lanes announce a 256 MiB request and send 5 bytes of it: the worker's memory
     barely moves, and each is closed at the message deadline. Sixteen idle lanes, the most one
-    host may hold, are closed at the idle timeout, after which the host is served again."""
+    host may hold, are closed at the idle timeout but for the last KEEP_IDLE, and the host is
+    served again."""
     worker = start_worker([sharded / "worker-0"], "--no-advertise", "--lane-idle-seconds", "4",
                           "--lane-message-seconds", "3")
     secret = load_secret(secret_file)
@@ -182,10 +186,14 @@ def test_announced_lane_bodies_cost_memory_only_as_they_arrive_and_idle_lanes_ar
         idle = [ready_lane(host, port, secret, link.node_id) for _ in range(16)]
         opened = time.monotonic()
         refused = ready_or_error(host, port, secret, link.node_id)  # the host's cap is full
-        for sock in idle:
+        for sock in idle[:-KEEP_IDLE]:  # the longest idle first
             sock.settimeout(15)
             assert answer_of(sock) == b""
         idle_closed = time.monotonic() - opened
+        for sock in idle[-KEEP_IDLE:]:  # a coordinator's own lane stays open
+            sock.settimeout(2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
         compute_on_a_new_lane(worker, link, manifest, secret, 2)  # served again
     finally:
         link.close()
@@ -235,3 +243,19 @@ def test_a_stopped_worker_answers_the_request_arriving_and_closes_idle_lanes_at_
         link.close()
     assert idle_closed < 2, idle_closed
     assert code == 0, worker.output()[-2000:]
+
+
+def test_a_coordinator_whose_idle_lanes_were_closed_generates_again(
+    sharded, start_worker, secret_file
+):
+    """The idle timeout spares a host's KEEP_IDLE lanes used last: a coordinator would see its
+    idle lane closed only at its next request, and fail it."""
+    workers = [start_worker([sharded / f"worker-{i}"], "--no-advertise", "--lane-idle-seconds",
+                            "2") for i in (0, 1)]
+    remote = open_remote_model(sharded, [w.address for w in workers], load_secret(secret_file))
+    try:
+        first = greedy_tokens(remote.model, PROMPT, 6)
+        time.sleep(3.5)
+        assert greedy_tokens(remote.model, PROMPT, 6) == first
+    finally:
+        remote.close()
