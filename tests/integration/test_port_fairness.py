@@ -58,8 +58,9 @@ def start_limited_worker(host: Host, store: Path, secret: Path, log: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "slowloris"])  # never a byte; bytes that reach gRPC
 def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succeeding(
-    hosts, processes, tiny_checkpoint, secret_file, tmp_path  # noqa: F811
+    mode, hosts, processes, tiny_checkpoint, secret_file, tmp_path  # noqa: F811
 ):
     sharded = tmp_path / "sharded"
     shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
@@ -70,7 +71,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
     flood = subprocess.Popen(
         [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
          worker_host.address, str(PORT), "--sockets", str(FLOOD_SOCKETS), "--source",
-         flooder.address, "--mode", "idle", "--seconds", str(FLOOD_SECONDS), "--rate",
+         flooder.address, "--mode", mode, "--seconds", str(FLOOD_SECONDS), "--rate",
          str(FLOOD_RATE)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         first = flood.stdout.readline()
@@ -88,7 +89,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
             flood.kill()
             flood.wait(10)
     handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
-    print(json.dumps({"handshakes": handshakes, "flood": flood_report,
+    print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
                       "flood_reconnects_per_second":
                           flood_report["opened"] / FLOOD_SECONDS,
                       "worker_rss_mb": [rss_before, rss_flooded]}))
