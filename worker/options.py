@@ -152,11 +152,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ShoalError(f"--lane-port must be 0-65535, got {args.lane_port}")
     if not 0 <= args.spin_us <= 100_000:
         raise ShoalError(f"--spin-us must be 0-100000, got {args.spin_us:g}")
-    for name in ("lane_idle_seconds", "lane_message_seconds", "drain_seconds"):
+    for name, least in (("lane_idle_seconds", 0.1), ("lane_message_seconds", 0.1),
+                        ("drain_seconds", 0.0)):
         value = getattr(args, name)
-        if not 0 <= value <= 86400 or (value == 0 and name != "drain_seconds"):
-            raise ShoalError(f"--{name.replace('_', '-')} must be over 0 and at most 86400, "
-                             f"got {value:g}")
+        if not least <= value <= 86400:
+            raise ShoalError(f"--{name.replace('_', '-')} must be {least:g}-86400, got "
+                             f"{value:g}")
     if args.lane_port is not None and args.no_lane:
         raise ShoalError("--lane-port and --no-lane contradict each other: give one")
     if args.memory_budget:
