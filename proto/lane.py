@@ -10,6 +10,7 @@ import ssl
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -113,29 +114,76 @@ def write_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> Non
     write_frame(sock, ERROR, bytes([code.value[0]]) + text)
 
 
-def _read_into(sock: socket.socket, view: memoryview) -> None:
+# A body is read into a buffer that grows as its bytes arrive, from this size up, so that a
+# header announcing a large message costs no memory until the message comes.
+_FIRST_BUFFER = 1 << 20
+
+
+class LaneTimeout(LaneClosed):
+    """A lane frame that did not come, or not in full, within its time (read_frame)."""
+
+
+class LaneIdle(LaneTimeout):
+    """No frame began within the idle time (read_frame): nothing was lost."""
+
+
+def _read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     while view:
-        count = sock.recv_into(view)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaneTimeout("a lane frame did not arrive in full in time")
+            sock.settimeout(left)
+        try:
+            count = sock.recv_into(view)
+        except TimeoutError:
+            if deadline is None:  # the socket's own timeout: the caller's to word
+                raise
+            raise LaneTimeout("a lane frame did not arrive in full in time") from None
         if count == 0:
             raise LaneClosed("the lane was closed")
         view = view[count:]
 
 
-def read_frame(sock: socket.socket, limits: dict[int, int]) -> tuple[int, bytearray]:
+def read_frame(sock: socket.socket, limits: dict[int, int], *, idle: float | None = None,
+               within: float | None = None,
+               begun: Callable[[], None] | None = None) -> tuple[int, bytearray]:
     """The next frame's kind and payload. `limits` gives the largest payload accepted for each
     kind expected here; any other kind, or a larger payload, is refused before its body is
-    read (InvalidInput)."""
+    read (InvalidInput). With `idle`, a frame that has not begun within `idle` seconds
+    raises LaneIdle, and LaneTimeout does one begun but not complete within `within` seconds
+    (the socket's timeout is changed); without, the socket's own timeout applies. `begun` is
+    called once the frame's first bytes are in (with `idle` only)."""
     header = bytearray(HEADER.size)
-    _read_into(sock, memoryview(header))
+    view = memoryview(header)
+    deadline = None
+    if idle is not None:
+        sock.settimeout(idle)
+        try:
+            count = sock.recv_into(view)
+        except TimeoutError:
+            raise LaneIdle(f"the lane was idle for {idle:g} s") from None
+        if count == 0:
+            raise LaneClosed("the lane was closed")
+        view = view[count:]
+        deadline = time.monotonic() + (within if within is not None else idle)
+        if begun is not None:
+            begun()
+    _read_into(sock, view, deadline)
     size, kind = HEADER.unpack(header)
     if kind not in limits:
         raise InvalidInput(f"unexpected lane frame kind {kind}")
     if size > limits[kind]:
         raise InvalidInput(f"a lane {KINDS.get(kind, kind)} frame of {size} bytes is over the "
                            f"limit of {limits[kind]}")
-    payload = bytearray(size)
-    _read_into(sock, memoryview(payload))
-    return kind, payload
+    payload = bytearray(min(size, _FIRST_BUFFER))
+    got = 0
+    while True:
+        _read_into(sock, memoryview(payload)[got:], deadline)
+        got = len(payload)
+        if got == size:
+            return kind, payload
+        payload += bytes(min(size - got, got))  # doubles, up to the announced size
 
 
 def read_error(payload: bytes) -> tuple[grpc.StatusCode, str]:

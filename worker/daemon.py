@@ -15,7 +15,7 @@ import grpc
 import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.advert import DEFAULT_CLUSTER, Advert, check_name, inventory_digest
+from engine.advert import Advert, inventory_digest
 from engine.auth import CredentialChecker, load_secret, secret_path
 from engine.cache_policy import (
     DEFAULT_MEMORY_SHARE,
@@ -26,12 +26,12 @@ from engine.cache_policy import (
 )
 from engine.errors import ShoalError, worded
 from engine.interfaces import announced_addresses, listen_host
-from engine.manifest import MANIFEST_NAME
 from engine.pipes import guard_standard_streams
 from engine.process import launch_directly, raise_file_limit
 from engine.store_lock import hold_for_serving
 from engine.tls import Identity
 from proto import (
+    HANDSHAKE_SECONDS,
     PROTOCOL_VERSION,
     SERVER_OPTIONS,
     SERVICE,
@@ -40,121 +40,20 @@ from proto import (
 )
 from proto.lane import server_context
 from worker.advertise import Advertiser, load_node_id, node_id_path
+from worker.grpc_gate import Gate
 from worker.interceptors import AuthInterceptor, BoundedErrors, PeerLimit
 from worker.lane_server import LaneServer
+from worker.options import check_args, parse_args
 from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
-from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
+from worker.scrub import Scrubber, parse_rate
 from worker.service import ExpertServicer
 from worker.store import free_disk, scan_stores
+from worker.threads import started
 
-DEFAULT_PORT = 50551
 MAX_CALLS = 64  # calls at once, all peers together; gRPC refuses more (RESOURCE_EXHAUSTED)
 # Files kept free of the gRPC port's connections: the expert lane's, expert files, logs.
 FILES_SPARE = 1024
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="shoal-worker",
-        description=(
-            "Serve the MoE experts held in one or more store folders to a Shoal coordinator "
-            "over gRPC. Every expert file is checked against the manifest's checksum before it "
-            "is served; calls must carry the cluster secret (see `shoal cluster-init`)."
-        ),
-    )
-    parser.add_argument(
-        "--store", action="append", required=True, type=Path, metavar="DIR",
-        help="a store folder written by `shoal shard` (repeat for one folder per drive)",
-    )
-    parser.add_argument(
-        "--host", default=None,
-        help="address to listen on (default: --interface's address if given, else 127.0.0.1, "
-        "this machine only; 0.0.0.0 for every interface: see docs/security.md). `shoal "
-        "doctor` says where a worker started here would listen and what it would announce",
-    )
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT,
-        help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one and prints it)",
-    )
-    parser.add_argument(
-        "--lane-port", type=int, default=None, metavar="PORT",
-        help="TCP port of the expert lane, where each MoE layer's requests arrive on a bare "
-        "TLS socket (docs/protocol.md; default: --port + 1, or a free port with --port 0)",
-    )
-    parser.add_argument(
-        "--spin-us", type=float, default=0.0, metavar="US",
-        help="microseconds a lane watches its socket busily for the next request before it "
-        "sleeps (default 0: it sleeps at once; spinning burns a core to save a wake-up)",
-    )
-    parser.add_argument(
-        "--no-lane", action="store_true",
-        help="serve no expert lane: coordinators then send every request on the gRPC stream "
-        "(slower; for networks where a second port cannot pass)",
-    )
-    parser.add_argument(
-        "--secret-file", metavar="PATH",
-        help="cluster secret (default: $SHOAL_SECRET_FILE, else ~/.config/shoal/secret)",
-    )
-    parser.add_argument(
-        "--node-id",
-        help="name reported to the coordinator (default: a stable id made once per machine and "
-        "kept in ~/.config/shoal/node-id; give each worker its own when several share a machine)",
-    )
-    parser.add_argument(
-        "--cluster", default=DEFAULT_CLUSTER, metavar="NAME",
-        help=f"cluster name announced on the local network (default {DEFAULT_CLUSTER!r}); "
-        "coordinators use only the workers of their own cluster",
-    )
-    parser.add_argument(
-        "--interface", metavar="NAME",
-        help="listen on and announce only this interface's address (e.g. bridge0 for "
-        "Thunderbolt Bridge). Without it the worker listens on --host, else on loopback only, "
-        "and announces that address; with --host 0.0.0.0 it announces every physical "
-        "interface's",
-    )
-    parser.add_argument(
-        "--no-advertise", action="store_true",
-        help="do not announce this worker with Bonjour (coordinators then need its address)",
-    )
-    parser.add_argument(
-        "--no-verify", action="store_true",
-        help="skip checksum verification at start (sizes are still checked)",
-    )
-    parser.add_argument(
-        "--memory-budget", metavar="SIZE",
-        help="memory for expert tensors, e.g. 512M, 24G, or 50%% of this worker's expert bytes; "
-        "experts beyond it stay on the drives and are read when routed (default: "
-        f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
-    )
-    parser.add_argument(
-        "--no-verify-reads", action="store_true",
-        help="do not check the checksum of each expert read from a drive while serving "
-        "(by default every read is checked: a file that rotted is caught, that expert alone "
-        "stops being offered and is computed by another copy)",
-    )
-    parser.add_argument(
-        "--scrub", nargs="?", const=format_rate(DEFAULT_RATE), metavar="RATE",
-        help="re-check every expert file against the manifest's checksum in the background, "
-        "reading at most RATE bytes/s (e.g. 16M, 200M; default "
-        f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
-    )
-    parser.add_argument(
-        "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
-        help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
-    )
-    parser.add_argument("--version", action="version", version=version_text())
-    return parser.parse_args(argv)
-
-
-def version_text() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        mine = version("shoal")
-    except PackageNotFoundError:
-        mine = "(not installed)"
-    return f"shoal-worker {mine} (protocol {PROTOCOL_VERSION}, mlx {mx.__version__})"
 
 
 def physical_memory() -> int:
@@ -176,85 +75,67 @@ def choose_budget(memory_budget: str | None, expert_bytes: int) -> tuple[int, st
     return budget, how
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse bad arguments before anything is loaded."""
-    check_name(args.cluster, "cluster name")
-    if args.node_id:
-        check_name(args.node_id, "node id")
-    if args.readers < 1:
-        raise ShoalError(f"--readers must be at least 1, got {args.readers}")
-    if not 0 <= args.port < 65536:
-        raise ShoalError(f"--port must be 0-65535, got {args.port}")
-    if args.lane_port is not None and not 0 <= args.lane_port < 65536:
-        raise ShoalError(f"--lane-port must be 0-65535, got {args.lane_port}")
-    if not 0 <= args.spin_us <= 100_000:
-        raise ShoalError(f"--spin-us must be 0-100000, got {args.spin_us:g}")
-    if args.lane_port is not None and args.no_lane:
-        raise ShoalError("--lane-port and --no-lane contradict each other: give one")
-    if args.memory_budget:
-        parse_budget(args.memory_budget)
-    if args.scrub:
-        parse_rate(args.scrub)
-    for folder in args.store:
-        check_store_folder(folder)
-
-
-def check_store_folder(folder: Path) -> None:
-    """Refuse the folder `shoal shard` wrote (OUT) given for one of its stores (OUT/worker-K),
-    which would start and serve nothing."""
-    stores = sorted(p for p in folder.glob("*/" + MANIFEST_NAME) if p.parent.name != "dense")
-    if stores and not any(folder.glob("L*/E*.safetensors")):
-        names = ", ".join(str(p.parent) for p in stores)
-        raise ShoalError(
-            f"{folder} is the folder `shoal shard` wrote, not a store folder: its stores are "
-            f"{names}. Give --store {stores[0].parent} (the one meant for this machine)"
-        )
-
-
 def connection_cap(file_limit: int) -> int:
     """Connections the gRPC port holds at once, all peers together, in a process that may
-    open `file_limit` files: FILES_SPARE fewer, or half of a limit under twice that; 0 (no
-    cap) where the limit is not known."""
-    return max(file_limit - FILES_SPARE, file_limit // 2)
+    open `file_limit` files: each takes three (the client's, the relay's and gRPC's end of
+    it), out of FILES_SPARE fewer, or half of a limit under twice that; 0 (no cap) where the
+    limit is not known."""
+    return max(file_limit - FILES_SPARE, file_limit // 2) // 3
+
+
+class GatedServer:
+    """The gRPC server behind its front door (worker/grpc_gate.py): what grpc.Server does,
+    with the door opened at start and closed to new connections at stop."""
+
+    def __init__(self, server: grpc.Server, gate: Gate, upstream: int) -> None:
+        self.server, self.gate, self._upstream = server, gate, upstream
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
+
+    def start(self) -> None:
+        self.server.start()
+        self.gate.start(("127.0.0.1", self._upstream))
+
+    def stop(self, grace: float | None) -> threading.Event:
+        self.gate.stop_accepting()
+        return self.server.stop(grace)
 
 
 def bind(
     host: str, port: int, executor: futures.Executor, checker: CredentialChecker,
     identity: Identity, max_connections: int = 0,
-) -> tuple[grpc.Server, int]:
+) -> tuple[GatedServer, int]:
     """A gRPC server that owns host:port alone, bound before any expert is loaded, serving
     TLS only (docs/security.md), holding at most `max_connections` connections (0: no cap).
 
-    gRPC sets SO_REUSEPORT by default, so a second worker on a taken port would start
-    silently and the kernel would deal connections out to both: turned off here. Beyond the
-    cap gRPC closes a new connection at once: a flood of connections that never finish their
-    handshake keeps the process off its file limit, where it could open no expert file and
-    gRPC's accept loop would log every second (grpcio has no cap per peer address).
+    The port is its front door's (worker/grpc_gate.py), which caps the connections still in
+    their handshake per source address; gRPC itself listens on a loopback port, with
+    SO_REUSEPORT off (gRPC's default would let a second server share it) and the same cap
+    in all: beyond it a new connection is closed at once, so that a flood keeps the process
+    off its file limit, where it could open no expert file.
     """
+    log = lambda m: print(f"shoal-worker: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    gate = Gate(host, port, proving=HANDSHAKE_SECONDS + 1, max_connections=max_connections,
+                log=log)
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 0)]
     if max_connections:
         options.append(("grpc.max_allowed_incoming_connections", max_connections))
     server = grpc.server(
         executor,
-        interceptors=[BoundedErrors(), AuthInterceptor(checker), PeerLimit(checker)],
+        interceptors=[BoundedErrors(), AuthInterceptor(checker),
+                      PeerLimit(checker, gate=gate)],
         options=options,
         maximum_concurrent_rpcs=MAX_CALLS,
     )
     try:
-        bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+        upstream = server.add_secure_port("127.0.0.1:0", server_credentials(identity))
     except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise ShoalError(
-            f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
-            "another program: `lsof -i :PORT` names it) or not an address of this host; "
-            "give another --port"
-        )
-    return server, bound
-
-
-def format_rate(rate: int) -> str:
-    return f"{rate >> 20}M" if rate % (1 << 20) == 0 else str(rate)
+        upstream = 0
+    if upstream == 0:
+        raise ShoalError("cannot listen on a loopback port for the gRPC server behind "
+                         f"{host}:{port}")
+    return GatedServer(server, gate, upstream), gate.port
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -267,7 +148,9 @@ def serve(args: argparse.Namespace) -> None:
     # Every call holds a thread (Compute streams for as long as a coordinator is connected):
     # the pool has room beyond the server's cap, so liveness checks always find a thread, and
     # PeerLimit keeps one host from taking the whole cap.
-    executor = futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8, thread_name_prefix="rpc")
+    # All started now: gRPC's serving thread dies where it cannot start one for a call.
+    executor = started(futures.ThreadPoolExecutor(max_workers=MAX_CALLS + 8,
+                                                  thread_name_prefix="rpc"), MAX_CALLS + 8)
     checker = CredentialChecker(secret)  # one memory of used nonces for both listeners
     server, port = bind(args.host, args.port, executor, checker, identity,
                         connection_cap(file_limit))
@@ -279,20 +162,35 @@ def serve(args: argparse.Namespace) -> None:
                 port + 1 if args.port else 0
             lane = LaneServer(args.host, lane_port, server_context(identity), checker,
                               log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr,
-                                                  flush=True), spin=args.spin_us / 1e6)
+                                                  flush=True), spin=args.spin_us / 1e6,
+                              idle_seconds=args.lane_idle_seconds,
+                              message_seconds=args.lane_message_seconds)
         residency = load(args)
         run(args, server, port, residency, addresses, checker, lane)
     finally:
+        # Each step on its own: one that fails (no thread can be started) skips no other.
         if lane is not None:
-            lane.close()
-        server.stop(grace=None).wait(5)
+            _quietly(lane.close)
+        _quietly(lambda: server.stop(grace=None).wait(5))
         # The calls still running were cancelled by stop(); give their threads a bounded while.
-        joiner = threading.Thread(target=executor.shutdown, kwargs={"cancel_futures": True},
-                                  daemon=True)
-        joiner.start()
-        joiner.join(5)
+        _quietly(lambda: _bounded(lambda: executor.shutdown(cancel_futures=True), 5))
         if residency is not None:
-            residency.close()
+            _quietly(residency.close)
+
+
+def _quietly(step) -> None:
+    try:
+        step()
+    except Exception as e:
+        print(f"shoal-worker: warning: while stopping: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+
+
+def _bounded(step, seconds: float) -> None:
+    """`step` in a thread of its own, waited for at most `seconds`."""
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(seconds)
 
 
 def load(args: argparse.Namespace) -> Residency:
@@ -338,7 +236,7 @@ def open_residency(
 
 
 def run(
-    args: argparse.Namespace, server: grpc.Server, port: int, residency: Residency,
+    args: argparse.Namespace, server: GatedServer, port: int, residency: Residency,
     addresses: list[str], checker: CredentialChecker, lane: LaneServer | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, advertised on `addresses` (none: not advertised)."""
@@ -400,12 +298,12 @@ def run(
         pass
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
-        advertiser.close()
+        _quietly(advertiser.close)
     if scrubber is not None:
-        scrubber.close()
-    if lane is not None:
-        lane.close()
-    server.stop(grace=2).wait(5)
+        _quietly(scrubber.close)
+    if lane is not None:  # a layer call being computed is answered first
+        _quietly(lambda: lane.close(drain=args.drain_seconds))
+    _quietly(lambda: server.stop(grace=args.drain_seconds).wait(args.drain_seconds + 3))
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
@@ -413,21 +311,25 @@ def main(argv: list[str] | None = None) -> None:
     launch_directly()  # before any kernel: MLX reads it once (engine/process.py)
     guard_standard_streams()  # `shoal-worker | head` must not end the worker
     args = parse_args(argv)
+    code = 0
     try:
         serve(args)
     except (ShoalError, OSError) as e:
         print(f"shoal-worker: error: {worded(e)}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:
-        sys.exit(130)
-    # Stopped cleanly (a signal): end here, without the interpreter's teardown. A thread that
-    # ran MLX's compiled functions frees its compile cache as the thread ends, which takes the
-    # GIL; when that lands while the interpreter finalizes, the process aborts (SIGABRT,
-    # "terminate called without an active exception", 2 stops in 6 with a coordinator
-    # connected). Everything that needed stopping has stopped; only output is left to flush.
+        code = 130
+    except Exception as e:  # said in a line, and the process still ends
+        print(f"shoal-worker: error: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    # End here, without the interpreter's teardown. A thread that ran MLX's compiled functions
+    # frees its compile cache as the thread ends, which takes the GIL; when that lands while
+    # the interpreter finalizes, the process aborts (SIGABRT, "terminate called without an
+    # active exception"); and the teardown joins every pool thread, which a call still
+    # blocked in would hold forever. Everything that needed stopping has stopped.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ never waits for a body), a bound on calls from one host, and error messages boun
 from __future__ import annotations
 
 import contextlib
+import heapq
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -13,6 +15,7 @@ import grpc
 from engine.auth import HEALTH_CHECK, METADATA_KEY, CredentialChecker
 from engine.errors import MAX_MESSAGE, Unauthenticated, clip
 from proto import HANDLER_KINDS
+from worker.grpc_gate import Gate
 
 # Liveness answers without the credential, deliberately: it tells only SERVING or NOT_SERVING
 # (no more than the Bonjour advert does), and it keeps "alive but holding another secret"
@@ -58,6 +61,38 @@ CHECKS_PER_PEER = 8
 CHECK_BODY_SECONDS = 2.0
 
 
+class _Deadlines:
+    """Calls `cancel` at a deadline, for many calls from one thread started once (a timer
+    thread per check would need a new thread for every check the worker answers)."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._count = 0
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name="check-deadlines", daemon=True).start()
+
+    def add(self, seconds: float, cancel: Callable[[], None]) -> int:
+        with self._changed:
+            self._count += 1
+            heapq.heappush(self._due, (time.monotonic() + seconds, self._count, cancel))
+            self._changed.notify()
+            return self._count
+
+    def remove(self, key: int) -> None:
+        with self._changed:
+            self._due = [due for due in self._due if due[1] != key]
+            heapq.heapify(self._due)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._changed.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                _, _, cancel = heapq.heappop(self._due)
+            with contextlib.suppress(Exception):
+                cancel()
+
+
 class PeerLimit(grpc.ServerInterceptor):
     """At most MAX_CALLS_PER_PEER calls at once from one host (RESOURCE_EXHAUSTED beyond),
     so that one client, however many connections it opens, cannot take every thread of the
@@ -65,15 +100,20 @@ class PeerLimit(grpc.ServerInterceptor):
     liveness check has a small count of its own, and a deadline for its request."""
 
     def __init__(self, checker: CredentialChecker | None = None,
-                 limit: int = MAX_CALLS_PER_PEER) -> None:
+                 limit: int = MAX_CALLS_PER_PEER, gate: Gate | None = None) -> None:
         self.checker = checker
+        self.gate = gate  # the front door, which relays every connection
         self.limit = limit
         self._calls: dict[tuple[str, bool], int] = {}  # (host, liveness check?) -> calls
         self._lock = threading.Lock()
+        self._deadlines = _Deadlines()
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, *, check: bool = False) -> Iterator[None]:
-        key = (context.peer().rsplit(":", 1)[0], check)
+        peer = context.peer()
+        if self.gate is not None:
+            self.gate.called(peer)
+        key = (self.gate.host_of(peer) if self.gate else peer.rsplit(":", 1)[0], check)
         limit = CHECKS_PER_PEER if check else self.limit
         with self._lock:
             count = self._calls.get(key, 0)
@@ -107,15 +147,13 @@ class PeerLimit(grpc.ServerInterceptor):
 
         def check(requests, context):
             with self._slot(context, check=not self._credentialed(context)):
-                timer = threading.Timer(CHECK_BODY_SECONDS, context.cancel)
-                timer.daemon = True
-                timer.start()
+                deadline = self._deadlines.add(CHECK_BODY_SECONDS, context.cancel)
                 try:
                     request = next(requests, None)
-                except grpc.RpcError:  # cancelled by the timer: the slot is free again
+                except grpc.RpcError:  # cancelled at the deadline: the slot is free again
                     return None
                 finally:
-                    timer.cancel()
+                    self._deadlines.remove(deadline)
                 if request is None:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a check without a request")
                 return behavior(request, context)

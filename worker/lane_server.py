@@ -1,15 +1,7 @@
-"""The worker's end of the expert lane (proto/lane.py): a listener beside the gRPC server,
-and one thread per lane that reads a request, computes it and writes its reply, with no
-hand-off between threads on the way; and `ComputeAnswers`, what a Compute message gets
-whichever transport brought it (the gRPC fallback, worker/service.py, uses it too).
-
-Nothing is read from a connection before its TLS handshake proved the cluster's certificate
-and its HELLO frame a fresh credential; both must come within HELLO_SECONDS. Connections
-still in that state are few per host (the oldest is closed for a newer one), lanes past it a
-bounded number per host and in all, so that nobody can hold the worker's threads or file
-descriptors by opening connections.
+"""The worker's end of the expert lane (proto/lane.py): its listener, its caps per host and
+in all, and threads that read a request, compute it and write its reply; and `ComputeAnswers`,
+what a Compute message gets whichever transport brought it (worker/service.py uses it too).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +25,8 @@ from proto.lane import (
     MESSAGE,
     READY,
     LaneClosed,
+    LaneIdle,
+    LaneTimeout,
     keep_alive,
     read_frame,
     watch,
@@ -41,12 +35,18 @@ from proto.lane import (
 )
 from proto.wire import WireView, decode
 from worker.residency import Request, Residency, Timing
+from worker.threads import ThreadPool
 
 HELLO_SECONDS = 5.0  # from accept to a checked credential
 MAX_OPENING_PER_HOST = 8  # connections not yet past their credential, from one host
 MAX_OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
 MAX_LANES_PER_HOST = 16  # a coordinator opens one per worker, four in a prompt pass
 MAX_LANES = 64
+IDLE_SECONDS = 300.0  # a lane with no request for this long is closed (--lane-idle-seconds),
+# unless it is one of the host's KEEP_IDLE lanes used last: a coordinator holds one a worker
+# (four in a prompt pass) and would see its idle lane closed only at its next request
+KEEP_IDLE = 4
+MESSAGE_SECONDS = 30.0  # a request, once begun, must be in within this (--lane-message-seconds)
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
 
 
@@ -121,23 +121,37 @@ class ComputeAnswers:
 
 
 class _Held:
-    """One accepted connection: its socket, then the TLS socket that took its descriptor."""
+    """One accepted connection: its socket, then the TLS socket that took its descriptor;
+    `busy` while a request of it is computed or answered (a stop lets that finish)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.busy = False
+        self.shut = False
+        self.counted = False  # among its host's lanes (past its credential, not closing)
 
     def shutdown(self) -> None:
         """Wake its thread, wherever it waits (handshake, credential, request)."""
+        self.shut = True
         with contextlib.suppress(OSError):
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
 
 class LaneServer:
-    """The expert lane's listener on `host:port` (0: a free port; see `port`)."""
+    """The expert lane's listener on `host:port` (0: a free port; see `port`).
+
+    Nothing is read from a connection before its TLS handshake proved the cluster's
+    certificate and its HELLO frame a fresh credential, both within HELLO_SECONDS.
+    Connections still in that state are few per host (the oldest is closed for a newer one),
+    lanes past it a bounded number per host and in all, each served by a thread of a bounded
+    pool, so that nobody can hold the worker's threads or file descriptors by opening
+    connections. A lane that sends nothing for `idle_seconds` is closed, and so is one whose
+    message, once begun, is not in within `message_seconds`."""
 
     def __init__(
         self, host: str, port: int, context: ssl.SSLContext, checker: CredentialChecker,
         log: Callable[[str], None] | None = None, spin: float = 0.0,
+        idle_seconds: float = IDLE_SECONDS, message_seconds: float = MESSAGE_SECONDS,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -148,6 +162,7 @@ class LaneServer:
         self.port = self._listener.getsockname()[1]
         self._context, self._checker = context, checker
         self.spin = spin  # seconds a lane watches its socket busily before it blocks
+        self.idle_seconds, self.message_seconds = idle_seconds, message_seconds
         self._answers: ComputeAnswers | None = None
         self._log = log or (lambda message: None)
         self._opening: dict[str, list[_Held]] = {}  # by host, oldest first
@@ -156,25 +171,44 @@ class LaneServer:
         self._connections: set[_Held] = set()
         self._said: dict[str, float] = {}
         self._closed = False
+        # every connection the caps admit has a thread: opening, lanes, and a few on their
+        # way out
+        self._pool = ThreadPool(MAX_OPENING + MAX_LANES + 8, "lane", self._log)
         self._thread = threading.Thread(target=self._accept, name="lane-accept", daemon=True)
+
+    @property
+    def threads(self) -> int:
+        """Threads started for lanes so far (they serve one connection after another)."""
+        return self._pool.threads
 
     def start(self, answers: ComputeAnswers) -> None:
         """Accept lanes (the listener is bound already: connections wait in its backlog)."""
         self._answers = answers
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop accepting and end every lane (a coordinator reading a reply sees it closed)."""
+    def close(self, drain: float = 0.0) -> None:
+        """Stop accepting and end every lane; a request being computed has up to `drain`
+        seconds to be answered first (a coordinator reading a reply sees the lane closed)."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        until = time.monotonic() + drain
+        while True:
+            with self._lock:
+                waiting = [held for held in self._connections if not held.busy]
+                busy = len(self._connections) - len(waiting)
+                for held in waiting:  # under the lock: none turns busy meanwhile
+                    held.shutdown()
+            if not busy or time.monotonic() >= until:
+                break
+            time.sleep(0.02)
         with self._lock:
-            connections = list(self._connections)
-        for held in connections:
-            held.shutdown()
+            for held in self._connections:
+                held.shutdown()
+        self._pool.close()
         if self._thread.is_alive():
             self._thread.join(2)
 
@@ -196,24 +230,39 @@ class LaneServer:
                 self._say("accept", f"expert lane: cannot accept a connection: {e.strerror}")
                 time.sleep(0.05)
                 continue
-            host = peer[0]
-            held = _Held(connection)
-            with self._lock:
-                self._connections.add(held)
-                opening = self._opening.setdefault(host, [])
-                opening.append(held)
-                evicted = opening.pop(0) if len(opening) > MAX_OPENING_PER_HOST else None
-                if evicted is None and sum(map(len, self._opening.values())) > MAX_OPENING:
-                    oldest = max(self._opening, key=lambda h: len(self._opening[h]))
-                    evicted = self._opening[oldest].pop(0)
-            if evicted is not None:
-                # the oldest, not the newest: a client that is slow to prove itself gives way,
-                # so that idle connections cannot keep a coordinator out
-                evicted.shutdown()
-                self._say(f"opening {host}", "expert lane: too many connections opening at "
-                          f"once (the latest from {host}); closing the oldest")
-            threading.Thread(target=self._serve, args=(held, host), name=f"lane {host}",
-                             daemon=True).start()
+            try:
+                self._admit(_Held(connection), peer[0])
+            except Exception as e:  # whatever it was, the next connection is accepted
+                self._say("admit", f"expert lane: a connection failed: {type(e).__name__}: {e}")
+                with contextlib.suppress(OSError):
+                    connection.close()
+
+    def _admit(self, held: _Held, host: str) -> None:
+        """Count `held` as opening (closing the oldest beyond the caps) and give it a thread;
+        with none to give, close it and say why."""
+        with self._lock:
+            self._connections.add(held)
+            opening = self._opening.setdefault(host, [])
+            opening.append(held)
+            evicted = opening.pop(0) if len(opening) > MAX_OPENING_PER_HOST else None
+            if evicted is None and sum(map(len, self._opening.values())) > MAX_OPENING:
+                oldest = max(self._opening, key=lambda h: len(self._opening[h]))
+                evicted = self._opening[oldest].pop(0)
+        if evicted is not None:
+            # the oldest, not the newest: a client that is slow to prove itself gives way,
+            # so that idle connections cannot keep a coordinator out
+            evicted.shutdown()
+            self._say(f"opening {host}", "expert lane: too many connections opening at "
+                      f"once (the latest from {host}); closing the oldest")
+        try:
+            given = self._pool.submit(lambda: self._serve(held, host))
+            why = f"all {self._pool.size} lane threads are busy"
+        except RuntimeError as e:
+            given, why = False, f"no thread can be started ({e}: the process's thread limit?)"
+        if not given:
+            self._say("threads", f"expert lane: refusing connections: {why}; coordinators "
+                      "use the gRPC port meanwhile")
+            self._forget(held, host)
 
     def _opened(self, held: _Held, host: str) -> None:
         """`held` is past its credential, or gone: no longer counted as opening."""
@@ -223,6 +272,13 @@ class LaneServer:
                 opening.remove(held)
             if not opening:
                 self._opening.pop(host, None)
+
+    def _forget(self, held: _Held, host: str) -> None:
+        self._opened(held, host)
+        with self._lock:
+            self._connections.discard(held)
+        with contextlib.suppress(OSError):
+            held.sock.close()
 
     def _serve(self, held: _Held, host: str) -> None:
         try:
@@ -253,30 +309,52 @@ class LaneServer:
                 return
             try:
                 write_frame(lane, READY, b"")
-                lane.settimeout(None)  # an idle coordinator's lane waits as long as it likes
-                self._answer(lane)
+                held.counted = True
+                self._answer(held, lane, host)
             finally:
                 with self._lock:
-                    self._lanes[host] -= 1
+                    if held.counted:
+                        self._lanes[host] -= 1
+        except LaneTimeout as e:
+            self._say(f"timeout {e}", f"expert lane: closing a lane from {host}: {e}")
         except (OSError, ShoalError):
             pass  # a handshake that failed, a peer that left: nothing to answer
         finally:
-            self._opened(held, host)
-            with self._lock:
-                self._connections.discard(held)
-            with contextlib.suppress(OSError):
-                held.sock.close()
+            self._forget(held, host)
 
-    def _answer(self, lane: ssl.SSLSocket) -> None:
-        """Requests in, replies out, in order, until the coordinator closes the lane or a
-        request is refused (its ERROR frame ends the lane, as an abort ends a gRPC stream)."""
+    def _answer(self, held: _Held, lane: ssl.SSLSocket, host: str) -> None:
+        """Requests in, replies out, in order, until the coordinator closes the lane, it idles
+        too long, or a request is refused (its ERROR frame ends the lane, as an abort ends a
+        gRPC stream)."""
         answers, spin = self._answers, self.spin
+
+        def begun() -> None:  # a request is arriving: a stop lets it be answered
+            with self._lock:
+                if held.shut:
+                    raise LaneClosed("the worker is stopping")
+                held.busy = True
+
         while True:
+            with self._lock:
+                held.busy = False
+                if held.shut:
+                    return
             if spin > 0:
                 watch(lane, spin)
             try:
-                _, data = read_frame(lane, {MESSAGE: REQUEST_LIMIT})
+                _, data = read_frame(lane, {MESSAGE: REQUEST_LIMIT}, idle=self.idle_seconds,
+                                     within=self.message_seconds, begun=begun)
+                lane.settimeout(self.message_seconds)  # for the reply: a reader that stopped
                 reply = answers.answer(data)
+            except LaneIdle:
+                with self._lock:  # idle lanes time out longest-idle first
+                    if self._lanes[host] <= KEEP_IDLE:
+                        continue
+                    self._lanes[host] -= 1  # closing: the next one to time out may stay
+                    held.counted = False
+                raise
+            except LaneTimeout:
+                raise
             except LaneClosed:
                 return
             except Refused as e:

@@ -86,6 +86,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN (e.g. http://localhost:3000; '*' for "
                    "any) call the API (repeat for several; default: none)")
+    p.add_argument("--drain-seconds", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM or SIGINT, refuse new requests and give the answers in "
+                   "flight up to S seconds to finish before they are ended (default 5; a "
+                   "second signal ends them at once)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="what the server logs to stderr: info (the default) logs a line per "
@@ -104,6 +108,8 @@ def check_serve_args(args: argparse.Namespace) -> int:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1, got "
                                f"{getattr(args, name)}")
 
+    if not 0 <= args.drain_seconds <= 3600:
+        raise InvalidInput(f"--drain-seconds must be 0-3600, got {args.drain_seconds:g}")
     check_one_worker_source(args)
     check_local_store_args(args)
     if not 0 <= args.port < 65536:
@@ -181,7 +187,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"shoal serve: the dashboard is at http://{f'[{host}]' if ':' in host else host}"
               f":{port}/ (docs/dashboard.md)", file=sys.stderr, flush=True)
         serve(service, sock, log_level=args.log_level, mount=dashboard.routes,
-              middleware=[dashboard.metrics.middleware()])
+              middleware=[dashboard.metrics.middleware()], drain=args.drain_seconds)
     finally:
         sock.close()
         if dashboard is not None:

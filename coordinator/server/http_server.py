@@ -8,8 +8,9 @@ Requests and answers take their shapes from coordinator/server/openai_api.py; th
 them: each request's body is read within the limits and parsed off the event loop, submitted
 to the engine, its events awaited, and a request whose client went away cancelled, which
 frees its row in the batch (the Service they share and a request's way through it are
-coordinator/server/answering.py). SIGINT and SIGTERM stop it alike: the requests in flight end, and
-serve() returns.
+coordinator/server/answering.py). SIGINT and SIGTERM stop it alike: new requests are refused,
+those in flight have the drain period to finish (then end with an error event), and serve()
+returns.
 """
 
 from __future__ import annotations
@@ -233,13 +234,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, stopped the same way by SIGINT and SIGTERM: `on_stop` ends the
-    requests in flight (each stream with an error event and [DONE]), uvicorn closes the
-    listener and waits for the answers to go out, and serve() returns, so that the command
-    lets go of everything and records the heat. (uvicorn itself raises the signal again once
-    it has stopped, and SIGTERM's default action then ends the process on the spot.)"""
+    """uvicorn's server, stopped the same way by SIGINT and SIGTERM: uvicorn closes the
+    listener and the idle connections and waits for the answers in flight; `on_stop(again)`
+    is told of each signal (the second: end them now). serve() then returns, so that the
+    command lets go of everything and records the heat. (uvicorn itself raises the signal
+    again once it has stopped, and SIGTERM's default action then ends the process.)"""
 
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[bool], None]) -> None:
         super().__init__(config)
         self._on_stop = on_stop
 
@@ -257,8 +258,7 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        if not self.should_exit:
-            self._on_stop()
+        self._on_stop(self.should_exit)
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -268,17 +268,24 @@ class _Server(uvicorn.Server):
 
 def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
           mount: Callable[[Guard], list[BaseRoute]] | None = None,
-          middleware: Sequence[Middleware] = ()) -> None:
-    """Answer HTTP on `sock` until SIGINT or SIGTERM, then drain (bounded) and return."""
+          middleware: Sequence[Middleware] = (), drain: float = 5.0) -> None:
+    """Answer HTTP on `sock` until SIGINT or SIGTERM; then refuse new requests, give those in
+    flight `drain` seconds to finish (a second signal: none), end the rest and return."""
+    cut = threading.Timer(drain, lambda: service.engine.close(timeout=0))
+    cut.daemon = True
 
-    def stop() -> None:  # in the signal handler: nothing here may block
-        service.stopping = True
-        service.engine.close(timeout=0)  # its requests end at once, with an error event
+    def stop(again: bool) -> None:  # in the signal handler: nothing here may block
+        service.stopping = True  # new requests get 503 (uvicorn refuses new connections)
+        if again:
+            service.engine.close(timeout=0)  # its requests end at once, with an error event
+        elif not cut.is_alive():
+            cut.start()
 
     config = uvicorn.Config(make_app(service, mount=mount, middleware=middleware),
                             http=guarded_protocol(service.guard),
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, backlog=BACKLOG, log_config=None)
+                            timeout_graceful_shutdown=drain + 5, backlog=BACKLOG,
+                            log_config=None)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     key = ("an API key is required (--api-key-file)" if service.api_key is not None
@@ -291,5 +298,6 @@ def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
     try:
         _Server(config, stop).run(sockets=[sock])
     finally:
+        cut.cancel()
         for parsers in (service.parsers, service.large_parser):
             parsers.shutdown(wait=False, cancel_futures=True)

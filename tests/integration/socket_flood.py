@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("port", type=int)
     p.add_argument("--sockets", type=int, default=3000)
     p.add_argument("--hosts", type=int, default=100, help="source addresses 127.0.0.2...")
+    p.add_argument("--source", help="one source address for every socket (instead of --hosts)")
+    p.add_argument("--rate", type=int, default=RECONNECTS_PER_SECOND,
+                   help="reconnects a second at most")
     p.add_argument("--mode", choices=("idle", "slowloris"), default="idle")
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
@@ -80,8 +83,9 @@ def main() -> None:
 
     selector = selectors.DefaultSelector()
     opened_at: dict[socket.socket, float] = {}
-    sources = [f"127.0.0.{2 + i % 250}" if i < 250 else f"127.0.{1 + i // 250}.{2 + i % 250}"
-               for i in range(args.hosts)]
+    sources = [args.source] if args.source else [
+        f"127.0.0.{2 + i % 250}" if i < 250 else f"127.0.{1 + i // 250}.{2 + i % 250}"
+        for i in range(args.hosts)]
     stats = {"opened": 0, "closed_by_server": 0, "connect_failed": 0, "ages": []}
 
     def open_one(index: int) -> None:
@@ -110,7 +114,7 @@ def main() -> None:
     deadline = time.monotonic() + args.seconds
     pending: list[int] = []  # closed by the server, to open again
     next_drip = time.monotonic() + 1.0
-    budget, budget_at = RECONNECTS_PER_SECOND, time.monotonic()
+    budget, budget_at = args.rate, time.monotonic()
     while (now := time.monotonic()) < deadline:
         for key, _ in selector.select(timeout=0.05):
             sock = key.fileobj
@@ -126,7 +130,7 @@ def main() -> None:
             sock.close()
             pending.append(key.data)
         if now - budget_at >= 1.0:
-            budget, budget_at = RECONNECTS_PER_SECOND, now
+            budget, budget_at = args.rate, now
         while pending and budget > 0:
             open_one(pending.pop())
             budget -= 1

@@ -208,6 +208,9 @@ def test_a_flood_of_idle_sockets_locks_no_coordinator_out_and_takes_no_file_beyo
     width = read_manifest(sharded).config["hidden_size"]
     _compute(link, keys[0], width)  # the link's connections are open before the flood
     idle, opened = _idle_after_handshake(worker.address, secret.identity), time.monotonic()
+    # Until it has made a call or outlived the handshake deadline, a connection counts as one
+    # still opening, which a flood from many hosts may close (worker/grpc_gate.py).
+    time.sleep(HANDSHAKE_SECONDS + 1.5)
     log_before = worker.log.stat().st_size
 
     def fresh_call() -> None:
@@ -287,10 +290,16 @@ def test_never_ending_health_calls_without_a_credential_lock_nobody_out(
     held = [check.future(never()) for _ in range(70)]
     link = WorkerLink(worker.address, load_secret(secret_file))
     try:
+        refusals = []
         for watch in watches:
             with pytest.raises(grpc.RpcError) as refused:
                 next(watch)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            refusals.append(refused.value.code())
+        # each refused from its headers; those that arrive together with more than the
+        # worker's MAX_CALLS others are refused by gRPC's own cap first
+        assert set(refusals) <= {grpc.StatusCode.UNAUTHENTICATED,
+                                 grpc.StatusCode.RESOURCE_EXHAUSTED}, refusals
+        assert grpc.StatusCode.UNAUTHENTICATED in refusals
         # the coordinator's check carries a credential: not counted with the checks above
         started = time.monotonic()
         assert link.check_health(timeout=5) < FRESH_CALL_SECONDS

@@ -352,3 +352,37 @@ def test_a_stop_ends_every_open_stream_and_records_the_heat(cluster, secret_file
     after = load_record(record_path(sharded), manifest.fingerprint).total()
     assert sum(after.values()) > sum(before.values())  # this server's tokens were recorded
     assert "Traceback" not in local.log.read_text()
+
+
+def test_a_stop_lets_the_streams_in_flight_finish_within_the_drain_and_refuses_new_ones(
+    cluster, secret_file
+):
+    local = _start(cluster, secret_file, "drain", "--drain-seconds", "20")
+    try:
+        streams = [Stream(local, max_tokens=400) for _ in range(4)]
+        for stream in streams:
+            stream.wait_started()
+        stopped = time.monotonic()
+        local.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:  # refused: the listener is closed, or the request answered 503
+            late: object = httpx.post(local.url + "/v1/completions", headers=KEYED, timeout=10,
+                                      json={"prompt": "hi", "max_tokens": 2}).status_code
+        except httpx.TransportError as e:
+            late = type(e).__name__
+        for stream in streams:
+            stream.join(25)
+        finished = time.monotonic() - stopped
+        code = local.proc.wait(30)
+    finally:
+        local.stop()
+    print(json.dumps({"streams_finished_after": finished, "late_request": late}))
+    for stream in streams:
+        assert stream.error is None, stream.error
+        assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
+        last = json.loads(stream.lines[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length", last
+    assert late in (503, "ConnectError"), late
+    assert finished < 20, finished
+    assert code == 0, local.log.read_text()[-2000:]
+    assert "Traceback" not in local.log.read_text()

@@ -1,0 +1,99 @@
+"""Per-peer fairness on a worker's gRPC port, between hosts made of network namespaces (as in
+test_multihost.py): one host floods the port with connections that never prove themselves,
+reopening each one the worker closes, while another host opens new authenticated connections
+one after another; nearly all of the latter must succeed, and the worker's memory stays put."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.ops.local_processes import LocalWorker
+from engine.sharding import shard
+from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
+    _READY,
+    PORT,
+    REPO,
+    START_TIMEOUT,
+    Host,
+    hosts,
+    processes,
+)
+
+FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
+FLOOD_SECONDS = 30
+FLOOD_SOCKETS = 4000  # more than the worker's connection cap
+FLOOD_RATE = 5000  # reconnects a second asked of the flooding host (it reports what it made)
+HANDSHAKES = 40
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("VmRSS:"))) / 1024
+
+
+def start_limited_worker(host: Host, store: Path, secret: Path, log: Path,
+                         started: list[LocalWorker]) -> LocalWorker:
+    """A worker on `host`'s PORT that may open FILE_LIMIT files (macOS's default is lower)."""
+    cmd = [*host.prefix(), "prlimit", f"--nofile={FILE_LIMIT}:{FILE_LIMIT}", "--",
+           sys.executable, "-m", "worker.daemon", "--store", str(store), "--host", "0.0.0.0",
+           "--port", str(PORT), "--secret-file", str(secret), "--no-advertise"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CONFIG_HOME": str(log.parent)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                stdin=subprocess.DEVNULL)
+    worker = LocalWorker(proc, f"{host.address}:{PORT}", log)
+    started.append(worker)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not _READY.search(worker.output()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"worker on {host.netns} did not start:\n{worker.output()}")
+        time.sleep(0.05)
+    return worker
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "slowloris"])  # never a byte; bytes that reach gRPC
+def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succeeding(
+    mode, hosts, processes, tiny_checkpoint, secret_file, tmp_path  # noqa: F811
+):
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker_host, flooder, client = hosts
+    worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
+                                  tmp_path / "worker.log", processes)
+    rss_before = rss_mb(worker.proc.pid)
+    flood = subprocess.Popen(
+        [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
+         worker_host.address, str(PORT), "--sockets", str(FLOOD_SOCKETS), "--source",
+         flooder.address, "--mode", mode, "--seconds", str(FLOOD_SECONDS), "--rate",
+         str(FLOOD_RATE)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        first = flood.stdout.readline()
+        assert first.startswith("holding"), first
+        probe = subprocess.run(
+            [*client.prefix(), sys.executable, "-m", "tests.integration.handshake_probe",
+             worker.address, str(secret_file), "--count", str(HANDSHAKES)],
+            capture_output=True, text=True, timeout=FLOOD_SECONDS + 60, cwd=REPO)
+        assert probe.returncode == 0, probe.stderr
+        flooding = flood.poll() is None  # the flood outlasted the handshakes
+        rss_flooded = rss_mb(worker.proc.pid)
+        out, _ = flood.communicate(timeout=FLOOD_SECONDS + 30)
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait(10)
+    handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
+    print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
+                      "flood_reconnects_per_second":
+                          flood_report["opened"] / FLOOD_SECONDS,
+                      "worker_rss_mb": [rss_before, rss_flooded]}))
+    assert flooding
+    assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
+    assert handshakes["succeeded"] >= 0.9 * HANDSHAKES, handshakes
+    assert rss_flooded - rss_before < 64  # the flood costs the worker little memory

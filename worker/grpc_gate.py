@@ -1,0 +1,269 @@
+"""The gRPC port's front door: accepts each connection itself and relays its bytes to the gRPC
+server on a loopback port, keeping few unproven connections per source address (the oldest
+closed for a newer one), which grpcio cannot, so that one host's flood starves no other's."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from engine.errors import ShoalError
+
+OPENING_PER_HOST = 8  # connections younger than the proving time, from one host
+OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
+_CHUNK = 1 << 18
+_QUIET_SECONDS = 60.0  # one log line per cause at most this often
+
+
+class _Pipe:
+    """One client connection and its relay to the gRPC server: bytes read from one side
+    wait in `pending[side]` until the other has taken them (a side is read only while its
+    bytes are not waiting: the slower peer sets the pace)."""
+
+    def __init__(self, client: socket.socket, host: str) -> None:
+        self.client, self.host = client, host
+        self.server: socket.socket | None = None  # opened once the client sends a byte
+        self.connected = False
+        self.opened = time.monotonic()
+        self.pending: dict[socket.socket, memoryview] = {client: memoryview(b"")}
+        self.ended: set[socket.socket] = set()  # sides that sent their last byte
+        self.shut: set[socket.socket] = set()  # sides told there is no more
+
+    def other(self, sock: socket.socket) -> socket.socket | None:
+        return self.server if sock is self.client else self.client
+
+
+class Gate:
+    """Listens on `host:port` and relays every connection to the gRPC server at
+    `upstream` (loopback). A connection is unproven until a call comes on it (`called`), or
+    for its first `proving` seconds (the gRPC server closes one whose TLS handshake with the
+    cluster's certificate has not ended by then); each host may have OPENING_PER_HOST
+    unproven, OPENING all hosts together, and `max_connections` in all (beyond it a new
+    connection is closed)."""
+
+    def __init__(self, host: str, port: int, proving: float, max_connections: int = 0,
+                 log: Callable[[str], None] | None = None) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=1024)
+        except OSError:
+            raise ShoalError(
+                f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
+                "another program: `lsof -i :PORT` names it) or not an address of this host; "
+                "give another --port") from None
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self.upstream: tuple[str, int] | None = None
+        self.proving, self.max_connections = proving, max_connections
+        self._log = log or (lambda message: None)
+        self._selector = selectors.DefaultSelector()
+        self._pipes: set[_Pipe] = set()
+        self._opening: dict[str, list[_Pipe]] = {}  # by host, oldest first
+        self._relays: dict[int, _Pipe] = {}  # by the relay's local port
+        self._called: queue.SimpleQueue[int] = queue.SimpleQueue()  # relays that made a call
+        self._said: dict[str, float] = {}
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="grpc-gate", daemon=True)
+
+    def start(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """New connections are refused; those open go on until either side closes them."""
+        self._accepting = False
+
+    def host_of(self, peer: str) -> str:
+        """The client's host behind a gRPC peer string of a relayed connection
+        ("ipv4:127.0.0.1:PORT"); the peer's own host for any other."""
+        host, _, port = peer.rpartition(":")
+        pipe = self._relays.get(int(port)) if port.isdigit() else None
+        return pipe.host if pipe is not None else host
+
+    def called(self, peer: str) -> None:
+        """A call came on `peer`'s connection: it has the cluster's certificate (gRPC takes
+        none without), so it is proven now (from any thread)."""
+        port = peer.rpartition(":")[2]
+        if port.isdigit():
+            self._called.put(int(port))
+
+    def _say(self, cause: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._said.get(cause, -_QUIET_SECONDS) >= _QUIET_SECONDS:
+            self._said[cause] = now
+            self._log(message)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._accepting and self._listener.fileno() >= 0:
+                    self._selector.unregister(self._listener)
+                    self._listener.close()
+                for key, mask in self._selector.select(timeout=0.5):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._relay(key.data, key.fileobj, mask)
+                self._prove()
+            except Exception as e:  # whatever it was, the next connection is served
+                self._say("gate", f"gRPC port: {type(e).__name__}: {e}")
+                time.sleep(0.05)
+
+    def _accept(self) -> None:
+        for _ in range(64):  # at most this many in a row: the open connections go on too
+            try:
+                client, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, for one: try again shortly
+                self._say("accept", f"gRPC port: cannot accept a connection: {e.strerror}")
+                return
+            host = peer[0]
+            if self.max_connections and len(self._pipes) >= self.max_connections:
+                self._say("full", f"gRPC port: {len(self._pipes)} connections open, the "
+                          f"most taken; closing a new one from {host}")
+                client.close()
+                continue
+            client.setblocking(False)
+            pipe = _Pipe(client, host)
+            self._pipes.add(pipe)
+            self._selector.register(client, selectors.EVENT_READ, pipe)
+            opening = self._opening.setdefault(host, [])
+            opening.append(pipe)
+            if len(opening) > OPENING_PER_HOST:
+                self._evict(opening[0])
+            elif sum(map(len, self._opening.values())) > OPENING:
+                busiest = max(self._opening, key=lambda h: len(self._opening[h]))
+                self._evict(self._opening[busiest][0])
+
+    def _evict(self, pipe: _Pipe) -> None:
+        # the oldest, not the newest: a client slow to prove itself gives way, so that
+        # connections that never finish their handshake cannot keep anyone out
+        self._say("opening", "gRPC port: too many connections opening at once "
+                  f"(the latest from {pipe.host}); closing the oldest")
+        self._close(pipe)
+
+    def _prove(self) -> None:
+        """Connections older than the proving time are no longer counted as unproven; one
+        that has not sent a byte by then is closed (gRPC never saw it, to close it)."""
+        while not self._called.empty():
+            pipe = self._relays.get(self._called.get())
+            opening = self._opening.get(pipe.host, []) if pipe is not None else []
+            if pipe in opening:
+                opening.remove(pipe)
+        proven = time.monotonic() - self.proving
+        silent = []
+        for host in list(self._opening):
+            opening = self._opening[host]
+            while opening and opening[0].opened <= proven:
+                pipe = opening.pop(0)
+                if pipe.server is None:
+                    silent.append(pipe)
+            if not opening:
+                del self._opening[host]
+        for pipe in silent:
+            self._close(pipe)
+
+    def _connect(self, pipe: _Pipe) -> None:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setblocking(False)
+        server.bind(("127.0.0.1", 0))
+        server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pipe.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._relays[server.getsockname()[1]] = pipe
+        pipe.server = server
+        pipe.pending[server] = memoryview(b"")
+        server.connect_ex(self.upstream)
+        self._selector.register(server, selectors.EVENT_WRITE, pipe)
+
+    def _relay(self, pipe: _Pipe, sock: socket.socket, mask: int) -> None:
+        try:
+            if sock is pipe.server and not pipe.connected:
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise OSError(error, "the gRPC server refused the relay")
+                pipe.connected = True
+            if mask & selectors.EVENT_READ and sock not in pipe.ended and not pipe.pending[sock]:
+                data = sock.recv(_CHUNK)
+                if data:
+                    pipe.pending[sock] = memoryview(data)
+                    if pipe.server is None:
+                        self._connect(pipe)
+                else:
+                    pipe.ended.add(sock)
+            self._flush(pipe)
+        except OSError:
+            self._close(pipe)
+            return
+        server_done = pipe.server in pipe.ended and not pipe.pending[pipe.server]
+        if server_done or pipe.server is None and pipe.client in pipe.ended:
+            self._close(pipe)  # gRPC is done with the connection (or it never began)
+        else:
+            self._interest(pipe)
+
+    def _flush(self, pipe: _Pipe) -> None:
+        """Hand each side's waiting bytes to the other, as many as it takes now."""
+        if not pipe.connected:
+            return
+        for source in (pipe.client, pipe.server):
+            target, waiting = pipe.other(source), pipe.pending[source]
+            if waiting:
+                try:
+                    pipe.pending[source] = waiting[target.send(waiting):]
+                except (BlockingIOError, InterruptedError):
+                    pass
+            if not pipe.pending[source] and source in pipe.ended and target not in pipe.shut:
+                pipe.shut.add(target)
+                target.shutdown(socket.SHUT_WR)
+
+    def _interest(self, pipe: _Pipe) -> None:
+        """Each side: read while its last bytes are delivered, write while the other's wait
+        (or, for the relay, until its connection is made)."""
+        for sock in (pipe.client, pipe.server):
+            if sock is None:
+                continue
+            events = 0
+            if sock not in pipe.ended and not pipe.pending[sock] and (
+                    sock is pipe.client or pipe.connected):
+                events |= selectors.EVENT_READ
+            other = pipe.other(sock)
+            if (other is not None and pipe.pending[other]) or (
+                    sock is pipe.server and not pipe.connected):
+                events |= selectors.EVENT_WRITE
+            try:
+                registered = self._selector.get_key(sock).events
+            except KeyError:
+                registered = 0
+            if events == registered:
+                continue
+            if not events:
+                self._selector.unregister(sock)
+            elif registered:
+                self._selector.modify(sock, events, pipe)
+            else:
+                self._selector.register(sock, events, pipe)
+
+    def _close(self, pipe: _Pipe) -> None:
+        if pipe not in self._pipes:
+            return
+        self._pipes.discard(pipe)
+        opening = self._opening.get(pipe.host, [])
+        if pipe in opening:
+            opening.remove(pipe)
+            if not opening:
+                del self._opening[pipe.host]
+        for sock in (pipe.client, pipe.server):
+            if sock is None:
+                continue
+            if sock is pipe.server:
+                with contextlib.suppress(OSError):
+                    self._relays.pop(sock.getsockname()[1], None)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(sock)
+            sock.close()
