@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from coordinator.link import WorkerLink
 
 CONNECT_TIMEOUT = 10.0  # opening an expert lane: its TLS handshake and HELLO
+IDLE_CHECK = 1.0  # seconds idle after which a lane is checked for a close before it is used
 _CLOSE = object()
 
 
@@ -164,6 +165,7 @@ class LaneChannel:
         self._sock: ssl.SSLSocket | None = None
         self._owed = 0  # replies not read yet
         self._inbox = bytearray()  # reply bytes read while writing
+        self._used = 0.0  # when a request was last written
 
     def _connect(self, timeout: float) -> ssl.SSLSocket:
         link = self.link
@@ -192,7 +194,13 @@ class LaneChannel:
 
     def send(self, request: bytes, timeout: float, reply: bool = True) -> None:
         """Write a request, waiting at most `timeout` seconds for the worker to take it;
-        `reply`: whether one is owed."""
+        `reply`: whether one is owed. A lane the worker closed while it sat idle (its idle
+        timeout, docs/security.md) is opened again first."""
+        now = time.monotonic()
+        if self._sock is not None and not self._owed and now - self._used > IDLE_CHECK \
+                and select.select([self._sock], [], [], 0)[0]:
+            self.reset()  # readable with nothing owed: the worker closed it
+        self._used = now
         if self._sock is None:
             self._sock = self._connect(min(timeout, CONNECT_TIMEOUT))
             self._owed = 0

@@ -257,5 +257,24 @@ def test_a_coordinator_whose_idle_lanes_were_closed_generates_again(
         first = greedy_tokens(remote.model, PROMPT, 6)
         time.sleep(3.5)
         assert greedy_tokens(remote.model, PROMPT, 6) == first
+        # Lanes used after the coordinator's own push its lanes out of the spared few: the
+        # worker closes them while idle, and the coordinator opens them again at its next
+        # request instead of taking the worker for lost.
+        secret = load_secret(secret_file)
+        manifest = read_manifest(sharded)
+        host = workers[0].address.rpartition(":")[0]
+        newer = []
+        for worker, link in zip(workers, remote.cluster.links, strict=True):
+            for seq in range(KEEP_IDLE):
+                sock = ready_lane(host, link.inventory.lane_port, secret, link.node_id)
+                wire.write_frame(sock, wire.MESSAGE, request_bytes(manifest, link.inventory,
+                                                                   seq + 1))
+                assert wire.read_frame(sock, REPLIES)[0] == wire.MESSAGE
+                newer.append(sock)
+        time.sleep(3.5)
+        assert greedy_tokens(remote.model, PROMPT, 6) == first
+        assert all(remote.cluster.holdings)  # no worker was taken for lost
+        for sock in newer:
+            sock.close()
     finally:
         remote.close()
