@@ -264,7 +264,7 @@ def test_a_coordinator_whose_idle_lanes_were_closed_generates_again(
         manifest = read_manifest(sharded)
         host = workers[0].address.rpartition(":")[0]
         newer = []
-        for worker, link in zip(workers, remote.cluster.links, strict=True):
+        for link in remote.cluster.links:
             for seq in range(KEEP_IDLE):
                 sock = ready_lane(host, link.inventory.lane_port, secret, link.node_id)
                 wire.write_frame(sock, wire.MESSAGE, request_bytes(manifest, link.inventory,
