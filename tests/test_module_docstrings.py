@@ -17,7 +17,7 @@ NOT_YET = {
     "coordinator/server/http_limits.py", "coordinator/server/http_server.py",
     "coordinator/server/metrics.py", "coordinator/server/ollama_api.py",
     "coordinator/server/openai_api.py", "coordinator/server/tools.py",
-    "worker/cache.py", "worker/lane_server.py", "worker/reader.py", "worker/residency.py",
+    "worker/cache.py", "worker/reader.py", "worker/residency.py",
     "worker/uncached.py", "benchmarks/serve.py", "benchmarks/streaming.py",
     "scripts/families_doc.py",
 }

@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
     finally:
         close()
     if args.json:
-        from coordinator.report import migration_report
+        from coordinator.ops.ops_report import migration_report
 
         print(json.dumps(migration_report(report), indent=1))
     else:

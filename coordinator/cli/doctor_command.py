@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> None:
         format_checks,
         inspect_workers,
     )
-    from coordinator.report import doctor_report, member_rows
+    from coordinator.ops.ops_report import doctor_report, member_rows
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)

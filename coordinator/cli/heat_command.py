@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> None:
         reset_heat,
         summarize_heat,
     )
-    from coordinator.report import heat_report
+    from coordinator.ops.ops_report import heat_report
     from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)

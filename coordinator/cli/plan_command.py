@@ -57,8 +57,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from coordinator.ops.hub import local_model
+    from coordinator.ops.ops_report import plan_report
     from coordinator.ops.planning import VERDICT_EXIT, parse_worker_capacity, print_plan
-    from coordinator.report import plan_report
     from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
     from engine.sizes import read_sizes

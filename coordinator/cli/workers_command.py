@@ -47,7 +47,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.report import member_rows, workers_report, workers_stats_lines
+    from coordinator.ops.ops_report import member_rows, workers_report, workers_stats_lines
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)

@@ -99,8 +99,8 @@ class LiveRebalance:
                 s["steps_done"] += 1
 
     def _run(self, addresses: list[str]) -> None:
+        from coordinator.ops.ops_report import migration_report
         from coordinator.ops.rebalancer import describe, migrate
-        from coordinator.report import migration_report
 
         links = [WorkerLink(address, self.secret) for address in addresses]
         try:
@@ -265,8 +265,8 @@ class Dashboard:
 
     def rebalance_plan(self) -> dict:
         """`shoal rebalance --dry-run --json` over the healthy workers, with its text."""
+        from coordinator.ops.ops_report import migration_report
         from coordinator.ops.rebalancer import describe, migrate
-        from coordinator.report import migration_report
 
         links = [self._link(m.address) for m in self.service.membership.snapshot()
                  if m.state == "healthy"]

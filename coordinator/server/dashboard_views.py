@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 from coordinator.dispatch import LayerStats
 from coordinator.membership import Member
 from coordinator.ops.heat_record import name_workers, summarize_heat
-from coordinator.report import member_rows, summarize_stats
+from coordinator.ops.ops_report import member_rows
+from coordinator.report import summarize_stats
 from engine.heat import HeatRecord
 from engine.manifest import ExpertKey, Manifest
 from proto import shoal_pb2

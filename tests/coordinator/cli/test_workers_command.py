@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from coordinator.cli.workers_command import format_table
 from coordinator.membership import Member
-from coordinator.report import member_rows
+from coordinator.ops.ops_report import member_rows
 from engine.interfaces import Route
 
 

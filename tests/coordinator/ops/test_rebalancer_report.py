@@ -1,8 +1,8 @@
 """The words of `shoal deploy` / `shoal rebalance` for a plan and its result, from plain data."""
 
 from coordinator.ops.migration_executor import Execution
+from coordinator.ops.ops_report import migration_report
 from coordinator.ops.rebalancer import Report, describe
-from coordinator.report import migration_report
 from engine.migration import MigrationPlan, Step
 from engine.rebalance_plan import Proposal
 
