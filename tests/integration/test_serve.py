@@ -21,7 +21,7 @@ from coordinator.ops.local_processes import (
     start_workers,
     stop_workers,
 )
-from coordinator.server.batching import make_detokenizer
+from coordinator.server.answer_text import make_detokenizer
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow

@@ -5,17 +5,14 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.server.batching import Event, TokenLogprob, Usage, split_at_stop
-from coordinator.server.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    NEUTRAL,
+from coordinator.server.answer_text import Event, TokenLogprob, Usage, split_at_stop
+from coordinator.server.openai_answers import (
     Chunks,
     answer_meta,
     completion_json,
-    fit_to_context,
-    parse_request,
     usage_chunk_json,
 )
+from coordinator.server.openai_api import DEFAULT_MAX_TOKENS, NEUTRAL, fit_to_context, parse_request
 from engine.errors import InvalidInput
 
 HI = [{"role": "user", "content": "hi"}]
