@@ -32,6 +32,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from the prompt cache, not computed again
+    cache_tier: str | None = None  # where they came from: "memory" or "disk"
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def make_detokenizer(tokenizer: TokenizerWrapper, *,
 class AnswerText:
     """A request inside the batch generator: its text so far and its counters."""
 
-    def __init__(self, handle: Handle, tokenizer: TokenizerWrapper, cached: int) -> None:
+    def __init__(self, handle: Handle, tokenizer: TokenizerWrapper, cached: int,
+                 tier: str | None = None) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
         self.detokenizer = make_detokenizer(
@@ -88,9 +90,10 @@ class AnswerText:
         self.pending = ""  # generated text held back: it may begin a stop string
         self.generated = 0
         self.cached = cached
+        self.tier = tier if cached else None
 
     def usage(self) -> Usage:
-        return Usage(len(self.handle.prompt), self.generated, self.cached)
+        return Usage(len(self.handle.prompt), self.generated, self.cached, self.tier)
 
     def token_event(self, token: int, logprobs: mx.array, finish: str | None) -> Event:
         """The event for one generated token. `finish` "stop" means it is an end token,

@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass, replace
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
 from coordinator.server.answer_text import AnswerText, Event
 from coordinator.server.grammars import Grammars
+from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
 from coordinator.server.sampling import (
     Sampling,
     make_request_processors,
@@ -40,7 +40,8 @@ class EngineStats:
     decode_rows: int = 0  # rows over all decode steps: decode_rows / decode_steps = batch
     widest_step: int = 0  # the most rows one decode step carried
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
-    cached_tokens: int = 0  # prompt tokens served from the prompt cache
+    cached_tokens: int = 0  # prompt tokens served from the prompt cache (either tier)
+    disk_cached_tokens: int = 0  # of those, read back from disk
     failed_steps: int = 0
 
     def as_json(self) -> dict:
@@ -81,6 +82,7 @@ class BatchEngine:
         cache_key: str,
         max_batch: int = 16,
         prompt_cache_bytes: int = 1 << 30,
+        prompt_cache_disk: DiskTier | None = None,
         prefill_step_size: int = 512,
     ) -> None:
         self.model = model
@@ -89,9 +91,8 @@ class BatchEngine:
         self.prefill_step_size = prefill_step_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
-        self._cache_key = cache_key
         self._grammars = Grammars(tokenizer)
-        self._prompt_cache = LRUPromptCache(max_size=1 << 16, max_bytes=prompt_cache_bytes)
+        self._prompt_cache = PromptCache(cache_key, prompt_cache_bytes, prompt_cache_disk)
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._live: dict[int, AnswerText] = {}
         self._in_flight = 0  # requests submitted and not finished: read by other threads
@@ -103,9 +104,8 @@ class BatchEngine:
 
     @property
     def prompt_cache(self) -> dict:
-        """Entries and bytes in the prompt cache, and its bound (a snapshot)."""
-        return {"entries": len(self._prompt_cache), "bytes": self._prompt_cache.nbytes,
-                "limit": self.prompt_cache_bytes}
+        """Entries and bytes in the prompt cache's tiers, and their bounds (a snapshot)."""
+        return self._prompt_cache.stats()
 
     @property
     def alive(self) -> bool:
@@ -131,6 +131,7 @@ class BatchEngine:
         self._closed = True
         self._inbox.put(None)
         self._thread.join(timeout)
+        self._prompt_cache.close(timeout)  # the files of the last requests, written
 
     # the engine's thread ---------------------------------------------------------------
 
@@ -201,13 +202,8 @@ class BatchEngine:
             except ShoalError as e:
                 self._end(handle, Event(error=e))
                 continue
-            cache, rest = self._prompt_cache.fetch_nearest_cache(self._cache_key, handle.prompt)
-            if cache is not None and not rest:  # the whole prompt is cached: redo its last
-                if can_trim_prompt_cache(cache):
-                    trim_prompt_cache(cache, 1)
-                    rest = handle.prompt[-1:]
-                else:
-                    cache, rest = None, handle.prompt
+            hit = self._prompt_cache.fetch(handle.prompt)
+            cache, rest = hit.cache, hit.rest
             cached = len(handle.prompt) - len(rest)
             (uid,) = generator.insert(
                 [rest], max_tokens=[handle.sampling.max_tokens], caches=[cache],
@@ -215,10 +211,11 @@ class BatchEngine:
                 samplers=[make_request_sampler(handle.sampling)],
                 logits_processors=[processors],
             )
-            self._live[uid] = AnswerText(handle, self.tokenizer, cached)
-            self._count(prompt_tokens=len(rest), cached_tokens=cached)
+            self._live[uid] = AnswerText(handle, self.tokenizer, cached, hit.tier)
+            self._count(prompt_tokens=len(rest), cached_tokens=cached,
+                        disk_cached_tokens=cached if hit.tier == "disk" else 0)
         active = generator.prompt_cache_nbytes
-        self._prompt_cache.trim_to(n_bytes=self.prompt_cache_bytes - active)
+        self._prompt_cache.trim_to(self.prompt_cache_bytes - active)
 
     def _step(self, generator: BatchGenerator) -> None:
         _, responses = generator.next()
@@ -247,7 +244,7 @@ class BatchEngine:
                 self._keep(tokens, cache)
 
     def _keep(self, tokens: list[int], cache: list) -> None:
-        self._prompt_cache.insert_cache(self._cache_key, list(tokens), cache)
+        self._prompt_cache.keep(tokens, cache)
 
     def _fail_all(self, error: ShoalError, arrivals: list[Handle]) -> None:
         """End every request in the batch, and those that arrived but were not admitted,

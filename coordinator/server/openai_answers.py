@@ -45,7 +45,8 @@ def usage_json(event: Event) -> dict | None:
         return None
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens,
+                                      "cache_tier": u.cache_tier}}
 
 
 def error_json(message: str, kind: str, status: int) -> dict:

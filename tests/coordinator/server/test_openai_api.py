@@ -146,7 +146,8 @@ def test_a_whole_chat_answer_has_the_message_logprobs_and_usage():
     [score] = choice["logprobs"]["content"]
     assert score["token"] == "c" and [t["token"] for t in score["top_logprobs"]] == ["c", "d"]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0,
+                                                   "cache_tier": None}}
 
 
 def test_a_whole_text_answer_echoes_the_prompt_when_asked():
