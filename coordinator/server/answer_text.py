@@ -91,6 +91,7 @@ class AnswerText:
         self.generated = 0
         self.cached = cached
         self.tier = tier if cached else None
+        self.last_token: float | None = None  # when its latest token came (time.monotonic)
 
     def usage(self) -> Usage:
         return Usage(len(self.handle.prompt), self.generated, self.cached, self.tier)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
@@ -19,6 +20,7 @@ from mlx_lm.tokenizer_utils import (
 
 from coordinator.server.answer_text import AnswerText, Event
 from coordinator.server.grammars import Grammars
+from coordinator.server.latency import Latencies
 from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
 from coordinator.server.sampling import (
     Sampling,
@@ -56,6 +58,7 @@ class Handle:
         self.prompt = prompt
         self.sampling = sampling
         self.deliver = deliver
+        self.submitted = time.monotonic()
         self.cancelled = False
         self.done = False
         self._wake = wake
@@ -91,6 +94,7 @@ class BatchEngine:
         self.prefill_step_size = prefill_step_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
+        self.latencies = Latencies()
         self._grammars = Grammars(tokenizer)
         self._prompt_cache = PromptCache(cache_key, prompt_cache_bytes, prompt_cache_disk)
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
@@ -224,10 +228,16 @@ class BatchEngine:
             if len(responses) > self.stats.widest_step:
                 self.stats = replace(self.stats, widest_step=len(responses))
         stopped = []
+        now = time.monotonic()
         for r in responses:
             live = self._live.get(r.uid)
             if live is None:
                 continue
+            if live.last_token is None:
+                self.latencies.observe(first_token=now - live.handle.submitted)
+            else:
+                self.latencies.observe(gap=now - live.last_token)
+            live.last_token = now
             event = live.token_event(r.token, r.logprobs, r.finish_reason)
             if event.finish_reason is not None and r.finish_reason is None:
                 stopped.append(r.uid)  # a stop string: mlx-lm does not know to stop it
