@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from coordinator.server import anthropic_api, ollama_api
+from coordinator.server import anthropic_api, ollama_api, responses_api
 from coordinator.server.access_log import AccessLog
 from coordinator.server.answering import (
     Guard,
@@ -138,6 +138,7 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
         Route("/v1/models/{model:path}", guard(model), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(text_completions), methods=["POST"]),
+        *responses_api.routes(service, guard),
         *anthropic_api.routes(service, guard),
         *ollama_api.routes(service, guard),
     ]

@@ -31,7 +31,7 @@ from proto import shoal_pb2
 # Every route by name, the rest pooled as "other": a label per path a client makes up would
 # grow the registry without bound. /api/ is shared by the dashboard's endpoints and Ollama's.
 COUNTED_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/messages",
     "/v1/messages/count_tokens", "/health", "/", "/metrics",
     "/api/auth", "/api/cluster", "/api/speed", "/api/heat", "/api/rebalance",
     "/api/rebalance/plan",
