@@ -45,8 +45,9 @@ CHAT_FIELDS: dict[str, str] = {
     "prompt_cache_key": "ignored",
     "store": "'store': Shoal keeps no answers: send false or leave it out",
     "service_tier": "'service_tier': Shoal has one tier: send auto or default, or leave it out",
-    "prompt_cache_retention": "'prompt_cache_retention': Shoal's prompt cache is in memory "
-    "(in_memory), bounded by --prompt-cache-bytes, and keeps nothing for a promised time",
+    "prompt_cache_retention": "'prompt_cache_retention': Shoal's prompt cache (memory, then "
+    "disk) is bounded by --prompt-cache-bytes and --prompt-cache-disk, and keeps nothing for "
+    "a promised time: send in_memory or leave it out",
     "prompt_cache_options": "'prompt_cache_options': Shoal's prompt cache finds shared "
     "prefixes by itself (mode implicit); it takes no breakpoints and promises no lifetime",
     "prediction": "'prediction' (predicted outputs) is not supported: leave it out",
