@@ -39,13 +39,15 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
         "answer the OpenAI API (POST /v1/chat/completions and /v1/completions, streamed or "
-        "not, with tools and structured output; GET /v1/models and /health), Anthropic's "
+        "not, with tools and structured output; POST /v1/responses; GET /v1/models and /health), "
+        "Anthropic's "
         "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags), "
         "with a dashboard of the cluster at GET / and Prometheus metrics at GET /metrics. "
         "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
-        "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
-        "see docs/serving.md.",
+        "the KV cache of its earlier turns, kept in memory and on disk across restarts, and "
+        "a long prompt is computed in pieces between decode steps. Listens on loopback "
+        "unless --host says otherwise; see docs/serving.md.",
     )
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
                    help="the folder written by `shoal shard`")
