@@ -1,10 +1,6 @@
-"""Long prompts through `shoal serve` (two local workers, `shoal bench`'s checkpoint): time to
-first token cold, warm from the prompt cache in memory and warm from its files after a
-restart, and the gaps between the tokens of four running streams while a long prompt is
-prefilled in --prefill-step pieces.
-
-    python -m benchmarks.long_prompts [--quick] [--json] [--tokens N] [--prefill-step N]
-"""
+"""Long prompts through `shoal serve` on two local workers: time to first token cold, from the
+prompt cache in memory and from its files after a restart, and the gaps between four running
+streams' tokens while a long prompt is prefilled (`python -m benchmarks.long_prompts --help`)."""
 
 from __future__ import annotations
 

@@ -156,6 +156,8 @@ class DiskTier:
         """Keep `cache` (the KV cache of `tokens`) unless a file already holds it, then drop
         the files it makes redundant and the least recently used past the budget."""
         hashes = block_hashes(self.model, tokens)
+        if not hashes:
+            return
         with self._lock:
             name = self._by_hash.get(hashes[-1])
             known = self._entries.get(name) if name else None
