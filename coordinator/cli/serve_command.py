@@ -31,6 +31,7 @@ from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
     from coordinator.server.http_limits import Limits
+    from coordinator.server.prompt_cache_tiers import DiskTier
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -38,13 +39,15 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
         description="Load the dense part of a sharded model, connect to the workers, and "
         "answer the OpenAI API (POST /v1/chat/completions and /v1/completions, streamed or "
-        "not, with tools and structured output; GET /v1/models and /health), Anthropic's "
+        "not, with tools and structured output; POST /v1/responses; GET /v1/models and /health), "
+        "Anthropic's "
         "Messages API (POST /v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags), "
         "with a dashboard of the cluster at GET / and Prometheus metrics at GET /metrics. "
         "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
-        "the KV cache of its earlier turns. Listens on loopback unless --host says otherwise; "
-        "see docs/serving.md.",
+        "the KV cache of its earlier turns, kept in memory and on disk across restarts, and "
+        "a long prompt is computed in pieces between decode steps. Listens on loopback "
+        "unless --host says otherwise; see docs/serving.md.",
     )
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
                    help="the folder written by `shoal shard`")
@@ -71,6 +74,16 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--prompt-cache-bytes", default="1G", metavar="SIZE",
                    help="memory for the KV caches of finished requests that later requests "
                    "(the next turn of a chat) continue from (default 1G)")
+    p.add_argument("--prompt-cache-disk", default="10G", metavar="SIZE",
+                   help="disk for the same KV caches, kept across restarts and read back when "
+                   "a prompt shares a prefix of at least 256 tokens with one (default 10G; 0: "
+                   "none)")
+    p.add_argument("--prompt-cache-dir", type=Path, metavar="PATH",
+                   help="where those files go (default: prompt-cache/ in $SHOAL_CACHE, else "
+                   "~/.cache/shoal)")
+    p.add_argument("--prefill-step", type=int, default=256, metavar="TOKENS",
+                   help="a long prompt is computed this many tokens at a time between the "
+                   "decode steps of the others, so their streams keep flowing (default 256)")
     p.add_argument("--context", type=int, metavar="TOKENS",
                    help="prompt and answer together at most (default: the model's "
                    "max_position_embeddings)")
@@ -118,9 +131,15 @@ def check_serve_args(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--context must be at least 2 tokens, got {args.context}")
     if args.max_batch < 1:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.prefill_step < 1:
+        raise InvalidInput(f"--prefill-step must be at least 1, got {args.prefill_step}")
     cache_bytes = parse_budget(args.prompt_cache_bytes).bytes
     if cache_bytes is None:
         raise InvalidInput("--prompt-cache-bytes takes a size such as 512M or 2G")
+    disk = parse_budget(args.prompt_cache_disk).bytes if args.prompt_cache_disk != "0" else 0
+    if disk is None:
+        raise InvalidInput("--prompt-cache-disk takes a size such as 10G, or 0 for none")
+    args.prompt_cache_disk_bytes = disk
     return cache_bytes
 
 
@@ -145,6 +164,23 @@ def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
               file=sys.stderr)
     return Limits(max_body=body, max_connections=connections,
                   max_connections_per_host=min(args.max_connections_per_host, connections))
+
+
+def prompt_cache_disk(args: argparse.Namespace, model, manifest) -> DiskTier | None:
+    """The prompt cache's disk tier: this model's folder under --prompt-cache-dir."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from builders.demo_models import cache_root
+    from coordinator.server.prompt_cache_tiers import DiskTier
+
+    if not args.prompt_cache_disk_bytes:
+        return None
+    root = args.prompt_cache_dir or cache_root() / "prompt-cache"
+    try:
+        return DiskTier(root / manifest.fingerprint[:32], manifest.fingerprint,
+                        args.prompt_cache_disk_bytes, len(make_prompt_cache(model)))
+    except OSError as e:
+        raise InvalidInput(f"--prompt-cache-dir {root}: {e.strerror}") from None
 
 
 def main(args: argparse.Namespace) -> None:
@@ -176,7 +212,9 @@ def main(args: argparse.Namespace) -> None:
                                    wait=args.wait, on_wait=stderr_log, local_stores=stores,
                                    memory_budget=memory_budget)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
-                             max_batch=args.max_batch, prompt_cache_bytes=cache_bytes)
+                             max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
+                             prompt_cache_disk=prompt_cache_disk(args, remote.model, manifest),
+                             prefill_step_size=args.prefill_step)
         name = args.model_id or Path(args.model).resolve().name
         # the members health reads: the workers, and the coordinator's own experts
         service = Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,

@@ -1,3 +1,3 @@
-"""shoal serve: the HTTP server (http_server.py) and what every API it speaks shares
-(answering.py, batching.py, grammars.py, tools.py), the OpenAI, Anthropic and Ollama APIs' shapes,
-the limits and access log, and the dashboard with its page (static/) and metrics."""
+"""shoal serve: the HTTP server (http_server.py) and what every API shares (answering.py; the
+batch engine, its prompt cache tiers and request text; grammars.py, tools.py), the OpenAI,
+Responses, Anthropic and Ollama APIs' shapes, limits, access log, dashboard and metrics."""

@@ -25,7 +25,8 @@ from starlette.requests import Request
 from coordinator.cluster import Members, layer_sizes
 from coordinator.server.batching import BatchEngine, Event, Sampling
 from coordinator.server.http_limits import ConnectionGuard, Limits
-from coordinator.server.openai_api import CompletionRequest, decode_body, longest_token, prepare
+from coordinator.server.openai_api import CompletionRequest, decode_body
+from coordinator.server.prompts import longest_token, prepare
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.placement import replica_routes
@@ -116,7 +117,7 @@ class Service:
         return missing_experts(self.membership, self.manifest)
 
     def prepare(self, request: CompletionRequest) -> tuple[CompletionRequest, list[int]]:
-        """The request bound to this model (openai_api.prepare): its prompt's token ids,
+        """The request bound to this model (prompts.prepare): its prompt's token ids,
         refused before tokenizing when it cannot fit the context. Runs on a parser thread."""
         return prepare(self.tokenizer, request, self.vocab, context=self.context,
                        longest=self.longest_token)

@@ -200,7 +200,8 @@ def _usage(event: Event, prompt_tokens: int) -> dict:
     u = event.usage
     return {"input_tokens": u.prompt_tokens if u else prompt_tokens,
             "output_tokens": u.completion_tokens if u else 0,
-            "cache_read_input_tokens": u.cached_tokens if u else 0}
+            "cache_read_input_tokens": u.cached_tokens if u else 0,
+            "cache_tier": u.cache_tier if u else None}
 
 
 def _stop(reader: CallReader, event: Event, request: CompletionRequest) -> tuple[str, str | None]:

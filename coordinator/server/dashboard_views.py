@@ -114,7 +114,7 @@ def worker_cards(
 
 def coordinator_card(*, model: str, manifest: Manifest, context: int, max_batch: int,
                      in_flight: int, problem: str | None, started: int, batching: dict,
-                     prompt_cache: dict) -> dict:
+                     prompt_cache: dict, latency: dict | None = None) -> dict:
     return {
         "model": model,
         "model_type": manifest.model_type,
@@ -128,6 +128,7 @@ def coordinator_card(*, model: str, manifest: Manifest, context: int, max_batch:
         "started": started,
         "batching": batching,
         "prompt_cache": prompt_cache,
+        "latency": latency or {},
         "time": time.time(),
     }
 

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.server.openai_api import error_json
+from coordinator.server.openai_answers import error_json
 
 # Connections the kernel queues until they are accepted (the OS caps it: somaxconn); when
 # the queue is full a new client's SYN is dropped and it tries again a second later.

@@ -4,7 +4,7 @@ with every request decoded in one shared batch (coordinator/server/batching.py);
 Ollama's routes (coordinator/server/anthropic_api.py, ollama_api.py) are registered beside them,
 with CORS and the access log around all of them.
 
-Requests and answers take their shapes from coordinator/server/openai_api.py; this module carries
+Requests take their shapes from openai_api.py, answers from openai_answers.py; this module carries
 them: each request's body is read within the limits and parsed off the event loop, submitted
 to the engine, its events awaited, and a request whose client went away cancelled, which
 frees its row in the batch (the Service they share and a request's way through it are
@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from coordinator.server import anthropic_api, ollama_api
+from coordinator.server import anthropic_api, ollama_api, responses_api
 from coordinator.server.access_log import AccessLog
 from coordinator.server.answering import (
     Guard,
@@ -47,17 +47,15 @@ from coordinator.server.answering import (
 )
 from coordinator.server.batching import Event
 from coordinator.server.http_limits import BACKLOG, QuietAcceptErrors, guarded_protocol
-from coordinator.server.openai_api import (
+from coordinator.server.openai_answers import (
     Chunks,
-    CompletionRequest,
     answer_meta,
     completion_json,
     error_json,
-    fit_to_context,
     model_json,
-    parse_request,
     usage_chunk_json,
 )
+from coordinator.server.openai_api import CompletionRequest, fit_to_context, parse_request
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 
 
@@ -141,6 +139,7 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
         Route("/v1/models/{model:path}", guard(model), methods=["GET"]),
         Route("/v1/chat/completions", guard(chat_completions), methods=["POST"]),
         Route("/v1/completions", guard(text_completions), methods=["POST"]),
+        *responses_api.routes(service, guard),
         *anthropic_api.routes(service, guard),
         *ollama_api.routes(service, guard),
     ]

@@ -7,10 +7,15 @@ health, cache hits, rebalance progress) is read from the dashboard's state at ea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -26,7 +31,7 @@ from proto import shoal_pb2
 # Every route by name, the rest pooled as "other": a label per path a client makes up would
 # grow the registry without bound. /api/ is shared by the dashboard's endpoints and Ollama's.
 COUNTED_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/messages",
     "/v1/messages/count_tokens", "/health", "/", "/metrics",
     "/api/auth", "/api/cluster", "/api/speed", "/api/heat", "/api/rebalance",
     "/api/rebalance/plan",
@@ -48,6 +53,8 @@ class Figures:
     members: Sequence[Member]
     worker_stats: Mapping[str, shoal_pb2.WorkerStats]  # latest, by address
     rebalance: dict  # the dashboard's rebalance run (state, steps_done, ...)
+    latencies: dict = field(default_factory=dict)  # Latencies.histograms()
+    prompt_cache: dict = field(default_factory=dict)  # BatchEngine.prompt_cache
 
 
 class Metrics:
@@ -120,8 +127,19 @@ class _Collector:
         prompt = CounterMetricFamily("shoal_prompt_tokens", "Prompt tokens, computed or taken "
                                      "from the prompt cache", labels=["source"])
         prompt.add_metric(["computed"], b.prompt_tokens)
-        prompt.add_metric(["cache"], b.cached_tokens)
+        prompt.add_metric(["cache"], b.cached_tokens - b.disk_cached_tokens)
+        prompt.add_metric(["disk"], b.disk_cached_tokens)
         yield prompt
+        for name, doc in (("first_token", "Seconds from a request's arrival to its first "
+                           "token"), ("gap", "Seconds between two tokens of a running stream")):
+            if name in f.latencies:
+                buckets, total = f.latencies[name]
+                yield HistogramMetricFamily(f"shoal_{name}_seconds", doc, buckets=buckets,
+                                            sum_value=total)
+        disk = f.prompt_cache.get("disk")
+        if disk is not None:
+            yield _gauge("shoal_prompt_cache_disk_bytes", "Bytes of prompt cache files on "
+                         "disk", disk["bytes"])
         yield _counter("shoal_failed_steps", "Generation steps that failed", b.failed_steps)
         yield _gauge("shoal_requests_in_flight", "Requests submitted and not finished",
                      f.in_flight)

@@ -1,29 +1,17 @@
-"""The OpenAI API's shapes, as pure functions of plain data: a chat or text completion
-request validated from its JSON body (each 400 with a message), and the answers built from the
-batch engine's events (whole bodies, streamed chunks, usage, log-probabilities, errors).
+"""The OpenAI API's requests, as pure functions of plain data: a chat or text completion
+validated from its JSON body (each 400 with a message); openai_answers.py builds the answers.
 No HTTP here: coordinator/server/http_server.py carries these over Starlette."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass, replace
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-from coordinator.generate import encode_text
-from coordinator.server.batching import Event, Sampling, TokenLogprob
 from coordinator.server.grammars import response_format_grammar
+from coordinator.server.sampling import Sampling
 from coordinator.server.tools import (
-    CallReader,
-    ToolCall,
     ToolUse,
     check_function,
-    check_model_tools,
-    extra_stops,
-    forced_call_grammar,
-    template_messages,
     tool_use,
 )
 from engine.errors import InvalidInput
@@ -57,8 +45,9 @@ CHAT_FIELDS: dict[str, str] = {
     "prompt_cache_key": "ignored",
     "store": "'store': Shoal keeps no answers: send false or leave it out",
     "service_tier": "'service_tier': Shoal has one tier: send auto or default, or leave it out",
-    "prompt_cache_retention": "'prompt_cache_retention': Shoal's prompt cache is in memory "
-    "(in_memory), bounded by --prompt-cache-bytes, and keeps nothing for a promised time",
+    "prompt_cache_retention": "'prompt_cache_retention': Shoal's prompt cache (memory, then "
+    "disk) is bounded by --prompt-cache-bytes and --prompt-cache-disk, and keeps nothing for "
+    "a promised time: send in_memory or leave it out",
     "prompt_cache_options": "'prompt_cache_options': Shoal's prompt cache finds shared "
     "prefixes by itself (mode implicit); it takes no breakpoints and promises no lifetime",
     "prediction": "'prediction' (predicted outputs) is not supported: leave it out",
@@ -372,222 +361,3 @@ def fit_to_context(request: CompletionRequest, prompt_tokens: int,
         raise InvalidInput(f"max_tokens {asked} does not fit: the prompt has {prompt_tokens} "
                            f"tokens of the context's {context}, leaving {room}")
     return replace(request, sampling=replace(request.sampling, max_tokens=min(asked, room)))
-
-
-def longest_token(tokenizer: TokenizerWrapper) -> int:
-    """The most UTF-8 bytes one token's text in the vocabulary takes. A byte-level or
-    SentencePiece vocabulary spells a token with at least as many bytes as it stands for, so
-    no token covers more of a prompt than this."""
-    return max((len(text.encode("utf-8", "replace")) for text in tokenizer.get_vocab()),
-               default=1)
-
-
-def template_kwargs(tokenizer: TokenizerWrapper, request: CompletionRequest) -> dict:
-    """The chat template's keyword arguments: `chat_template_kwargs` as given, and the
-    reasoning effort as the template can take it (a thinking model's enable_thinking, or a
-    template that reads `reasoning_effort` itself); refused where it can take neither."""
-    kwargs = dict(request.template_kwargs)
-    template = tokenizer.chat_template or ""
-    if kwargs.get("enable_thinking") and not tokenizer.has_thinking and (
-        "enable_thinking" not in template
-    ):
-        raise InvalidInput("thinking was asked for, and this model does not reason (its chat "
-                           "template has no thinking switch)")
-    effort = request.reasoning_effort
-    if effort is not None:
-        reads_effort = "reasoning_effort" in template
-        if not tokenizer.has_thinking and not reads_effort:
-            raise InvalidInput("'reasoning_effort': this model does not reason (its chat "
-                               "template has no thinking switch): leave it out")
-        if tokenizer.has_thinking:
-            kwargs.setdefault("enable_thinking", effort != "none")
-        if reads_effort:
-            kwargs.setdefault("reasoning_effort", effort)
-    return kwargs
-
-
-def check_prompt_size(text: str, *, context: int, longest: int) -> None:
-    """Refuse a text that cannot fit the `context` whatever its tokens (at most `longest`
-    bytes each), before it is tokenized, which for a text of megabytes takes seconds."""
-    size = len(text.encode("utf-8"))
-    fewest = -(-size // max(longest, 1))
-    if fewest >= context:
-        raise InvalidInput(f"the prompt has at least {fewest} tokens ({size} bytes); this "
-                           f"model's context holds {context}, the prompt and the answer "
-                           "together")
-
-
-def prepare(tokenizer: TokenizerWrapper, request: CompletionRequest, vocab: int, *,
-            context: int, longest: int) -> tuple[CompletionRequest, list[int]]:
-    """The request bound to this model: its prompt as token ids (the chat template applied
-    as mlx-lm applies it, with the tools), a forced tool call's grammar and a single call's
-    stop; token ids given (prompt, logit_bias) must be below the model's `vocab` size, and a
-    prompt's text is refused before it is tokenized when it cannot fit the `context`
-    (check_prompt_size)."""
-    for token, _ in request.sampling.logit_bias:
-        if token >= vocab:
-            raise InvalidInput(f"'logit_bias': token id {token} is outside the vocabulary "
-                               f"({vocab} tokens)")
-    if not request.chat:
-        if isinstance(request.prompt, tuple):
-            if max(request.prompt) >= vocab:
-                raise InvalidInput(f"token id {max(request.prompt)} is outside the "
-                                   f"vocabulary ({vocab} tokens)")
-            return request, list(request.prompt)
-        check_prompt_size(request.prompt, context=context, longest=longest)
-        return request, encode_text(tokenizer, request.prompt)
-    check_model_tools(tokenizer, request.tools)
-    if tokenizer.chat_template is None:
-        raise InvalidInput("this model's tokenizer has no chat template")
-    try:
-        text = tokenizer.apply_chat_template(
-            template_messages(list(request.messages)), tools=request.tools.rendered,
-            tokenize=False, add_generation_prompt=True, **template_kwargs(tokenizer, request))
-    except InvalidInput:
-        raise
-    except Exception as e:  # the template itself refused (e.g. roles out of order)
-        raise InvalidInput(f"the chat template refused these messages: {e}") from None
-    sampling = request.sampling
-    grammar = forced_call_grammar(tokenizer, request.tools)
-    if grammar is not None:
-        sampling = replace(sampling, grammar=grammar)
-    sampling = replace(sampling, stop=sampling.stop + extra_stops(tokenizer, request.tools))
-    check_prompt_size(text, context=context, longest=longest)
-    return replace(request, sampling=sampling), encode_text(tokenizer, text)
-
-
-# ---------------------------------------------------------------------------------------
-# Answers in the OpenAI API's shapes
-
-
-def answer_meta(*, chat: bool, model: str) -> dict:
-    """The fields every body and chunk of one answer shares."""
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "created": int(time.time()), "model": model}
-
-
-def _token_text(tokenizer: TokenizerWrapper, token: int) -> str:
-    return tokenizer.decode([token])
-
-
-def chat_logprobs(tokenizer: TokenizerWrapper, scores: tuple[TokenLogprob, ...]) -> dict:
-    def entry(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**entry(s.token, s.logprob),
-                         "top_logprobs": [entry(t, lp) for t, lp in s.top]} for s in scores]}
-
-
-def text_logprobs(tokenizer: TokenizerWrapper, scores: tuple[TokenLogprob, ...]) -> dict:
-    tokens = [_token_text(tokenizer, s.token) for s in scores]
-    return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in s.top}
-                             for s in scores]}
-
-
-def usage_json(event: Event) -> dict | None:
-    u = event.usage
-    if u is None:
-        return None
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def error_json(message: str, kind: str, status: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-def finish_reason(reader: CallReader, event: Event) -> str | None:
-    if event.finish_reason == "stop" and reader.made_calls:
-        return "tool_calls"
-    return event.finish_reason
-
-
-def tool_calls_json(calls: tuple[ToolCall, ...], first_index: int | None = None) -> list[dict]:
-    """Calls in the API's shape; streamed ones carry their index in the answer."""
-    out = []
-    for i, call in enumerate(calls):
-        item = {"id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments_json}}
-        if first_index is not None:
-            item["index"] = first_index + i
-        out.append(item)
-    return out
-
-
-def completion_json(tokenizer: TokenizerWrapper, request: CompletionRequest,
-                    prompt: list[int], events: list[Event], meta: dict) -> dict:
-    """A whole (not streamed) answer's body from all of its events, the last one finished."""
-    last = events[-1]
-    text = "".join(e.text for e in events)
-    scores = tuple(s for e in events for s in e.logprobs)
-    want_scores = request.sampling.top_logprobs is not None
-    if request.chat:
-        reader = CallReader(tokenizer, request.tools)
-        piece = reader.feed(text, last=True)
-        message: dict = {"role": "assistant", "content": piece.text}
-        if piece.calls:
-            message["content"] = piece.text or None
-            message["tool_calls"] = tool_calls_json(piece.calls)
-        choice = {"index": 0, "message": message,
-                  "logprobs": chat_logprobs(tokenizer, scores) if want_scores else None,
-                  "finish_reason": finish_reason(reader, last)}
-        obj = "chat.completion"
-    else:
-        if request.echo:
-            text = tokenizer.decode(prompt) + text
-        choice = {"index": 0, "text": text,
-                  "logprobs": text_logprobs(tokenizer, scores) if want_scores else None,
-                  "finish_reason": last.finish_reason}
-        obj = "text_completion"
-    return {**meta, "object": obj, "choices": [choice], "usage": usage_json(last)}
-
-
-def _chunk_object(request: CompletionRequest) -> str:
-    return "chat.completion.chunk" if request.chat else "text_completion"
-
-
-class Chunks:
-    """A streamed answer's chunks, one per event: the first chat chunk names the role, tool
-    calls go out as `tool_calls` deltas as each one completes."""
-
-    def __init__(self, tokenizer: TokenizerWrapper, request: CompletionRequest,
-                 meta: dict) -> None:
-        self.tokenizer, self.request, self.meta = tokenizer, request, meta
-        self.reader = CallReader(tokenizer, request.tools)
-        self.first = True
-
-    def chunk(self, event: Event) -> dict:
-        request, tokenizer = self.request, self.tokenizer
-        scores = None
-        if request.sampling.top_logprobs is not None:
-            scores = (chat_logprobs if request.chat else text_logprobs)(tokenizer,
-                                                                         event.logprobs)
-        if request.chat:
-            sent = self.reader.made_calls
-            piece = self.reader.feed(event.text, last=event.finish_reason is not None)
-            delta: dict = {"role": "assistant", "content": piece.text} if self.first else (
-                {"content": piece.text} if piece.text or not event.finish_reason else {})
-            if piece.calls:
-                delta["tool_calls"] = tool_calls_json(piece.calls, sent)
-            choice = {"index": 0, "delta": delta, "logprobs": scores,
-                      "finish_reason": finish_reason(self.reader, event)}
-        else:
-            choice = {"index": 0, "text": event.text, "logprobs": scores,
-                      "finish_reason": event.finish_reason}
-        self.first = False
-        out = {**self.meta, "object": _chunk_object(request), "choices": [choice]}
-        if request.include_usage:
-            out["usage"] = None
-        return out
-
-
-def usage_chunk_json(request: CompletionRequest, event: Event, meta: dict) -> dict:
-    """The chunk after the last one when the client asked for usage: no choices."""
-    return {**meta, "object": _chunk_object(request), "choices": [], "usage": usage_json(event)}
-
-
-def model_json(model_id: str, created: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "shoal"}

@@ -70,7 +70,8 @@ def server(cluster, secret_file):
     key_file = root / "key"
     key_file.write_text(KEY + "\n")
     local = start_server(sharded, [w.address for w in workers], secret_file, root / "serve.log",
-                         ("--api-key-file", str(key_file), "--model-id", "tiny"))
+                         ("--api-key-file", str(key_file), "--model-id", "tiny",
+                          "--prompt-cache-dir", str(root / "prompt-cache")))
     yield local
     local.stop()
 

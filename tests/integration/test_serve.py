@@ -21,7 +21,7 @@ from coordinator.ops.local_processes import (
     start_workers,
     stop_workers,
 )
-from coordinator.server.batching import make_detokenizer
+from coordinator.server.answer_text import make_detokenizer
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,8 @@ def server(cluster, secret_file):
     key_file.write_text(KEY + "\n")
     local = start_server(sharded, [w.address for w in workers], secret_file,
                          root / "serve.log",
-                         ("--api-key-file", str(key_file), "--model-id", "tiny"))
+                         ("--api-key-file", str(key_file), "--model-id", "tiny",
+                          "--prompt-cache-dir", str(root / "prompt-cache")))
     yield Server(local)
     local.stop()
 

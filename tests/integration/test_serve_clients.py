@@ -121,7 +121,8 @@ def server(source, workers, secret_file, pages):
     local = start_server(root / "sharded", [w.address for w in workers], secret_file,
                          root / "serve.log", ("--api-key-file", str(root / "key"),
                                               "--model-id", "tiny", "--cors-origin", ORIGIN,
-                                              "--cors-origin", pages[0]))
+                                              "--cors-origin", pages[0],
+                                              "--prompt-cache-dir", str(root / "cache")))
     yield local
     local.stop()
 
@@ -132,7 +133,8 @@ def quiet_server(source, workers, secret_file):
     no CORS; and --log-level warning."""
     root = source.parent
     local = start_server(root / "sharded", [w.address for w in workers], secret_file,
-                         root / "quiet.log", ("--model-id", "tiny", "--log-level", "warning"))
+                         root / "quiet.log", ("--model-id", "tiny", "--log-level", "warning",
+                                              "--prompt-cache-dir", str(root / "cache")))
     yield local
     local.stop()
 

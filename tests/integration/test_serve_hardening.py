@@ -45,7 +45,8 @@ def _start(cluster, secret_file, name: str, *extra: str) -> LocalServer:
     key_file = root / "api-key"
     key_file.write_text(API_KEY + "\n")
     return start_server(sharded, [w.address for w in workers], secret_file,
-                        root / f"{name}.log", ("--api-key-file", str(key_file), *extra))
+                        root / f"{name}.log", ("--api-key-file", str(key_file),
+                                               "--prompt-cache-dir", str(root / "cache"), *extra))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ def test_a_lost_worker_with_copies_elsewhere_is_routed_around(replicated_stores,
     server = None
     try:
         server = start_server(sharded, [w.address for w in workers], secret_file,
-                              tmp_path / "serve.log")
+                              tmp_path / "serve.log",
+                              ("--prompt-cache-dir", str(tmp_path / "prompt-cache")))
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                                timeout=60)
 

@@ -48,6 +48,12 @@
 
   // -- helpers --------------------------------------------------------------------------
 
+  function seconds(series) {
+    if (!series || series.p50 === null) return "none yet";
+    const ms = (x) => `${(x * 1000).toFixed(x < 0.1 ? 1 : 0)} ms`;
+    return `${ms(series.p50)} / ${ms(series.p99)}`;
+  }
+
   function esc(text) {
     return String(text ?? "").replace(/[&<>"']/g, (c) => ({
       "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
@@ -171,7 +177,10 @@
           <dt>workers healthy</dt><dd>${healthyWorkers} of ${body.workers.length}</dd>
           <dt>requests in flight</dt><dd>${c.in_flight} of ${c.max_batch}</dd>
           <dt>context</dt><dd>${c.context} tokens</dd>
-          <dt>prompt cache</dt><dd>${c.prompt_cache.entries} entries, ${bytes(c.prompt_cache.bytes)}</dd>
+          <dt>prompt cache</dt><dd>${c.prompt_cache.entries} entries, ${bytes(c.prompt_cache.bytes)}${
+            c.prompt_cache.disk ? `; on disk ${c.prompt_cache.disk.entries}, ${bytes(c.prompt_cache.disk.bytes)}` : ""}</dd>
+          <dt>first token p50 / p99</dt><dd data-metric="first-token">${seconds(c.latency?.first_token)}</dd>
+          <dt>token gap p50 / p99</dt><dd data-metric="token-gap">${seconds(c.latency?.gap)}</dd>
           <dt>up</dt><dd>${esc(uptime(c.started))}</dd>
         </dl>
         ${c.detail ? `<div class="detail">${esc(c.detail)}</div>` : ""}

@@ -10,13 +10,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from builders.synthetic_tokenizer import build_tokenizer
 from coordinator.server.http_limits import ConnectionGuard, Limits, QuietAcceptErrors
-from coordinator.server.openai_api import (
-    MAX_JSON_DEPTH,
-    decode_body,
-    longest_token,
-    parse_request,
-    prepare,
-)
+from coordinator.server.openai_api import MAX_JSON_DEPTH, decode_body, parse_request
+from coordinator.server.prompts import longest_token, prepare
 from engine.errors import InvalidInput
 
 

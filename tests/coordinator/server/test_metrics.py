@@ -2,6 +2,7 @@
 requests counted by the middleware as they are answered, worker timings as histograms."""
 
 import asyncio
+from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
@@ -10,6 +11,7 @@ from starlette.routing import Route
 
 from coordinator.membership import Member
 from coordinator.server.batching import EngineStats
+from coordinator.server.latency import Latencies
 from coordinator.server.metrics import Figures, Metrics
 from engine.interfaces import Route as Path
 from proto import shoal_pb2
@@ -93,3 +95,26 @@ def test_requests_are_counted_by_path_and_status_and_unknown_paths_pooled():
     assert s[("shoal_requests_total", (("code", "200"), ("path", "/health")))] == 2
     assert s[("shoal_requests_total", (("code", "200"), ("path", "/api/chat")))] == 1
     assert s[("shoal_requests_total", (("code", "404"), ("path", "other")))] == 3
+
+
+def test_first_token_and_gap_times_are_histograms_and_the_disk_tier_a_source():
+    latencies = Latencies()
+    for gap in (0.004, 0.006, 0.02, 1.5):
+        latencies.observe(gap=gap)
+    latencies.observe(first_token=0.3)
+    base = figures(1)
+    metrics = Metrics(lambda: replace(
+        base, batching=replace(base.batching, cached_tokens=9, disk_cached_tokens=4),
+        latencies=latencies.histograms(),
+        prompt_cache={"disk": {"entries": 1, "bytes": 4096}}))
+    got = samples(metrics)
+    assert got[("shoal_gap_seconds_bucket", (("le", "0.005"),))] == 1
+    assert got[("shoal_gap_seconds_bucket", (("le", "0.025"),))] == 3
+    assert got[("shoal_gap_seconds_bucket", (("le", "+Inf"),))] == 4
+    assert got[("shoal_gap_seconds_count", ())] == 4
+    assert got[("shoal_first_token_seconds_count", ())] == 1
+    assert got[("shoal_prompt_tokens_total", (("source", "cache"),))] == 5
+    assert got[("shoal_prompt_tokens_total", (("source", "disk"),))] == 4
+    assert got[("shoal_prompt_cache_disk_bytes", ())] == 4096
+    summary = latencies.summary()["gap"]
+    assert summary["count"] == 4 and summary["p50"] == 0.02 and summary["max"] == 1.5

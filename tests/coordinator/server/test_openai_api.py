@@ -5,17 +5,14 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.server.batching import Event, TokenLogprob, Usage, split_at_stop
-from coordinator.server.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    NEUTRAL,
+from coordinator.server.answer_text import Event, TokenLogprob, Usage, split_at_stop
+from coordinator.server.openai_answers import (
     Chunks,
     answer_meta,
     completion_json,
-    fit_to_context,
-    parse_request,
     usage_chunk_json,
 )
+from coordinator.server.openai_api import DEFAULT_MAX_TOKENS, NEUTRAL, fit_to_context, parse_request
 from engine.errors import InvalidInput
 
 HI = [{"role": "user", "content": "hi"}]
@@ -149,7 +146,8 @@ def test_a_whole_chat_answer_has_the_message_logprobs_and_usage():
     [score] = choice["logprobs"]["content"]
     assert score["token"] == "c" and [t["token"] for t in score["top_logprobs"]] == ["c", "d"]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0,
+                                                   "cache_tier": None}}
 
 
 def test_a_whole_text_answer_echoes_the_prompt_when_asked():

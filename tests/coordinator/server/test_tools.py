@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from coordinator.server.openai_api import longest_token, parse_request, prepare
+from coordinator.server.openai_api import parse_request
+from coordinator.server.prompts import longest_token, prepare
 from coordinator.server.tools import CallReader, ToolUse, template_messages, tool_use
 from engine.errors import InvalidInput
 
