@@ -30,6 +30,7 @@ from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
 from engine.moe_layers import check_safetensors, expert_keys
+from engine.mtp import attach_from_files as attach_mtp
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model"
@@ -64,9 +65,12 @@ def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, Tokenize
             raise NotFound(f"dense weight file {path} is missing")
         check_safetensors(path)
     with contextlib.redirect_stdout(io.StringIO()):
-        model, _ = load_model(dense_dir, lazy=True, strict=False)
+        model, config = load_model(dense_dir, lazy=True, strict=False)
     index = json.loads((dense_dir / "model.safetensors.index.json").read_text())
     routed = expert_keys(manifest.layers)
+    # the MTP module, where the split kept one (`--draft mtp`): mlx-lm's load leaves it out
+    attach_mtp(model, config, [dense_dir / e.file for e in manifest.dense_files],
+               routed=frozenset(routed))
     wanted = {k for k, _ in tree_flatten(model.parameters()) if k not in routed}
     absent = sorted(wanted - set(index["weight_map"]))
     if absent:
