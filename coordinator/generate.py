@@ -26,6 +26,7 @@ from coordinator.link import LANE, Transport
 from coordinator.local_experts import LocalExperts, open_local_experts
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
+from coordinator.mtp_draft import MtpDraft
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
@@ -178,11 +179,12 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
-    draft: Draft | None = None,
+    draft: Draft | MtpDraft | None = None,
     **mlx_options,
 ) -> GenerationResult:
     """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's.
-    With a `draft`, the draft proposes tokens that `model` verifies several at a time.
+    With a `draft` (a draft model, or the model's own MTP module), the draft proposes tokens
+    that `model` verifies several at a time.
     `mlx_options` go to mlx-lm's generate_step: its KV-cache quantization (kv_bits,
     kv_group_size, quantized_kv_start) and a prompt_cache to continue from."""
     if max_tokens < 1:
