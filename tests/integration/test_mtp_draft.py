@@ -10,14 +10,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model
+from mlx_lm.utils import load, load_model
 
-from builders.synthetic_mtp import build_mtp_checkpoint
+from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
 from coordinator.dispatch import RemoteSwitch
 from coordinator.generate import RemoteModel, generate, open_remote_model
 from coordinator.mtp_draft import mtp_draft
 from coordinator.ops.local_processes import start_workers, stop_workers
-from coordinator.speculative import DraftPolicy
+from coordinator.speculative import Draft, DraftPolicy
 from engine.auth import load_secret
 from engine.errors import InvalidInput
 from engine.mtp import model_classes
@@ -88,13 +88,15 @@ def test_mtp_drafting_gives_mlx_lm_greedy_ids(family, bits, layout, tmp_path, se
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_a_module_right_by_construction_is_accepted(family, tmp_path):
     """The main model made a bigram model and the module its copy (builders/synthetic_mtp.py):
-    every guess is the main model's own next token, so every drafted token stands."""
+    every guess is the main model's own next token, so every drafted token stands, as for a
+    one-layer draft model made as right."""
     source = build_mtp_checkpoint(tmp_path / "source", family, bigram=True)
     shard(source, tmp_path / "sharded", progress=False)
     remote = open_remote_model(tmp_path / "sharded", [], b"",
                                local_stores=[tmp_path / "sharded" / "experts"])
     try:
         expected = mlx_lm_ids(source)
+        bigram_draft, _ = load(str(build_bigram_draft(tmp_path / "draft", source)))
         for n in (1, 3):
             drafted = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
                                draft=mtp_draft(remote.model, DraftPolicy(n, adaptive=False)))
@@ -103,6 +105,12 @@ def test_a_module_right_by_construction_is_accepted(family, tmp_path):
             assert spec.acceptance >= 0.95, spec
             # the first token reads the prompt; then n + 1 tokens a forward
             assert spec.verify_steps <= -(-(NEW_TOKENS - 1) // (n + 1)) + 1, spec
+            # A draft model as right (builders/synthetic_mtp.py) takes as many forwards.
+            other = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
+                             draft=Draft(bigram_draft, DraftPolicy(n, adaptive=False)))
+            assert other.token_ids == expected
+            assert other.speculative.acceptance == spec.acceptance, other.speculative
+            assert abs(other.speculative.verify_steps - spec.verify_steps) <= 1
     finally:
         remote.close()
 
