@@ -7,6 +7,8 @@ tokenizer (agrees never), adaptive, which must stay within 5% of plain decoding,
 which shows what adaptation saves. Every drafted run must give the plain run's greedy tokens.
 
     python -m benchmarks.draft_speedup [--json] [--runs R] [--tokens T] [--num-draft-tokens N]
+
+With --draft mtp, the model's own MTP module instead (benchmarks/mtp_speedup.py).
 """
 
 from __future__ import annotations
@@ -189,18 +191,33 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["q4_adaptive", "q4_fixed", "dense_adaptive", "random_adaptive",
                                  "random_fixed"],
                         help="measure only these drafts (plain decoding is always measured)")
+    parser.add_argument("--draft", choices=["models", "mtp"], default="models",
+                        help="models: the demo model with draft models (default); mtp: a "
+                        "synthetic DeepSeek-V3 with its own MTP module drafting "
+                        "(benchmarks/mtp_speedup.py)")
+    parser.add_argument("--size", choices=["tiny", "bench"], default="bench",
+                        help="with --draft mtp: the synthetic model's size (default bench)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.tokens < 2 or not 1 <= args.workers <= 16:
         parser.error("--runs must be at least 1, --tokens at least 2, --workers 1 to 16")
     try:
         DraftPolicy(args.num_draft_tokens)  # checks N before anything is built
-        report = run(runs=args.runs, tokens=args.tokens, max_draft=args.num_draft_tokens,
-                     workers=args.workers, only=args.only)
+        if args.draft == "mtp":
+            from benchmarks import mtp_speedup
+
+            report = mtp_speedup.run(runs=args.runs, tokens=args.tokens,
+                                     max_draft=args.num_draft_tokens, workers=args.workers,
+                                     size=args.size)
+            text = mtp_speedup.table(report)
+        else:
+            report = run(runs=args.runs, tokens=args.tokens, max_draft=args.num_draft_tokens,
+                         workers=args.workers, only=args.only)
+            text = table(report)
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(report, indent=1) if args.json else table(report))
+    print(json.dumps(report, indent=1) if args.json else text)
 
 
 if __name__ == "__main__":
