@@ -39,10 +39,10 @@ class MtpDraft:
     kind: str = "mtp"
 
     def tokens(self, prompt: mx.array, model: nn.Module, *, max_tokens: int,
-               sampler: Callable[[mx.array], mx.array],
-               stats: SpeculativeStats) -> Generator[tuple[int, mx.array, bool], None, None]:
+               sampler: Callable[[mx.array], mx.array], stats: SpeculativeStats,
+               cache: list | None = None) -> Generator[tuple[int, mx.array, bool], None, None]:
         return mtp_tokens(prompt, model, self.policy, max_tokens=max_tokens, sampler=sampler,
-                          stats=stats)
+                          stats=stats, cache=cache)
 
 
 def mtp_draft(model: nn.Module, policy: DraftPolicy) -> MtpDraft:
@@ -120,12 +120,17 @@ def mtp_tokens(
     max_tokens: int,
     sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
+    cache: list | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """(token, logprobs, from_draft) as speculative_tokens yields them, the MTP module drafting.
     The main model first reads the prompt (its hidden states are the module's input), so the
     first token is a plain step; then each step drafts up to N, verifies them and the token
-    before them in one forward, and keeps what the main model's own samples agree with."""
-    cache = make_prompt_cache(model)
+    before them in one forward, and keeps what the main model's own samples agree with.
+
+    `cache`, the main model's, may hold tokens before `prompt` (a conversation's earlier
+    turns; the module then reads only `prompt`). However the consumer stops, it is left holding
+    the prompt and every token handed on but the last, as mlx-lm's generate_step leaves it."""
+    cache = make_prompt_cache(model) if cache is None else cache
     if not can_trim_prompt_cache(cache):
         raise InvalidInput("speculative decoding needs models whose KV cache can be trimmed; "
                            "this model's cache cannot")
@@ -171,6 +176,13 @@ def mtp_tokens(
         else:
             stats.plain_steps += 1
         state = observe(policy, state, n, accepted, None if state.steps == 0 else seconds)
-        for i in range(accepted + 1):
-            made += 1
-            yield tokens[i], logprobs[i], i < accepted
+        given = 0
+        try:
+            for i in range(accepted + 1):
+                made += 1
+                given += 1
+                yield tokens[i], logprobs[i], i < accepted
+        finally:
+            if given <= accepted:  # stopped inside the accepted guesses: drop those after
+                for c in cache:
+                    c.trim(accepted + 1 - given)

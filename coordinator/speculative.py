@@ -189,8 +189,11 @@ class Draft:
     kind: str = "model"
 
     def tokens(self, prompt: mx.array, model: nn.Module, *, max_tokens: int,
-               sampler: Callable[[mx.array], mx.array],
-               stats: SpeculativeStats) -> Generator[tuple[int, mx.array, bool], None, None]:
+               sampler: Callable[[mx.array], mx.array], stats: SpeculativeStats,
+               cache: list | None = None) -> Generator[tuple[int, mx.array, bool], None, None]:
+        if cache is not None:
+            raise InvalidInput("a draft model starts from an empty KV cache; the MTP module "
+                               "(--draft mtp) can continue one")
         return speculative_tokens(prompt, model, self, max_tokens=max_tokens, sampler=sampler,
                                   stats=stats)
 
@@ -320,13 +323,16 @@ def stream_speculative(
     max_tokens: int,
     sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
+    prompt_cache: list | None = None,
 ) -> Iterator[GenerationResponse]:
     """mlx-lm's stream_generate over the draft's tokens (speculative_tokens for a draft model,
-    coordinator/mtp_draft.py's for the MTP module): the same responses, text, stop on EOS and
-    timing (mlx-lm's own stream_generate fixes N for the whole generation)."""
+    coordinator/mtp_draft.py's for the MTP module, which can continue a `prompt_cache`): the
+    same responses, text, stop on EOS and timing (mlx-lm's own stream_generate fixes N for
+    the whole generation)."""
     detokenizer = tokenizer.detokenizer
     stats.draft = draft.kind
-    tokens = draft.tokens(prompt, model, max_tokens=max_tokens, sampler=sampler, stats=stats)
+    tokens = draft.tokens(prompt, model, max_tokens=max_tokens, sampler=sampler, stats=stats,
+                          cache=prompt_cache)
     tic = time.perf_counter()
     prompt_tps = 0.0
     try:

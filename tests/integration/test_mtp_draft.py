@@ -149,3 +149,27 @@ def test_a_split_without_mtp_weights_is_refused_clearly(tiny_checkpoint, tmp_pat
     assert run.returncode != 0
     assert "shoal: error: --draft mtp needs the model's multi-token-prediction module" \
         in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("bigram", [False, True])
+def test_chat_with_the_module_gives_the_plain_replies_turn_by_turn(bigram, tmp_path):
+    """`shoal chat --draft mtp` on a pipe: the KV cache carries over between turns, guesses
+    past an end of reply are dropped from it, and every reply is the plain one."""
+    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", bigram=bigram)
+    shard(source, tmp_path / "sharded", progress=False)
+
+    def chat(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "chat", "--model",
+             str(tmp_path / "sharded"), "--local-store", str(tmp_path / "sharded" / "experts"),
+             "--max-tokens", "12", *extra],
+            input="Hello there\nAnd then?\n/reset\nHello there\n/quit\n",
+            capture_output=True, text=True, timeout=180)
+
+    plain, drafted = chat(), chat("--draft", "mtp", "--num-draft-tokens", "2")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and plain.stdout.count("\n") == 3
+    turns = [line for line in drafted.stderr.splitlines() if "guesses:" in line]
+    accepted = [int(line.split("guesses: ")[1].split()[0]) for line in turns]
+    assert len(turns) == 3 and (sum(accepted) > 0) == bigram, drafted.stderr
+    assert "from the cache" in turns[1] and " 0 from the cache" not in turns[1]
