@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-from engine.errors import CorruptData, InvalidInput
+from engine.errors import CorruptData
 
 MTP = "mtp"  # the attribute, and the parameter prefix, of the module on the model
 # Architectures whose published checkpoints keep the MTP module as one more decoder layer,
@@ -115,20 +115,19 @@ def attach_skeleton(model: nn.Module, config: dict) -> None:
 
 
 def mtp_weights(model: nn.Module, raw: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The MTP layer's tensors among a checkpoint's raw ones, named as model.mtp's parameters,
-    through the architecture's own sanitize (expert stacking, fp8 and latent-attention
-    rewriting) as if it were layer 0, the published keys or those Shoal wrote."""
+    """The MTP layer's tensors among a checkpoint's raw ones (the published keys or those Shoal
+    wrote), named as model.mtp's parameters, through the architecture's own sanitize (expert
+    stacking, FP8 and latent-attention rewriting) as if they were layer 0's."""
     prefix = _checkpoint_prefix(model)
-    ours = {k: v for k, v in raw.items() if k.startswith(f"{MTP}.")}
-    theirs = {module_name(k, prefix): v for k, v in raw.items() if k.startswith(prefix)}
-    found = {**theirs, **ours}
-    block = {"model.layers.0." + k[len(MTP) + 7:]: v for k, v in found.items()
-             if k.startswith(f"{MTP}.block.")}
-    own = {k: v for k, v in found.items() if not k.startswith(f"{MTP}.block.")}
-    if block and hasattr(model, "sanitize"):
-        block = model.sanitize(block)
-    return {**own, **{f"{MTP}.block." + k.removeprefix("model.layers.0."): v
-                      for k, v in block.items()}}
+    found = {module_name(k, prefix): v for k, v in raw.items() if k.startswith(prefix)}
+    found.update({k: v for k, v in raw.items() if k.startswith(f"{MTP}.")})
+    if not found:
+        return {}
+    layer = "model.layers.0."
+    as_layer = {layer + k[len(MTP) + 1:].removeprefix("block."): v for k, v in found.items()}
+    if hasattr(model, "sanitize"):
+        as_layer = model.sanitize(as_layer)
+    return {module_name(k, layer): v for k, v in as_layer.items()}
 
 
 def attach(model: nn.Module, config: dict, weights: dict[str, mx.array], *,
@@ -138,9 +137,6 @@ def attach(model: nn.Module, config: dict, weights: dict[str, mx.array], *,
     experts are served elsewhere."""
     if not weights:
         return None
-    if config.get("model_type") not in LAYER_MODEL_TYPES:
-        raise InvalidInput(f"Shoal cannot run the MTP module of a {config.get('model_type')} "
-                           f"model (it can for {', '.join(LAYER_MODEL_TYPES)})")
     module = MtpModule(model, head=f"{MTP}.shared_head.head.weight" in weights,
                        embed=f"{MTP}.embed_tokens.weight" in weights)
     quantization = config.get("quantization")

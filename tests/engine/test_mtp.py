@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from builders.synthetic_mtp import build_mtp_checkpoint
 from engine.moe_layers import load_source
-from engine.mtp import attach_from_files
+from engine.mtp import attach_from_files, mtp_weights
 from engine.sharding import shard
 from engine.sizes import estimate_sizes, read_sizes
 
@@ -59,3 +59,24 @@ def test_shard_quantizes_the_module_with_the_model(tmp_path):
     index = json.loads((tmp_path / "out" / "dense" / "model.safetensors.index.json").read_text())
     assert "mtp.eh_proj.scales" in index["weight_map"]
     assert "mtp.block.self_attn.q_proj.scales" in index["weight_map"]
+
+
+def test_fp8_module_tensors_are_dequantized_as_the_model_s(tmp_path):
+    """DeepSeek-V3 publishes the module in FP8 like its layers (a weight_scale_inv per 128x128
+    block, its own eh_proj included): the architecture's sanitize reads both alike."""
+    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", layout="hf")
+    model, config = load_source(source)
+    raw = mx.load(str(source / "model.safetensors"))
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    original = {}
+    for name in ("eh_proj", "self_attn.o_proj"):
+        original[name] = raw[f"{prefix}{name}.weight"]
+        raw[f"{prefix}{name}.weight"] = mx.to_fp8(original[name])
+        raw[f"{prefix}{name}.weight_scale_inv"] = mx.ones((1, 1))
+    weights = mtp_weights(model, raw)
+    assert not any("scale_inv" in k for k in weights)
+    for name, module_name in (("eh_proj", "mtp.eh_proj.weight"),
+                              ("self_attn.o_proj", "mtp.block.self_attn.o_proj.weight")):
+        assert weights[module_name].dtype == mx.bfloat16
+        assert mx.allclose(weights[module_name].astype(mx.float32), original[name],
+                           rtol=0.13, atol=1e-3)
