@@ -173,3 +173,21 @@ def test_chat_with_the_module_gives_the_plain_replies_turn_by_turn(bigram, tmp_p
     accepted = [int(line.split("guesses: ")[1].split()[0]) for line in turns]
     assert len(turns) == 3 and (sum(accepted) > 0) == bigram, drafted.stderr
     assert "from the cache" in turns[1] and " 0 from the cache" not in turns[1]
+
+
+def test_sampling_with_the_module_is_seeded_like_plain_sampling(tmp_path):
+    """mlx-lm's rule: module and main model each sample, and a guess stands when it equals the
+    main model's sample; a seed repeats a run with a fixed N."""
+    source = build_mtp_checkpoint(tmp_path / "source", "glm4_moe", bigram=True)
+    shard(source, tmp_path / "sharded", progress=False)
+    remote = open_remote_model(tmp_path / "sharded", [], b"",
+                               local_stores=[tmp_path / "sharded" / "experts"])
+    try:
+        runs = [generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
+                         temperature=0.8, seed=7,
+                         draft=mtp_draft(remote.model, DraftPolicy(2, adaptive=False)))
+                for _ in range(2)]
+        assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == NEW_TOKENS
+        assert runs[0].speculative.accepted > 0, runs[0].speculative
+    finally:
+        remote.close()
