@@ -32,6 +32,7 @@ from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
 from engine.moe_layers import check_safetensors, expert_keys
 from engine.mtp import attach_from_files as attach_mtp
+from engine.mtp import without_mtp
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model"
@@ -123,7 +124,8 @@ def open_remote_model(
         raise
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
-    dispatcher.lookahead = Lookahead(model, manifest)
+    # the main model's layers only: the MTP module's run when it drafts, not after the last
+    dispatcher.lookahead = Lookahead(model, without_mtp(manifest))
     mx.eval(model.parameters())
     return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned, local)
 

@@ -5,6 +5,7 @@ sizes, workers and the coordinator's dispatch treat its experts as those of any 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from engine.errors import CorruptData
+from engine.manifest import Manifest
 
 MTP = "mtp"  # the attribute, and the parameter prefix, of the module on the model
 # Architectures whose published checkpoints keep the MTP module as one more decoder layer,
@@ -66,6 +68,12 @@ def supports(config: dict) -> bool:
     """Whether the config states an MTP module of an architecture Shoal can run it for."""
     return config.get("model_type") in LAYER_MODEL_TYPES and \
         int(config.get("num_nextn_predict_layers") or 0) > 0
+
+
+def without_mtp(manifest: Manifest) -> Manifest:
+    """The manifest with the main model's MoE layers only."""
+    return replace(manifest, layers=tuple(layer for layer in manifest.layers
+                                          if not layer.path.startswith(f"{MTP}.")))
 
 
 def trunk(model: nn.Module, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
