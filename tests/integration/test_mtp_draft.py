@@ -56,7 +56,7 @@ def check_drafting(remote: RemoteModel, expected: list[int], workers: int) -> No
 
 @pytest.mark.parametrize("family,bits,layout", [
     ("deepseek_v3", None, "hf"), ("deepseek_v3", 4, "mlx"),
-    ("glm4_moe", None, "mlx"), ("glm4_moe", 4, "mlx"),
+    ("glm4_moe", None, "hf"), ("glm4_moe", 4, "mlx"),
 ])
 def test_mtp_drafting_gives_mlx_lm_greedy_ids(family, bits, layout, tmp_path, secret_file):
     source = build_mtp_checkpoint(tmp_path / "source", family, quantize_bits=bits,
