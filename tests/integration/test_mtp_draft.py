@@ -3,6 +3,7 @@
 checkpoint (float32 and 4-bit, DeepSeek-V3 and GLM-4.5 MoE), its experts reached through the
 same dispatch as every other layer's; a module right by construction is accepted."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,25 @@ def test_sampling_with_the_module_is_seeded_like_plain_sampling(tmp_path):
         assert runs[0].speculative.accepted > 0, runs[0].speculative
     finally:
         remote.close()
+
+
+def test_generate_command_drafts_with_the_module_and_reports_it(tmp_path):
+    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", bigram=True)
+    shard(source, tmp_path / "sharded", progress=False)
+
+    def shoal_generate(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "generate", "--model",
+             str(tmp_path / "sharded"), "--local-store", str(tmp_path / "sharded" / "experts"),
+             "--max-tokens", "16", *extra, "hello there"],
+            capture_output=True, text=True, timeout=120)
+
+    plain, drafted = shoal_generate("--json"), shoal_generate("--json", "--draft", "mtp")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    report = json.loads(drafted.stdout)
+    assert report["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert report["speculative"]["draft"] == "mtp", report["speculative"]
+    assert report["speculative"]["accepted"] > 0 and report["speculative"]["draft_forwards"] > 0
+    stats = shoal_generate("--stats", "--draft", "mtp", "--fixed-draft")
+    assert stats.returncode == 0, stats.stderr
+    assert "MTP draft: proposed" in stats.stderr and "the module's own forwards" in stats.stderr
