@@ -1,6 +1,6 @@
-"""Speculative decoding on the demo model: decode tokens/s of the 16-expert SmolLM2 MoE on local
-workers, plainly and with drafts (the demo's 4-bit one, the dense float32 ceiling, a random
-floor), each drafted run checked to give the plain run's greedy tokens (docs/speculative.md)."""
+"""Speculative decoding's speed-up: the demo's 16-expert MoE on local workers with drafts (4-bit,
+dense ceiling, random floor), or with --draft mtp the model's own MTP module (mtp_speedup.py),
+each drafted run checked to give the plain run's greedy tokens (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -182,19 +182,35 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["q4_adaptive", "q4_fixed", "dense_adaptive", "random_adaptive",
                                  "random_fixed"],
                         help="measure only these drafts (plain decoding is always measured)")
+    parser.add_argument("--draft", choices=["models", "mtp"], default="models",
+                        help="models: the demo model with draft models (default); mtp: a "
+                        "synthetic DeepSeek-V3 with its own MTP module drafting "
+                        "(benchmarks/mtp_speedup.py)")
+    parser.add_argument("--size", choices=["tiny", "bench"], default="bench",
+                        help="with --draft mtp: the synthetic model's size (default bench)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.tokens < 2 or not 1 <= args.workers <= 16:
         parser.error("--runs must be at least 1, --tokens at least 2, --workers 1 to 16")
     try:
         DraftPolicy(args.num_draft_tokens)  # checks N before anything is built
-        report = run(runs=args.runs, tokens=args.tokens, max_draft=args.num_draft_tokens,
-                     workers=args.workers, only=args.only)
+        if args.draft == "mtp":
+            from benchmarks import mtp_speedup
+
+            report = mtp_speedup.run(runs=args.runs, tokens=args.tokens,
+                                     max_draft=args.num_draft_tokens, workers=args.workers,
+                                     size=args.size)
+            text = mtp_speedup.table(report)
+        else:
+            report = run(runs=args.runs, tokens=args.tokens, max_draft=args.num_draft_tokens,
+                         workers=args.workers, only=args.only)
+            text = table(report)
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_record(what="draft-speedup", figures=report["results"], **report)
-    print(json.dumps(report, indent=1) if args.json else table(report))
+    write_record(what="mtp-speedup" if args.draft == "mtp" else "draft-speedup",
+                 figures=report["results"], **report)
+    print(json.dumps(report, indent=1) if args.json else text)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ _HF_EXPERT_PROJ = {
     "mixtral": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
     "qwen3_moe": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
     "deepseek_v3": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
+    # builders/synthetic_mtp.py writes it with its MTP module
+    "glm4_moe": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
 }
 
 

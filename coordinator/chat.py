@@ -17,6 +17,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from coordinator.generate import encode_messages
+from coordinator.mtp_draft import MtpDraft
+from coordinator.speculative import SpeculativeStats, stream_speculative
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -39,14 +41,16 @@ class Turn:
     tokens: int
     tokens_per_second: float
     seconds: float
+    speculative: SpeculativeStats | None = None  # with --draft
 
 
 class Conversation:
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, *,
                  system: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0,
-                 kv_cache: dict | None = None) -> None:
+                 kv_cache: dict | None = None, draft: MtpDraft | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.draft = draft  # the MTP module drafting, each turn afresh on the new tokens
         self.kv_cache = kv_cache or {}  # mlx-lm's KV-cache quantization, if asked
         self.system, self.max_tokens = system, max_tokens
         self.sampler = make_sampler(temp=temperature, top_p=top_p)
@@ -73,9 +77,18 @@ class Conversation:
                 self.cache, keep = make_prompt_cache(self.model), 0
         started = time.perf_counter()
         reply, tokens, speed = "", list(prompt), 0.0
-        for r in stream_generate(self.model, self.tokenizer, mx.array(prompt[keep:]),
-                                 max_tokens=self.max_tokens, sampler=self.sampler,
-                                 prompt_cache=self.cache, **self.kv_cache):
+        speculative = None
+        if self.draft is None:
+            responses = stream_generate(self.model, self.tokenizer, mx.array(prompt[keep:]),
+                                        max_tokens=self.max_tokens, sampler=self.sampler,
+                                        prompt_cache=self.cache, **self.kv_cache)
+        else:
+            speculative = SpeculativeStats()
+            responses = stream_speculative(self.model, self.tokenizer, mx.array(prompt[keep:]),
+                                           self.draft, max_tokens=self.max_tokens,
+                                           sampler=self.sampler, stats=speculative,
+                                           prompt_cache=self.cache)
+        for r in responses:
             tokens.append(int(r.token))
             speed = r.generation_tps
             if r.text:
@@ -86,4 +99,4 @@ class Conversation:
         self.cached = tokens[:max(c.offset for c in self.cache)]
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), keep, len(tokens) - len(prompt), speed,
-                    time.perf_counter() - started)
+                    time.perf_counter() - started, speculative)

@@ -26,10 +26,13 @@ from coordinator.link import LANE, Transport
 from coordinator.local_experts import LocalExperts, open_local_experts
 from coordinator.lookahead import Lookahead
 from coordinator.membership import Membership
+from coordinator.mtp_draft import MtpDraft
 from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
 from engine.moe_layers import check_safetensors, expert_keys
+from engine.mtp import attach_from_files as attach_mtp
+from engine.mtp import without_mtp
 from engine.process import launch_directly
 
 TOKENIZER_FILES = (
@@ -65,9 +68,12 @@ def load_dense(model_dir: Path, manifest: Manifest) -> tuple[nn.Module, Tokenize
             raise NotFound(f"dense weight file {path} is missing")
         check_safetensors(path)
     with contextlib.redirect_stdout(io.StringIO()):
-        model, _ = load_model(dense_dir, lazy=True, strict=False)
+        model, config = load_model(dense_dir, lazy=True, strict=False)
     index = json.loads((dense_dir / "model.safetensors.index.json").read_text())
     routed = expert_keys(manifest.layers)
+    # the MTP module, where the split kept one (`--draft mtp`): mlx-lm's load leaves it out
+    attach_mtp(model, config, [dense_dir / e.file for e in manifest.dense_files],
+               routed=frozenset(routed))
     wanted = {k for k, _ in tree_flatten(model.parameters()) if k not in routed}
     absent = sorted(wanted - set(index["weight_map"]))
     if absent:
@@ -121,7 +127,8 @@ def open_remote_model(
         raise
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
-    dispatcher.lookahead = Lookahead(model, manifest)
+    # the main model's layers only: the MTP module's run when it drafts, not after the last
+    dispatcher.lookahead = Lookahead(model, without_mtp(manifest))
     mx.eval(model.parameters())
     return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned, local)
 
@@ -177,11 +184,12 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
-    draft: Draft | None = None,
+    draft: Draft | MtpDraft | None = None,
     **mlx_options,
 ) -> GenerationResult:
     """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's.
-    With a `draft`, the draft proposes tokens that `model` verifies several at a time.
+    With a `draft` (a draft model, or the model's own MTP module), the draft proposes tokens
+    that `model` verifies several at a time.
     `mlx_options` go to mlx-lm's generate_step: its KV-cache quantization (kv_bits,
     kv_group_size, quantized_kv_start) and a prompt_cache to continue from."""
     if max_tokens < 1:

@@ -171,6 +171,8 @@ def draft_lines(report: dict, decode_tps: float, *, changes: bool = False) -> li
         f"target forward ({report['verify_steps']} verifying, {report['plain_steps']} plain), "
         f"decode {decode_tps:.1f} tok/s"
     ]
+    if report.get("draft") == "mtp":  # each of the module's forwards: one expert round trip
+        lines[0] = f"MTP {lines[0]}; the module's own forwards: {report['draft_forwards']}"
     if changes:
         steps = []
         for change in report["draft_changes"]:

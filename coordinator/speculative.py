@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +27,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load
 
 from engine.errors import InvalidInput, NotFound
+
+if TYPE_CHECKING:
+    from coordinator.mtp_draft import MtpDraft
 
 DEFAULT_DRAFT_TOKENS = 3
 
@@ -153,6 +157,8 @@ class SpeculativeStats:
     verify_steps: int = 0  # target forwards that checked drafted tokens
     plain_steps: int = 0  # target forwards without drafted tokens (drafting stopped)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (token index, new N)
+    draft: str = "model"  # what drafted: "model" (a draft model) or "mtp" (the model's own)
+    draft_forwards: int = 0  # the MTP module's forwards: one round trip to its experts each
 
     @property
     def acceptance(self) -> float:
@@ -167,6 +173,8 @@ class SpeculativeStats:
             "verify_steps": self.verify_steps,
             "plain_steps": self.plain_steps,
             "tokens_per_step": generated / steps if steps else 0.0,
+            "draft": self.draft,
+            "draft_forwards": self.draft_forwards,
             "draft_changes": [{"token": t, "num_draft_tokens": n} for t, n in self.changes],
         }
 
@@ -178,6 +186,16 @@ class Draft:
     model: nn.Module
     policy: DraftPolicy
     path: Path | None = None
+    kind: str = "model"
+
+    def tokens(self, prompt: mx.array, model: nn.Module, *, max_tokens: int,
+               sampler: Callable[[mx.array], mx.array], stats: SpeculativeStats,
+               cache: list | None = None) -> Generator[tuple[int, mx.array, bool], None, None]:
+        if cache is not None:
+            raise InvalidInput("a draft model starts from an empty KV cache; the MTP module "
+                               "(--draft mtp) can continue one")
+        return speculative_tokens(prompt, model, self, max_tokens=max_tokens, sampler=sampler,
+                                  stats=stats)
 
 
 def load_draft(path: Path, tokenizer: TokenizerWrapper, policy: DraftPolicy) -> Draft:
@@ -300,17 +318,21 @@ def stream_speculative(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
     prompt: mx.array,
-    draft: Draft,
+    draft: Draft | MtpDraft,
     *,
     max_tokens: int,
     sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
+    prompt_cache: list | None = None,
 ) -> Iterator[GenerationResponse]:
-    """mlx-lm's stream_generate over speculative_tokens: the same responses, text, stop on
-    EOS and timing (mlx-lm's own stream_generate fixes N for the whole generation)."""
+    """mlx-lm's stream_generate over the draft's tokens (speculative_tokens for a draft model,
+    coordinator/mtp_draft.py's for the MTP module, which can continue a `prompt_cache`): the
+    same responses, text, stop on EOS and timing (mlx-lm's own stream_generate fixes N for
+    the whole generation)."""
     detokenizer = tokenizer.detokenizer
-    tokens = speculative_tokens(prompt, model, draft, max_tokens=max_tokens, sampler=sampler,
-                                stats=stats)
+    stats.draft = draft.kind
+    tokens = draft.tokens(prompt, model, max_tokens=max_tokens, sampler=sampler, stats=stats,
+                          cache=prompt_cache)
     tic = time.perf_counter()
     prompt_tps = 0.0
     try:

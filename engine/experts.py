@@ -17,6 +17,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config
 from engine.errors import CorruptData, ShoalError
 from engine.manifest import MoeLayer
 from engine.moe_layers import get_module
+from engine.mtp import attach_skeleton as attach_mtp_skeleton
 from engine.tensors import to_mlx
 
 # mlx-lm's switch modules sort a call's pairs from this many on; a worker's call copies the
@@ -32,7 +33,9 @@ def build_skeleton(config: dict) -> nn.Module:
         kind = config.get("model_type")
         raise ShoalError(f"this mlx-lm cannot build model type {kind}: {e}") from None
     with contextlib.redirect_stdout(io.StringIO()):
-        return model_class(args_class.from_dict(config))
+        model = model_class(args_class.from_dict(config))
+    attach_mtp_skeleton(model, config)  # its experts are served like any other layer's
+    return model
 
 
 def switch_widths(module: nn.Module) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from mlx_lm.utils import load_model
 
 from engine.errors import CorruptData, NotFound, ShoalError
 from engine.manifest import MoeLayer
+from engine.mtp import model_classes as mtp_model_classes
 
 # The seam: mlx-lm's routed-expert modules, called as `module(x, inds)` by every MoE block,
 # whatever attribute name the block keeps them under (switch_mlp, experts, switch_glu, ...).
@@ -66,6 +67,8 @@ def find_moe_layers(model: nn.Module, config: dict) -> tuple[MoeLayer, ...]:
         # named_modules() does not walk layers in order (phixtral's came out reversed).
         match = re.search(r"(?:^|\.)(\d+)\.", path)
         layer = int(match.group(1)) if match else len(found)
+        if path.startswith("mtp."):  # engine/mtp.py: numbered after the last decoder layer
+            layer = model["mtp"].index
         found.append(MoeLayer(layer, path, next(iter(counts.values())), params))
     model_type = config.get("model_type", "?")
     if not found:
@@ -160,7 +163,7 @@ def load_source(model_dir: Path) -> tuple[nn.Module, dict]:
         check_safetensors(path)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return load_model(model_dir, lazy=True)
+            return load_model(model_dir, lazy=True, get_model_classes=mtp_model_classes)
     except ValueError as e:
         raise ShoalError(f"mlx-lm cannot load {model_dir}: {e}") from None
     except json.JSONDecodeError as e:

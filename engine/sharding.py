@@ -40,6 +40,7 @@ from engine.moe_layers import (
     resolve_model_dir,
     weight_files,
 )
+from engine.mtp import attach_from_files as attach_mtp
 from engine.placement import split_by_bytes
 from engine.store_lock import claim_for_writing, release
 
@@ -254,6 +255,7 @@ def shard(
     if workers is not None and workers < 1:
         raise InvalidInput(f"--workers must be at least 1, got {workers}")
     model, config = load_source(model_dir)
+    attach_mtp(model, config, weight_files(model_dir))  # mlx-lm drops it; its experts are kept
     if quantize_bits is not None:
         if config.get("quantization"):
             raise InvalidInput(f"{model_dir} is already quantized; drop --quantize")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordinator.cli.connect import members_secret, remote_model
 from coordinator.cli.options import (
@@ -17,6 +18,9 @@ from coordinator.cli.options import (
     secret_option,
 )
 from engine.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from coordinator.mtp_draft import MtpDraft
 
 HELP = "/reset forgets the conversation, /quit (or Ctrl-D) ends it, /help shows this"
 
@@ -39,6 +43,12 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling (default 1: off)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--draft", choices=["mtp"],
+                   help="speculative decoding with the model's own multi-token-prediction "
+                   "module (DeepSeek-V3 family, GLM-4.5 MoE): the same replies, fewer round "
+                   "trips (docs/speculative.md)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="with --draft: most tokens proposed per step (default 3)")
     kv_cache_options(p)
     secret_option(p)
     p.set_defaults(main=main)
@@ -51,8 +61,26 @@ def check_chat_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise InvalidInput(f"--top-p must be above 0 and at most 1, got {args.top_p}")
-    kv_cache_settings(args)
+    if kv_cache_settings(args) and args.draft:
+        raise InvalidInput("--kv-bits and --draft cannot be used together")
+    if args.num_draft_tokens is not None and not args.draft:
+        raise InvalidInput("--num-draft-tokens needs --draft")
+    if args.num_draft_tokens is not None:
+        from coordinator.speculative import DraftPolicy
+
+        DraftPolicy(args.num_draft_tokens)  # checks N before the model loads
     check_model_args(args)
+
+
+def chat_draft(args: argparse.Namespace, model) -> MtpDraft | None:
+    """The MTP module drafting, when --draft mtp asks for it."""
+    if not args.draft:
+        return None
+    from coordinator.mtp_draft import mtp_draft
+    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
+
+    n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
+    return mtp_draft(model, DraftPolicy(n))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -73,7 +101,8 @@ def main(args: argparse.Namespace) -> None:
         conversation = Conversation(remote.model, remote.tokenizer, system=args.system,
                                     max_tokens=args.max_tokens,
                                     temperature=args.temperature, top_p=args.top_p,
-                                    kv_cache=kv_cache_settings(args))
+                                    kv_cache=kv_cache_settings(args),
+                                    draft=chat_draft(args, remote.model))
         print(f"shoal chat: {Path(args.model).resolve().name}; {HELP}", file=sys.stderr,
               flush=True)
         converse(conversation)
@@ -100,6 +129,9 @@ def converse(conversation) -> None:
             continue
         turn = conversation.say(line, lambda text: print(text, end="", flush=True))
         print(flush=True)
+        spec = turn.speculative
+        drafted = "" if spec is None else (
+            f"; the MTP module's guesses: {spec.accepted} of {spec.proposed} accepted")
         print(f"[{turn.tokens} tokens at {turn.tokens_per_second:.1f} tok/s; prompt "
-              f"{turn.prompt_tokens} tokens, {turn.cached_tokens} from the cache]",
+              f"{turn.prompt_tokens} tokens, {turn.cached_tokens} from the cache{drafted}]",
               file=sys.stderr, flush=True)

@@ -23,7 +23,8 @@ from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
     from coordinator.generate import RemoteModel
-    from coordinator.speculative import DraftPolicy
+    from coordinator.mtp_draft import MtpDraft
+    from coordinator.speculative import Draft, DraftPolicy
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -59,13 +60,19 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def draft_options(p: argparse.ArgumentParser) -> None:
-    """--draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
+    """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
     from coordinator.speculative import DEFAULT_DRAFT_TOKENS
 
-    p.add_argument("--draft-model", type=Path, metavar="PATH",
-                   help="speculative decoding: a small mlx-lm model with the same tokenizer, run "
-                   "here, proposes tokens that the sharded model checks several at a time "
-                   "(same greedy output, fewer round trips; docs/speculative.md)")
+    drafts = p.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", choices=["mtp"],
+                        help="speculative decoding with the model's own multi-token-prediction "
+                        "module (DeepSeek-V3 and its family, GLM-4.5 MoE), run here with its "
+                        "experts on the workers: no second model (docs/speculative.md)")
+    drafts.add_argument("--draft-model", type=Path, metavar="PATH",
+                        help="speculative decoding: a small mlx-lm model with the same "
+                        "tokenizer, run here, proposes tokens that the sharded model checks "
+                        "several at a time (same greedy output, fewer round trips; "
+                        "docs/speculative.md)")
     p.add_argument("--num-draft-tokens", type=int, metavar="N",
                    help=f"most tokens the draft proposes per step (default "
                    f"{DEFAULT_DRAFT_TOKENS}); fewer, or none, while it is seldom accepted")
@@ -89,17 +96,35 @@ def main(args: argparse.Namespace) -> None:
 
 
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
-    """The drafting policy that --draft-model and friends ask for, or None without a draft."""
+    """The drafting policy that --draft or --draft-model and friends ask for, or None without
+    a draft."""
     from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
 
-    if args.draft_model is None:
+    if not drafting(args):
         if args.num_draft_tokens is not None or args.fixed_draft:
-            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft-model")
+            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft or "
+                               "--draft-model")
         return None
-    if not args.draft_model.is_dir():
+    if args.draft_model is not None and not args.draft_model.is_dir():
         raise InvalidInput(f"--draft-model {args.draft_model} is not a model folder")
     n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
     return DraftPolicy(max_draft=n, adaptive=not args.fixed_draft)
+
+
+def drafting(args: argparse.Namespace) -> bool:
+    return args.draft is not None or args.draft_model is not None
+
+
+def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
+                  policy: DraftPolicy) -> Draft | MtpDraft:
+    """The draft the options name: the model's own MTP module, or a draft model."""
+    if args.draft == "mtp":
+        from coordinator.mtp_draft import mtp_draft
+
+        return mtp_draft(remote.model, policy)
+    from coordinator.speculative import load_draft
+
+    return load_draft(args.draft_model, remote.tokenizer, policy)
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
@@ -108,10 +133,12 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise InvalidInput(f"--temperature must be 0 (greedy) or more, got {args.temperature}")
-    if kv_cache_settings(args) and args.draft_model is not None:
-        raise InvalidInput("--kv-bits and --draft-model cannot be used together")
-    if args.prompt_cache_file is not None and args.draft_model is not None:
-        raise InvalidInput("--prompt-cache-file and --draft-model cannot be used together")
+    if kv_cache_settings(args) and drafting(args):
+        raise InvalidInput("--kv-bits and a draft (--draft, --draft-model) cannot be used "
+                           "together")
+    if args.prompt_cache_file is not None and drafting(args):
+        raise InvalidInput("--prompt-cache-file and a draft (--draft, --draft-model) cannot "
+                           "be used together")
     check_model_args(args)
 
 
@@ -171,11 +198,7 @@ def decode(
         prompt_ids = question_tokens(remote.tokenizer, args.prompt, chat=args.chat)
     else:
         prompt_ids = encode_prompt(remote.tokenizer, args.prompt, chat=args.chat)
-    draft = None
-    if policy is not None:
-        from coordinator.speculative import load_draft
-
-        draft = load_draft(args.draft_model, remote.tokenizer, policy)
+    draft = None if policy is None else load_draft_of(args, remote, policy)
     before = read_stats(remote.cluster.links) if args.stats else {}
     result = generate(
         remote.model, remote.tokenizer, prompt_ids,

@@ -87,7 +87,11 @@ def shoal(*args: str):
 def test_draft_options_are_checked_before_anything_loads(tmp_path):
     common = ("generate", "hi", "--model", str(tmp_path / "none"), "--workers", "127.0.0.1:1")
     run = shoal(*common, "--num-draft-tokens", "3")
-    assert run.returncode == 2 and "need --draft-model" in run.stderr
+    assert run.returncode == 2 and "need --draft or --draft-model" in run.stderr
+    run = shoal(*common, "--draft", "mtp", "--draft-model", str(tmp_path))
+    assert run.returncode == 2 and "not allowed with argument" in run.stderr
+    run = shoal(*common, "--draft", "mtp", "--kv-bits", "4")
+    assert run.returncode == 2 and "--kv-bits and a draft" in run.stderr
     run = shoal(*common, "--draft-model", str(tmp_path / "missing"))
     assert run.returncode == 2 and "not a model folder" in run.stderr
     run = shoal(*common, "--draft-model", str(tmp_path), "--num-draft-tokens", "0")

@@ -55,8 +55,8 @@ def test_plan_says_when_the_model_does_not_fit(sharded):
 
 
 def test_plan_exit_status_tells_fits_streams_and_does_not_fit(tmp_path):
-    # The real DeepSeek-V3 config (FP8 source, held as bf16 unless quantized): 1218 GiB of
-    # experts; at 4 bits 343 GiB.
+    # The real DeepSeek-V3 config (FP8 source, held as bf16 unless quantized): 1239 GiB of
+    # experts, its MTP module's included; at 4 bits 349 GiB.
     from tests.engine.published_configs import DEEPSEEK_V3
 
     config = tmp_path / "config.json"
@@ -64,9 +64,10 @@ def test_plan_exit_status_tells_fits_streams_and_does_not_fit(tmp_path):
     two_studios = ["--worker", "a=192G:2T", "--worker", "b=192G:2T"]
     as_is = plan("--model", str(config), *two_studios)
     assert as_is.returncode == 3, as_is.stderr
-    assert "1218.0 GiB of experts" in as_is.stdout and "only by streaming" in as_is.stdout
+    assert "1239.0 GiB of experts" in as_is.stdout and "only by streaming" in as_is.stdout
     assert "FP8" in as_is.stdout
-    four_bits = plan("--model", str(config), *two_studios, "--bits", "4", "--json")
+    bigger_studios = ["--worker", "a=256G:2T", "--worker", "b=256G:2T"]
+    four_bits = plan("--model", str(config), *bigger_studios, "--bits", "4", "--json")
     assert four_bits.returncode == 0, four_bits.stderr
     report = json.loads(four_bits.stdout)
     assert report["verdict"] == "fits" and report["model"]["expert_bits_per_weight"] == 4.5
@@ -105,13 +106,13 @@ def test_plan_gives_an_fp8_sources_download_size_beside_its_split(tmp_path):
     config = deepseek_config(tmp_path)
     run = plan("--model", str(config), "--worker", "a=192G:2TB", "--json")
     model = json.loads(run.stdout)["model"]
-    # About one byte per weight (671 billion, the MTP layer mlx-lm drops not counted), and the
-    # bf16 split about twice that.
+    # About one byte per weight (671 billion and the MTP module's 14, as published: `shoal
+    # shard` keeps it), and the bf16 split about twice that.
     assert 640e9 < model["source_bytes"] < 700e9
     assert 1.9 < model["split_bytes"] / model["source_bytes"] < 2.1
     text = plan("--model", str(config), "--worker", "a=192G:2TB").stdout
-    assert "download: 673." in text and "GB = " in text and "GiB (estimated" in text
-    assert "the split `shoal shard` writes: 1.34 TB = 1.22 TiB" in text
+    assert "download: 684." in text and "GB = " in text and "GiB (estimated" in text
+    assert "the split `shoal shard` writes: 1.37 TB = 1.24 TiB" in text
     quantized = plan("--model", str(config), "--worker", "a=192G:2TB", "--bits", "4", "--json")
     model_q = json.loads(quantized.stdout)["model"]
     assert model_q["source_bytes"] == model["source_bytes"]  # the download is the same

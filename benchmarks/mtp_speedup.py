@@ -1,0 +1,117 @@
+"""`--draft mtp` measured (`python -m benchmarks.draft_speedup --draft mtp`): a synthetic
+DeepSeek-V3 with an MTP module on local workers, plainly, with a random module (within 5%) and
+with one right by construction beside a one-layer draft model made as right."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mlx_lm.utils import load
+
+from benchmarks.bench import machine
+from builders.demo_models import build_once, cache_root
+from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
+from coordinator.cli.demo_command import demo_workers
+from coordinator.generate import generate
+from coordinator.mtp_draft import mtp_draft
+from coordinator.speculative import Draft, DraftPolicy
+from engine.sharding import shard
+
+PROMPT = list(range(5, 37))  # token ids: the synthetic tokenizer's text means nothing
+USELESS_TOLERANCE = 0.05  # a useless module may cost at most this share of plain decode speed
+SAME_SPEEDUP_TOLERANCE = 0.10  # the two draft paths' speed-ups at the same acceptance
+
+
+def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path | None]]:
+    """name -> (its split for `workers`, the draft model as right as its module, if any),
+    built into the cache ($SHOAL_CACHE, else ~/.cache/shoal) on first use."""
+    root = cache_root() / "mtp-bench"
+    out = {}
+    for name, bigram in (("random", False), ("right", True)):
+        source = build_once(
+            root / f"{name}-{size}-{dtype}",
+            lambda path, bigram=bigram: build_mtp_checkpoint(
+                path, "deepseek_v3", size=size, dtype=dtype, seed=1, bigram=bigram),
+            f"a {size} deepseek_v3 with a {name} MTP module")
+        sharded = build_once(root / f"{name}-{size}-{dtype}-w{workers}",
+                             lambda path, source=source: shard(source, path, workers=workers,
+                                                               progress=False),
+                             f"its split for {workers} workers")
+        draft = build_once(root / f"{name}-{size}-{dtype}-draft",
+                           lambda path, source=source: build_bigram_draft(path, source),
+                           "a draft model as right as its module") if bigram else None
+        out[name] = (sharded, draft)
+    return out
+
+
+def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "bench",
+        dtype: str = "float32") -> dict:
+    """Plain and drafted decoding of each model, interleaved run by run."""
+    from benchmarks.draft_speedup import figures, log, median_run
+
+    started = time.perf_counter()
+    adaptive, fixed = DraftPolicy(max_draft), DraftPolicy(max_draft, adaptive=False)
+    report = {}
+    for name, (sharded, draft_dir) in prepared(size, dtype, workers).items():
+        with demo_workers(sharded, workers) as (remote, _):
+            drafts = {"mtp_adaptive": mtp_draft(remote.model, adaptive),
+                      "mtp_fixed": mtp_draft(remote.model, fixed)}
+            if draft_dir is not None:
+                model = load(str(draft_dir))[0]
+                drafts["model_adaptive"] = Draft(model, adaptive, draft_dir)
+                drafts["model_fixed"] = Draft(model, fixed, draft_dir)
+            log(f"{name} module: warming up")
+            generate(remote.model, remote.tokenizer, PROMPT, max_tokens=4)
+            samples: dict[str, list[dict]] = {key: [] for key in ["plain", *drafts]}
+            for index in range(runs):
+                log(f"{name} module, run {index + 1} of {runs}")
+                plain = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=tokens)
+                samples["plain"].append(figures(plain, None))
+                for key, draft in drafts.items():
+                    result = generate(remote.model, remote.tokenizer, PROMPT,
+                                      max_tokens=tokens, draft=draft)
+                    samples[key].append(figures(result, plain))
+        rows = {f"{name}_{key}": median_run(found) for key, found in samples.items()}
+        base = rows[f"{name}_plain"]["decode_tps"]
+        for row in rows.values():
+            row["ratio_vs_plain"] = row["decode_tps"] / base if base else None
+        report.update(rows)
+    useless = report["random_mtp_adaptive"]["ratio_vs_plain"]
+    mtp, model = (report[f"right_{key}_fixed"]["ratio_vs_plain"] for key in ("mtp", "model"))
+    targets = {
+        "useless_module_within_5pct": useless is not None and useless >= 1 - USELESS_TOLERANCE,
+        "mtp_speedup_within_10pct_of_draft_model": bool(mtp and model) and
+            abs(mtp / model - 1) <= SAME_SPEEDUP_TOLERANCE,
+        "greedy_tokens_identical": all(row["same_tokens"] for row in report.values()
+                                       if "same_tokens" in row),
+    }
+    return {
+        "machine": machine(),
+        "settings": {"model": f"synthetic deepseek_v3 ({size}, {dtype}) with an MTP module",
+                     "workers": workers, "prompt": f"{len(PROMPT)} token ids",
+                     "tokens": tokens, "runs": runs, "num_draft_tokens": max_draft},
+        "results": report,
+        "targets": targets,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def table(report: dict) -> str:
+    settings = report["settings"]
+    lines = [
+        f"--draft mtp, {settings['model']}, {settings['workers']} workers, "
+        f"{settings['tokens']} tokens, median of {settings['runs']}, N <= "
+        f"{settings['num_draft_tokens']}",
+        f"  {'run':<22} {'tok/s':>7} {'vs plain':>8} {'accepted':>9} {'tok/step':>8} "
+        f"{'same ids':>8}",
+    ]
+    for name, row in report["results"].items():
+        accepted = f"{100 * row['acceptance_rate']:.0f}%" if "acceptance_rate" in row else "-"
+        per_step = f"{row['tokens_per_step']:.2f}" if "tokens_per_step" in row else "-"
+        same = {True: "yes", False: "NO"}.get(row.get("same_tokens"), "-")
+        lines.append(f"  {name:<22} {row['decode_tps']:>7.2f} {row['ratio_vs_plain']:>7.2f}x "
+                     f"{accepted:>9} {per_step:>8} {same:>8}")
+    for name, met in report["targets"].items():
+        lines.append(f"  target {name}: {'met' if met else 'MISSED'}")
+    return "\n".join(lines)
