@@ -13,6 +13,7 @@ from pathlib import Path
 
 from benchmarks.baselines import measure_single
 from benchmarks.checkpoints import FULL, QUICK, bench_checkpoint
+from benchmarks.records import write_record
 from benchmarks.shoal_runs import measure_all_local
 
 
@@ -51,6 +52,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     report = run(quick=args.quick, rounds=args.rounds, runs=args.runs)
+    medians = report["median_decode_tps"]
+    write_record(what="one-machine-quick" if args.quick else "one-machine",
+                 figures={"shoal_one_mac_all_local": medians["shoal_one_mac_all_local"]},
+                 baselines={"mlx_lm_single": medians["mlx_lm_single"]},
+                 ratios={"all_local_decode_ratio_vs_mlx_lm_single": report["ratio"]},
+                 **report)
     text = json.dumps(report, indent=1)
     if args.json is not None:
         args.json.write_text(text)
