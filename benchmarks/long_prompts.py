@@ -11,8 +11,9 @@ import sys
 import threading
 import time
 
-from benchmarks.bench import FULL, QUICK, WORKERS, bench_files, machine
+from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
 from benchmarks.measure import bench_prompt
+from benchmarks.records import machine
 from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 from engine.errors import ShoalError
 from engine.manifest import read_manifest

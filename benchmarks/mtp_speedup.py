@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load
 
-from benchmarks.bench import machine
+from benchmarks.records import machine
 from builders.demo_models import build_once, cache_root
 from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
 from coordinator.cli.demo_command import demo_workers
