@@ -39,6 +39,7 @@ class Turn:
     tokens: int
     tokens_per_second: float
     seconds: float
+    stopped: bool = False  # the user stopped the reply before its end
 
 
 class Conversation:
@@ -59,8 +60,11 @@ class Conversation:
         self.cache = make_prompt_cache(self.model)
         self.cached: list[int] = []  # the tokens the cache holds
 
-    def say(self, text: str, on_text: Callable[[str], None]) -> Turn:
-        """The reply to the user's `text`, streamed to `on_text` as it comes."""
+    def say(self, text: str, on_text: Callable[[str], None],
+            stop: Callable[[], bool] = lambda: False) -> Turn:
+        """The reply to the user's `text`, streamed to `on_text` as it comes; cut short, and
+        kept so far, once `stop()` says so (checked between tokens, never inside a layer call,
+        so no worker is left with a request half read)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt = encode_messages(self.tokenizer, messages)
         keep = shared_prefix(self.cached, prompt)
@@ -72,7 +76,7 @@ class Conversation:
             else:  # a cache that cannot go back (some hybrid models'): start it again
                 self.cache, keep = make_prompt_cache(self.model), 0
         started = time.perf_counter()
-        reply, tokens, speed = "", list(prompt), 0.0
+        reply, tokens, speed, stopped = "", list(prompt), 0.0, False
         for r in stream_generate(self.model, self.tokenizer, mx.array(prompt[keep:]),
                                  max_tokens=self.max_tokens, sampler=self.sampler,
                                  prompt_cache=self.cache, **self.kv_cache):
@@ -81,9 +85,12 @@ class Conversation:
             if r.text:
                 reply += r.text
                 on_text(r.text)
+            if stop():
+                stopped = True
+                break
         # the cache holds every token fed to the model, which (mlx-lm computes a step
         # ahead) may or may not include the reply's last: ask it
         self.cached = tokens[:max(c.offset for c in self.cache)]
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), keep, len(tokens) - len(prompt), speed,
-                    time.perf_counter() - started)
+                    time.perf_counter() - started, stopped)
