@@ -25,8 +25,7 @@ from engine.cache_policy import (
     resolve_budget,
 )
 from engine.errors import ShoalError, worded
-from engine.interfaces import announced_addresses, listen_host
-from engine.manifest import MANIFEST_NAME
+from engine.interfaces import announced_addresses, busy_port, listen_host, port_taken
 from engine.pipes import guard_standard_streams
 from engine.process import launch_directly, raise_file_limit
 from engine.store_lock import hold_for_serving
@@ -46,7 +45,7 @@ from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import DEFAULT_RATE, Scrubber, parse_rate
 from worker.service import ExpertServicer
-from worker.store import free_disk, scan_stores
+from worker.store import check_store_folder, free_disk, scan_stores
 
 DEFAULT_PORT = 50551
 MAX_CALLS = 64  # calls at once, all peers together; gRPC refuses more (RESOURCE_EXHAUSTED)
@@ -199,18 +198,6 @@ def check_args(args: argparse.Namespace) -> None:
         check_store_folder(folder)
 
 
-def check_store_folder(folder: Path) -> None:
-    """Refuse the folder `shoal shard` wrote (OUT) given for one of its stores (OUT/worker-K),
-    which would start and serve nothing."""
-    stores = sorted(p for p in folder.glob("*/" + MANIFEST_NAME) if p.parent.name != "dense")
-    if stores and not any(folder.glob("L*/E*.safetensors")):
-        names = ", ".join(str(p.parent) for p in stores)
-        raise ShoalError(
-            f"{folder} is the folder `shoal shard` wrote, not a store folder: its stores are "
-            f"{names}. Give --store {stores[0].parent} (the one meant for this machine)"
-        )
-
-
 def connection_cap(file_limit: int) -> int:
     """Connections the gRPC port holds at once, all peers together, in a process that may
     open `file_limit` files: FILES_SPARE fewer, or half of a limit under twice that; 0 (no
@@ -231,6 +218,8 @@ def bind(
     handshake keeps the process off its file limit, where it could open no expert file and
     gRPC's accept loop would log every second (grpcio has no cap per peer address).
     """
+    if port and port_taken(host, port):  # before gRPC, which logs its own raw line first
+        raise ShoalError(busy_port(host, port))
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 0)]
     if max_connections:
         options.append(("grpc.max_allowed_incoming_connections", max_connections))
@@ -245,11 +234,7 @@ def bind(
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise ShoalError(
-            f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
-            "another program: `lsof -i :PORT` names it) or not an address of this host; "
-            "give another --port"
-        )
+        raise ShoalError(busy_port(host, port))
     return server, bound
 
 
