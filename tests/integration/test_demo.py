@@ -1,6 +1,7 @@
 """`shoal demo` as a newcomer runs it: real SmolLM2 weights, converted, sharded over two local
 workers, a chat answer that names Paris, and no worker left running afterwards."""
 
+import json
 import os
 import signal
 import subprocess
@@ -141,6 +142,19 @@ def test_the_commands_the_demo_prints_work_as_printed(tmp_path):
             model=client.models.list().data[0].id, max_tokens=16, temperature=0,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in reply.choices[0].message.content
+        # the demo model's template renders tools: a forced call comes back parsed
+        weather = {"type": "function", "function": {
+            "name": "get_weather", "parameters": {
+                "type": "object", "additionalProperties": False, "required": ["city"],
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}
+        called = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=40,
+            temperature=0, tools=[weather],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+        call = called.choices[0].message.tool_calls[0].function
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in (
+            "Paris", "Rome")
     finally:
         stop(server)
 
