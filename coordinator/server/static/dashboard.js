@@ -7,8 +7,12 @@
   const KEY = "shoal-api-key"; // sessionStorage: kept for this tab, never put in a URL
   const TICK_MS = 1000;
   const HEAT_MS = 2000;
-  const WORKER_COLOURS = ["#4cc9f0", "#80ed99", "#f72585", "#ffd166", "#b8c0ff", "#ff8fab",
-                          "#2ec4b6", "#f4a261", "#e0e0e0", "#c77dff"];
+  const AXIS_BOTTOM = 14; // px under a chart for its time labels
+  // Outlines over the heat ramp (black, purples, reds, oranges, yellow): hues it has not,
+  // far apart from each other, the first ones the most different.
+  const WORKER_COLOURS = ["#00e5ff", "#76ff03", "#ffffff", "#2962ff", "#ff4dff", "#9e9e9e",
+                          "#1de9b6", "#b388ff", "#00838f", "#33691e"];
+  const HEAT_LEFT = 44, HEAT_TOP = 18; // room for the layer and expert labels
   // inferno-like stops, dark (cold) to light (hot)
   const RAMP = [[0, 0, 4], [40, 11, 84], [101, 21, 110], [159, 42, 99], [212, 72, 66],
                 [245, 125, 21], [250, 193, 39], [252, 255, 164]];
@@ -241,15 +245,38 @@
     return ctx;
   }
 
+  // 86800 -> "86.8k", 0.25 -> "0.25": a scale read at a glance, never 8.68e+4
+  function short(x) {
+    const units = [[1e9, "G"], [1e6, "M"], [1e3, "k"]];
+    for (const [size, unit] of units) {
+      if (Math.abs(x) >= size) return `${Number((x / size).toPrecision(3))}${unit}`;
+    }
+    return String(Number(x.toPrecision(3)));
+  }
+
+  // The scale at its top and middle, and the time along the bottom (one sample a second,
+  // the newest at the right edge).
   function axis(ctx, canvas, top) {
     ctx.fillStyle = "#8b93a3";
     ctx.font = "11px system-ui";
-    ctx.fillText(top.toPrecision(3), 2, 11);
+    const plot = canvas.height - AXIS_BOTTOM;
+    ctx.fillText(short(top), 2, 11);
+    ctx.fillText(short(top / 2), 2, plot - (plot - 14) / 2 + 4);
     ctx.strokeStyle = "#2c313c";
     ctx.beginPath();
-    ctx.moveTo(0, canvas.height - 0.5);
-    ctx.lineTo(canvas.width, canvas.height - 0.5);
+    ctx.moveTo(0, plot - 0.5);
+    ctx.lineTo(canvas.width, plot - 0.5);
     ctx.stroke();
+    const seconds = Math.max(1, state.history - 1);
+    const every = seconds > 150 ? 60 : seconds > 60 ? 30 : 10;
+    ctx.textAlign = "center";
+    for (let ago = 0; ago <= seconds; ago += every) {
+      const x = canvas.width - (ago / seconds) * canvas.width;
+      const label = ago === 0 ? "now" : ago % 60 ? `-${ago} s` : `-${ago / 60} min`;
+      ctx.textAlign = ago === 0 ? "right" : x < 20 ? "left" : "center";
+      ctx.fillText(label, x, canvas.height - 2);
+    }
+    ctx.textAlign = "left";
   }
 
   function drawLine(canvas, values) {
@@ -261,7 +288,8 @@
     ctx.lineWidth = 1.5;
     ctx.beginPath();
     values.forEach((v, i) => {
-      const x = x0 + i * step, y = canvas.height - (v / top) * (canvas.height - 14);
+      const plot = canvas.height - AXIS_BOTTOM;
+      const x = x0 + i * step, y = plot - (v / top) * (plot - 14);
       if (i) ctx.lineTo(x, y); else ctx.moveTo(x, y);
     });
     ctx.stroke();
@@ -272,14 +300,14 @@
   // browser's software raster far more than filling the columns here.
   function drawStacked(canvas, samples) {
     const ctx = chartContext(canvas);
-    const w = canvas.width, h = canvas.height;
+    const w = canvas.width, h = canvas.height - AXIS_BOTTOM;
     const totals = samples.map((s) => (s.breakdown ? STACKED.reduce(
       (sum, p) => sum + (s.breakdown[`${p}_us`] || 0), 0) : 0));
     const top = Math.max(1e-9, ...totals) * 1.1;
     const step = w / Math.max(1, state.history - 1);
     const x0 = w - (samples.length - 1) * step;
     const scale = (h - 14) / top;
-    const image = ctx.createImageData(w, h);
+    const image = ctx.createImageData(w, canvas.height);
     const px = new Uint32Array(image.data.buffer);
     samples.forEach((s, i) => {
       if (!s.breakdown) return;
@@ -305,12 +333,14 @@
     const canvas = $("heat-map");
     const rows = h.layers.length;
     const width = Math.max(1, ...h.experts);
-    const room = Math.max(300, $("heat").clientWidth - 16);
-    const cw = Math.max(2, Math.min(48, Math.floor(room / width)));
+    const room = Math.max(300, $("heat").clientWidth - 16 - HEAT_LEFT);
+    const cw = Math.max(2, Math.floor(room / width)); // the section's whole width
     const ch = Math.max(3, Math.min(28, Math.floor(540 / Math.max(1, rows))));
-    canvas.width = width * cw;
-    canvas.height = rows * ch;
+    canvas.width = HEAT_LEFT + width * cw;
+    canvas.height = HEAT_TOP + rows * ch;
     const ctx = canvas.getContext("2d");
+    heatAxes(ctx, h, width, cw, ch);
+    ctx.translate(HEAT_LEFT, HEAT_TOP);
     // One pixel per cell, then scaled up without smoothing: far fewer pixels to write.
     const small = state.heatPixels || (state.heatPixels = document.createElement("canvas"));
     small.width = width;
@@ -330,8 +360,32 @@
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(small, 0, 0, width * cw, rows * ch);
     outlineOwners(ctx, h, cw, ch);
-    state.heatGeometry = { cw, ch };
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
+    state.heatGeometry = { cw, ch, left: HEAT_LEFT, top: HEAT_TOP };
     renderHeatLegend(h);
+  }
+
+  // Expert numbers along the top, layer numbers down the left, as many as fit unclipped.
+  function heatAxes(ctx, h, width, cw, ch) {
+    ctx.fillStyle = "#8b93a3";
+    ctx.font = "11px system-ui";
+    ctx.textAlign = "center";
+    const everyE = Math.max(1, Math.ceil(28 / cw));
+    state.heatLabels = { experts: [], layers: [] };
+    for (let e = 0; e < width; e += everyE) {
+      ctx.fillText(String(e), HEAT_LEFT + (e + 0.5) * cw, 12);
+      state.heatLabels.experts.push(e);
+    }
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    const everyL = Math.max(1, Math.ceil(14 / ch));
+    for (let r = 0; r < h.layers.length; r += everyL) {
+      ctx.fillText(`L${h.layers[r]}`, HEAT_LEFT - 4, HEAT_TOP + (r + 0.5) * ch);
+      state.heatLabels.layers.push(h.layers[r]);
+    }
+    ctx.textAlign = "left";
+    ctx.textBaseline = "alphabetic";
+    ctx.fillText("expert", 2, 12);
   }
 
   // Each worker's experts outlined in its colour: an edge of a cell is drawn where the
@@ -353,7 +407,7 @@
         if (h.copies[r][e] > 1 && cw >= 4 && ch >= 4) dots.rect(x + cw / 2 - 1, y + ch / 2 - 1, 2, 2);
       }
     }
-    ctx.lineWidth = 1;
+    ctx.lineWidth = cw >= 6 && ch >= 6 ? 2 : 1;
     paths.forEach((p, i) => { ctx.strokeStyle = WORKER_COLOURS[i % WORKER_COLOURS.length]; ctx.stroke(p); });
     ctx.fillStyle = "#ffffff";
     ctx.fill(dots);
@@ -391,7 +445,7 @@
   function heatCellAt(x, y) {
     const h = state.heat, g = state.heatGeometry;
     if (!h || !g) return null;
-    const r = Math.floor(y / g.ch), e = Math.floor(x / g.cw);
+    const r = Math.floor((y - g.top) / g.ch), e = Math.floor((x - g.left) / g.cw);
     if (r < 0 || r >= h.layers.length || e < 0 || e >= h.counts[r].length) return null;
     return { layer: h.layers[r], expert: e, tokens: h.counts[r][e],
              owner: h.owner[r][e] >= 0 ? h.workers[h.owner[r][e]] : null, copies: h.copies[r][e] };
@@ -492,11 +546,15 @@
     addMessage("user", text);
     const bubble = addMessage("assistant", "");
     $("chat-send").disabled = true;
+    $("chat-stop").disabled = false;
+    const stopping = new AbortController(); // Stop: the server drops a request whose client left
+    state.stopChat = () => stopping.abort();
     const started = performance.now();
-    let first = null, answer = "", usage = null, problem = null, pieces = 0;
+    let first = null, answer = "", usage = null, problem = null, pieces = 0, stopped = false;
     try {
       const reply = await fetch("/v1/chat/completions", {
         method: "POST", headers: headers({ "Content-Type": "application/json" }),
+        signal: stopping.signal,
         body: JSON.stringify({ model: state.model, messages: state.chat, stream: true,
                                max_tokens: Number($("chat-max").value) || 256,
                                temperature: Number($("chat-temperature").value),
@@ -535,10 +593,12 @@
         }
       }
     } catch (e) {
-      problem = e.message;
+      if (e.name === "AbortError") stopped = true; else problem = e.message;
     }
     const finished = performance.now();
     $("chat-send").disabled = false;
+    $("chat-stop").disabled = true;
+    if (stopped) bubble.dataset.stopped = "true";
     if (problem) {
       bubble.classList.add("error");
       bubble.textContent = `${answer}${answer ? "\n" : ""}error: ${problem}`;
@@ -570,6 +630,7 @@
       $("chat-form").requestSubmit();
     }
   });
+  $("chat-stop").addEventListener("click", () => { if (state.stopChat) state.stopChat(); });
   $("chat-clear").addEventListener("click", () => {
     state.chat = [];
     $("chat-log").innerHTML = "";
@@ -624,7 +685,8 @@
       const h = state.heat, g = state.heatGeometry;
       const r = h ? h.layers.indexOf(layer) : -1;
       if (r < 0 || expert >= h.counts[r].length) return null;
-      return { tokens: h.counts[r][expert], x: expert * g.cw + g.cw / 2, y: r * g.ch + g.ch / 2,
+      return { tokens: h.counts[r][expert], x: g.left + expert * g.cw + g.cw / 2,
+               y: g.top + r * g.ch + g.ch / 2,
                owner: h.owner[r][expert] >= 0 ? h.workers[h.owner[r][expert]] : null,
                copies: h.copies[r][expert] };
     },
@@ -632,6 +694,9 @@
       return state.heat ? state.heat.counts.reduce((n, row) => n + row.length, 0) : 0;
     },
     heatLayers() { return state.heat ? state.heat.layers.slice() : []; },
+    workerColours() { return WORKER_COLOURS.slice(); },
+    heatLabels() { return state.heatLabels; },
+    shortNumber: short,
   };
 
   checkKey().then((ok) => { if (ok) begin(); }).catch((e) => setStatus(`cannot reach the server: ${e.message}`, "bad"));
