@@ -159,7 +159,8 @@ def unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def read_weights(reader: GGUFReader, shape: LlamaShape, *, progress: bool) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32, under its Hugging Face name and layout."""
     weights = {}
-    for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+    for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor",
+                       disable=None if progress else True):  # None: no bar off a terminal
         name = hf_name(tensor.name)
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         # GGUF lists dimensions innermost first; numpy's order is the reverse, Hugging Face's.

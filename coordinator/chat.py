@@ -42,6 +42,7 @@ class Turn:
     tokens_per_second: float
     seconds: float
     speculative: SpeculativeStats | None = None  # with --draft
+    stopped: bool = False  # the user stopped the reply before its end
 
 
 class Conversation:
@@ -63,8 +64,11 @@ class Conversation:
         self.cache = make_prompt_cache(self.model)
         self.cached: list[int] = []  # the tokens the cache holds
 
-    def say(self, text: str, on_text: Callable[[str], None]) -> Turn:
-        """The reply to the user's `text`, streamed to `on_text` as it comes."""
+    def say(self, text: str, on_text: Callable[[str], None],
+            stop: Callable[[], bool] = lambda: False) -> Turn:
+        """The reply to the user's `text`, streamed to `on_text` as it comes; cut short, and
+        kept so far, once `stop()` says so (checked between tokens, never inside a layer call,
+        so no worker is left with a request half read)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt = encode_messages(self.tokenizer, messages)
         keep = shared_prefix(self.cached, prompt)
@@ -76,7 +80,7 @@ class Conversation:
             else:  # a cache that cannot go back (some hybrid models'): start it again
                 self.cache, keep = make_prompt_cache(self.model), 0
         started = time.perf_counter()
-        reply, tokens, speed = "", list(prompt), 0.0
+        reply, tokens, speed, stopped = "", list(prompt), 0.0, False
         speculative = None
         if self.draft is None:
             responses = stream_generate(self.model, self.tokenizer, mx.array(prompt[keep:]),
@@ -94,9 +98,12 @@ class Conversation:
             if r.text:
                 reply += r.text
                 on_text(r.text)
+            if stop():
+                stopped = True
+                break
         # the cache holds every token fed to the model, which (mlx-lm computes a step
         # ahead) may or may not include the reply's last: ask it
         self.cached = tokens[:max(c.offset for c in self.cache)]
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), keep, len(tokens) - len(prompt), speed,
-                    time.perf_counter() - started, speculative)
+                    time.perf_counter() - started, speculative, stopped)

@@ -214,3 +214,23 @@ def _macos_hardware_ports() -> dict[str, str]:
         elif key.strip() == "Device" and port:
             labels[value.strip()] = port
     return labels
+
+
+def busy_port(host: str, port: int) -> str:
+    return (f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
+            f"another program: `lsof -i :{port}` names it) or not an address of this host; "
+            "give another --port")
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether host:port cannot be bound now (in use, or not an address of this host)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return True
+    return False

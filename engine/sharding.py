@@ -303,7 +303,7 @@ def _write_split(
     experts = []
     total = sum(expert_bytes.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="sharding experts",
-              disable=not progress) as bar:
+              disable=None if progress else True) as bar:  # None: no bar off a terminal
         for layer in layers:
             for expert, tensors in _expert_tensors(model, layer):
                 name = expert_file_name(layer.layer, expert)

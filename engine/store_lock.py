@@ -1,6 +1,6 @@
-"""Who is using a store folder: a serving worker holds a shared lock on its lock file, `shoal
-shard` writing it an exclusive one, so neither starts while the other runs; the locks are the
-kernel's (flock), so a process that ends, even by kill -9, lets go of them."""
+"""Who is using a store folder: a serving worker holds a shared lock on its lock file and the
+folder's serving lock alone, with its PID in it; `shoal shard` writing it an exclusive one. The
+locks are the kernel's (flock), so a process that ends, even by kill -9, lets go of them."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from pathlib import Path
 from engine.errors import ShoalError
 
 LOCK_NAME = ".shoal-lock"
+SERVING_NAME = ".shoal-worker.pid"
 
 
-def _try_lock(folder: Path, mode: int) -> int | None:
-    """An open descriptor of the folder's lock file, locked in `mode`; None if another
+def _try_lock(folder: Path, mode: int, name: str = LOCK_NAME) -> int | None:
+    """An open descriptor of the folder's lock file `name`, locked in `mode`; None if another
     process holds a lock that conflicts."""
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -40,6 +41,19 @@ def hold_for_serving(folders: Iterable[Path]) -> list[int]:
             raise ShoalError(f"`shoal shard` is writing {folder} now; start the worker when "
                              "it has finished")
         held.append(fd)
+        alone = _try_lock(Path(folder), fcntl.LOCK_EX, SERVING_NAME)
+        if alone is None:
+            release(held)
+            other = (Path(folder) / SERVING_NAME).read_text().strip() or "unknown"
+            raise ShoalError(
+                f"{folder} is already served by shoal-worker PID {other}; this worker (PID "
+                f"{os.getpid()}) stops: two workers on one store would each move and count "
+                "its experts without the other knowing. Stop PID "
+                f"{other} first, or give this worker another store"
+            )
+        os.ftruncate(alone, 0)
+        os.write(alone, f"{os.getpid()}\n".encode())
+        held.append(alone)
     return held
 
 

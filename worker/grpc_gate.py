@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from engine.errors import ShoalError
+from engine.interfaces import busy_port
 
 OPENING_PER_HOST = 8  # connections younger than the proving time, from one host
 OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
@@ -52,10 +53,7 @@ class Gate:
         try:
             self._listener = socket.create_server((host, port), family=family, backlog=1024)
         except OSError:
-            raise ShoalError(
-                f"cannot listen on {host}:{port}: the port is in use (another shoal-worker, or "
-                "another program: `lsof -i :PORT` names it) or not an address of this host; "
-                "give another --port") from None
+            raise ShoalError(busy_port(host, port)) from None
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self.upstream: tuple[str, int] | None = None

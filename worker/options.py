@@ -10,12 +10,12 @@ import mlx.core as mx
 from engine.advert import DEFAULT_CLUSTER, check_name
 from engine.cache_policy import DEFAULT_MEMORY_SHARE, parse_budget
 from engine.errors import ShoalError
-from engine.manifest import MANIFEST_NAME
 from proto import PROTOCOL_VERSION
 from worker.lane_server import IDLE_SECONDS as LANE_IDLE_SECONDS
 from worker.lane_server import MESSAGE_SECONDS as LANE_MESSAGE_SECONDS
 from worker.reader import READERS_PER_DRIVE
 from worker.scrub import DEFAULT_RATE, parse_rate
+from worker.store import check_store_folder
 
 DEFAULT_PORT = 50551
 DRAIN_SECONDS = 5.0  # on a stop, for the requests being computed (--drain-seconds)
@@ -166,18 +166,6 @@ def check_args(args: argparse.Namespace) -> None:
         parse_rate(args.scrub)
     for folder in args.store:
         check_store_folder(folder)
-
-
-def check_store_folder(folder: Path) -> None:
-    """Refuse the folder `shoal shard` wrote (OUT) given for one of its stores (OUT/worker-K),
-    which would start and serve nothing."""
-    stores = sorted(p for p in folder.glob("*/" + MANIFEST_NAME) if p.parent.name != "dense")
-    if stores and not any(folder.glob("L*/E*.safetensors")):
-        names = ", ".join(str(p.parent) for p in stores)
-        raise ShoalError(
-            f"{folder} is the folder `shoal shard` wrote, not a store folder: its stores are "
-            f"{names}. Give --store {stores[0].parent} (the one meant for this machine)"
-        )
 
 
 def format_rate(rate: int) -> str:

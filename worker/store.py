@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidInput, ShoalError
-from engine.manifest import ExpertKey, Manifest, read_manifest
+from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest
 from worker.uncached import sha256_uncached
 
 Copy = tuple[int, Path]  # (index of the store folder, i.e. the drive; the file in it)
@@ -86,3 +86,25 @@ def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
         return f"{path}: cannot be read ({e.strerror}); not served"
     return None
 
+
+def check_store_folder(folder: Path) -> None:
+    """Refuse a folder above the stores: the folder `shoal shard` wrote (OUT), given for one
+    of its stores (OUT/worker-K), or the folder holding OUT; either would serve nothing."""
+    if any(folder.glob("L*/E*.safetensors")):
+        return
+    stores = store_folders_under(folder)
+    if stores:
+        names = ", ".join(str(p) for p in stores)
+        what = ("the folder `shoal shard` wrote" if (folder / "dense").is_dir()
+                else "a folder above the stores `shoal shard` wrote")
+        raise ShoalError(
+            f"{folder} is {what}, not a store folder: the stores in it are {names}. Give "
+            "--store with the one meant for this machine (each Mac serves its own)"
+        )
+
+
+def store_folders_under(folder: Path) -> list[Path]:
+    """The store folders (a manifest, no dense part) one or two levels under `folder`."""
+    found = [*folder.glob("*/" + MANIFEST_NAME), *folder.glob("*/*/" + MANIFEST_NAME)]
+    return sorted(p.parent for p in found
+                  if p.parent.name != "dense" and not (p.parent / "dense").is_dir())

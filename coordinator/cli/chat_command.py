@@ -4,7 +4,11 @@ command (the conversation itself is coordinator/chat.py)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +26,18 @@ from engine.errors import InvalidInput
 if TYPE_CHECKING:
     from coordinator.mtp_draft import MtpDraft
 
-HELP = "/reset forgets the conversation, /quit (or Ctrl-D) ends it, /help shows this"
+HELP = ("/reset forgets the conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops a reply, "
+        '""" starts and ends a message of several lines, /help shows this')
+MULTI_LINE = '"""'
+COMMANDS = """shoal chat: type a message and press Enter; the reply streams, then its tokens/s.
+  /help, /?          this list
+  /reset             forget the conversation (and its KV cache) and start over
+  /quit, /exit, /q   end the session (so does Ctrl-D on an empty line)
+  Ctrl-C             stop the reply being written (the part written stays in the history);
+                     at the prompt, clear the line
+  \"\"\"                a line of three double quotes starts a message of several lines,
+                     and another ends it
+  Up / Down          earlier messages (line editing as in the shell: Ctrl-A, Ctrl-E, ...)"""
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -109,14 +124,20 @@ def main(args: argparse.Namespace) -> None:
 
 
 def converse(conversation) -> None:
-    """The loop: a line in, a reply out, until /quit or the end of the input."""
+    """The loop: a message in, a reply out, until /quit or the end of the input. Ctrl-C
+    stops the reply being written (or clears the line being typed), never the session."""
     prompt = ">> " if sys.stdin.isatty() else ""
+    with contextlib.suppress(ImportError):  # line editing and history for input()
+        import readline  # noqa: F401
     while True:
         try:
-            line = input(prompt).strip()
+            line = read_message(prompt)
         except EOFError:
             break
-        if not line:
+        except KeyboardInterrupt:
+            print("^C", file=sys.stderr, flush=True)
+            continue
+        if line is None:
             continue
         if line in ("/quit", "/exit", "/q"):
             break
@@ -124,14 +145,47 @@ def converse(conversation) -> None:
             conversation.reset()
             print("shoal chat: the conversation starts over", file=sys.stderr, flush=True)
             continue
-        if line == "/help":
-            print(f"shoal chat: {HELP}", file=sys.stderr, flush=True)
+        if line in ("/help", "/?"):
+            print(COMMANDS, file=sys.stderr, flush=True)
             continue
-        turn = conversation.say(line, lambda text: print(text, end="", flush=True))
+        if line.startswith("/"):
+            print(f"shoal chat: no command {line.split()[0]}; /help lists them",
+                  file=sys.stderr, flush=True)
+            continue
+        with ctrl_c_stops() as stopped:
+            turn = conversation.say(line, lambda text: print(text, end="", flush=True),
+                                    stop=stopped.is_set)
         print(flush=True)
         spec = turn.speculative
         drafted = "" if spec is None else (
             f"; the MTP module's guesses: {spec.accepted} of {spec.proposed} accepted")
-        print(f"[{turn.tokens} tokens at {turn.tokens_per_second:.1f} tok/s; prompt "
-              f"{turn.prompt_tokens} tokens, {turn.cached_tokens} from the cache{drafted}]",
-              file=sys.stderr, flush=True)
+        print(f"[{'stopped: ' if turn.stopped else ''}{turn.tokens} tokens at "
+              f"{turn.tokens_per_second:.1f} tok/s; prompt {turn.prompt_tokens} tokens, "
+              f"{turn.cached_tokens} from the cache{drafted}]", file=sys.stderr, flush=True)
+
+
+def read_message(prompt: str) -> str | None:
+    """One message: a line, or the lines between two lines of three double quotes; None for
+    an empty one."""
+    line = input(prompt).strip()
+    if line != MULTI_LINE:
+        return line or None
+    lines = []
+    while (more := input("... " if prompt else "")).strip() != MULTI_LINE:
+        lines.append(more)
+    return "\n".join(lines).strip() or None
+
+
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[threading.Event]:
+    """While a reply is written, Ctrl-C (SIGINT) sets the event instead of raising, so the
+    reply stops between two tokens and the conversation goes on."""
+    stopped = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)

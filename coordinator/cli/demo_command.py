@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from coordinator.ops.local_processes import LocalWorker
 
 DEMO_PROMPT = "What is the capital of France?"
+NEXT_WORKER_PORT = 50561  # off shoal-worker's default, so a worker the user runs does not clash
+SERVE_PORT = 8080
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -119,7 +123,46 @@ def run_demo(
             drafted = generate(remote.model, remote.tokenizer, ids, max_tokens=max_tokens,
                                draft=load_draft(draft_dir, remote.tokenizer, policy))
             print(draft_summary(result, drafted), file=sys.stderr)
-        return result.text
+    print(next_steps(sharded, demo_secret_file(), workers), flush=True)
+    return result.text
+
+
+def command_name(name: str) -> str:
+    """How to type `name` (shoal, shoal-worker) here: bare when the shell finds this
+    install's, else its path in the virtual environment (relative when under the current
+    folder: `.venv/bin/shoal`)."""
+    installed = Path(sys.executable).parent / name
+    if not installed.exists():
+        return name
+    found = shutil.which(name)
+    if found and Path(found).resolve() == installed.resolve():
+        return name
+    with contextlib.suppress(ValueError):
+        return str(installed.absolute().relative_to(Path.cwd()))
+    return str(installed.absolute())
+
+
+def next_steps(sharded: Path, secret_file: Path, workers: int) -> str:
+    """The commands to go on with the model the demo built, ready to paste: a chat and the
+    OpenAI API on this machine alone, then the last store on a worker of its own."""
+    shoal, worker = command_name("shoal"), command_name("shoal-worker")
+    model = shlex.quote(str(sharded))
+    stores = [shlex.quote(str(sharded / f"worker-{k}")) for k in range(workers)]
+    secret = shlex.quote(str(secret_file))
+    all_here = " ".join(f"--local-store {s}" for s in stores)
+    some_here = " ".join(f"--local-store {s}" for s in stores[:-1])
+    return "\n".join([
+        "Next, on the model the demo built (it stays in the cache):",
+        "  chat in this terminal, every expert served by this process:",
+        f"    {shoal} chat --model {model} {all_here}",
+        f"  the OpenAI API at http://127.0.0.1:{SERVE_PORT}/v1 (and its dashboard at /):",
+        f"    {shoal} serve --model {model} {all_here} --port {SERVE_PORT}",
+        "  the last store served by a worker: start it in another terminal, then chat",
+        f"    {worker} --store {stores[-1]} --port {NEXT_WORKER_PORT} --node-id demo-worker "
+        f"--no-advertise --secret-file {secret}",
+        f"    {shoal} chat --model {model} {some_here} --workers 127.0.0.1:{NEXT_WORKER_PORT} "
+        f"--secret-file {secret}",
+    ])
 
 
 def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
@@ -137,6 +180,13 @@ def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
     )
 
 
+def demo_secret_file() -> Path:
+    """The demo's own cluster secret, kept with its model so later commands can use it."""
+    from builders.demo_models import cache_root
+
+    return cache_root() / "demo" / "secret"
+
+
 @contextlib.contextmanager
 def demo_workers(sharded: Path, workers: int) -> Iterator[tuple[RemoteModel, list[LocalWorker]]]:
     """Local workers over the demo's stores and the remote model on them; both are stopped
@@ -147,7 +197,7 @@ def demo_workers(sharded: Path, workers: int) -> Iterator[tuple[RemoteModel, lis
     from engine.auth import ensure_secret, load_secret
 
     root = cache_root() / "demo"
-    secret_file = root / "secret"
+    secret_file = demo_secret_file()
     ensure_secret(secret_file)
     print(f"demo: starting {workers} local workers (each loads its experts) ...",
           file=sys.stderr, flush=True)

@@ -29,7 +29,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "Local Network permission), memory, each --store folder and its drive, and MLX's "
         "device. With --workers, --cluster or --cluster-config, also each worker: reachable "
         "(a refused connection is told apart from a silent host), the path and round trip, "
-        "its protocol version and model fingerprint. Exit status 1 when something is wrong.",
+        "its protocol version and model fingerprint; with none of them, the workers of the "
+        "default cluster found with Bonjour (unless --no-mdns). Exit status 1 when something "
+        "is wrong.",
     )
     p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
                    help="check these workers (by address)")
@@ -50,6 +52,7 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.discovery import Candidate, parse_endpoint
     from coordinator.membership import Membership
     from coordinator.ops.doctor import (
+        Check,
         check_mdns,
         check_memory,
         check_mlx,
@@ -62,6 +65,7 @@ def main(args: argparse.Namespace) -> None:
         inspect_workers,
     )
     from coordinator.ops.ops_report import doctor_report, member_rows
+    from engine.advert import DEFAULT_CLUSTER
     from engine.manifest import read_manifest
 
     check_one_worker_source(args)
@@ -74,7 +78,9 @@ def main(args: argparse.Namespace) -> None:
     if not args.no_mdns:
         checks.append(check_mdns(announced))
     checks += [check_memory(), *check_stores(args.store or []), check_mlx()]
-    if addresses or args.cluster or args.cluster_config:
+    # With no workers named, the cluster `shoal generate` would use: Bonjour's default one.
+    default = not (addresses or args.cluster or args.cluster_config or args.no_mdns)
+    if addresses or args.cluster or args.cluster_config or default:
         secret = load_secret(path) if checks[0].verdict == "ok" else os.urandom(32)
         if addresses:
             membership = Membership(secret, cluster="doctor", manifest=manifest,
@@ -88,8 +94,14 @@ def main(args: argparse.Namespace) -> None:
             rows = member_rows(membership.settle(args.wait, at_least=browse))
         finally:
             membership.close()
-        checks += check_workers(inspect_workers(rows, secret),
-                                manifest.fingerprint if manifest else None)
+        if rows or not default:
+            checks += check_workers(inspect_workers(rows, secret),
+                                    manifest.fingerprint if manifest else None)
+        else:  # a Mac that only runs a worker, or serves every expert itself, needs none
+            checks.append(Check("worker", "warn", f"no worker of cluster '{DEFAULT_CLUSTER}' "
+                                f"answered Bonjour within {args.wait:g} s (what `shoal "
+                                "generate` uses without --workers): start `shoal-worker`, or "
+                                "give --workers / --cluster / --cluster-config"))
     if args.json:
         print(json.dumps(doctor_report(checks), indent=1))
     else:

@@ -139,9 +139,21 @@ def check_model_args(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--wait must be 0 or more seconds, got {args.wait:g}")
     check_one_worker_source(args)
     check_local_store_args(args)
-    if not (Path(args.model) / "manifest.json").exists():
-        raise InvalidInput(f"--model {args.model} is not a folder written by `shoal shard` "
-                           "(it has no manifest.json)")
+    check_model_folder(Path(args.model))
+
+
+def check_model_folder(model: Path) -> None:
+    """--model names the folder `shoal shard` wrote, not one of its stores or a folder above."""
+    if (model / "manifest.json").exists() and not (model / "dense").is_dir() and (
+            model.parent / "dense").is_dir():
+        raise InvalidInput(f"--model {model} is a worker's store folder (for shoal-worker "
+                           f"--store, or --local-store); --model takes the folder `shoal "
+                           f"shard` wrote, with the dense part: --model {model.parent}")
+    if not (model / "manifest.json").exists():
+        below = sorted(p.parent for p in model.glob("*/dense/config.json"))
+        hint = f"; did you mean --model {below[0].parent}?" if below else ""
+        raise InvalidInput(f"--model {model} is not a folder written by `shoal shard` "
+                           f"(it has no manifest.json){hint}")
 
 
 def kv_cache_options(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
@@ -76,7 +77,11 @@ def main(args: argparse.Namespace) -> None:
     if heat is not None:
         check_heat_matches(heat, sizes.experts)
     assume = SpeedAssumptions(args.memory_gbps, args.disk_gbps, args.round_trip_ms)
+    if sizes.estimated and not sizes.source_bytes:  # published as the config says: bf16...
+        sizes = replace(sizes, source_bytes=download_bytes(args.model, sizes, args.bits,
+                                                           args.group_size))
     report = plan_report(sizes, workers, heat, args.spare / 100, assume, heat_origin=origin)
+    report["advice"] = advice(report, sizes, args, workers, heat, assume)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -98,3 +103,38 @@ def recorded_heat(model: Path) -> tuple[dict | None, str]:
     return ({key: float(count) for key, count in total.items()},
             f"recorded in {record_path(model)}: {sum(total.values())} (token, expert) pairs; "
             "--uniform ignores it")
+
+
+def download_bytes(model: Path, sizes, bits: int | None, group_size: int) -> int:
+    """What downloading a model known only by its config takes: its weights in the config's
+    own storage (the split's size, unless --bits asks what quantizing would change)."""
+    from engine.sizes import read_sizes
+
+    if bits is not None:
+        sizes = read_sizes(model)
+    return sum(sizes.experts.values()) + sizes.dense_bytes
+
+
+def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
+           assume) -> list[str]:
+    """What to try when the model does not fit in memory: the fewest bits that make it fit
+    (a config not yet quantized), and the disk sizes a streaming verdict needs."""
+    from coordinator.report import plan_report
+    from engine.sizes import read_sizes
+
+    out = []
+    if report["verdict"] != "fits" and args.bits is None and sizes.estimated and (
+            sizes.expert_bits >= 16):
+        for bits in (8, 6, 4, 3, 2):
+            smaller = read_sizes(args.model, bits=bits, group_size=args.group_size)
+            if plan_report(smaller, workers, heat, args.spare / 100, assume)["verdict"] == "fits":
+                out.append(f"with --bits {bits} (`shoal shard --quantize {bits}`) it would fit "
+                           f"in memory: experts {sum(smaller.experts.values()) / 2**30:.1f} GiB")
+                break
+        else:
+            out.append("even at --bits 2 it would not fit in these Macs' memory: add Macs or "
+                       "memory")
+    if report["verdict"] == "streams" and any(w.disk is None for w in workers):
+        out.append("streaming keeps experts on the workers' drives: give each --worker its "
+                   "free disk (NAME=MEMORY:DISK, e.g. a=192G:2TB) to check that they fit there")
+    return out

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from coordinator.cli import (
+    api_key_command,
     bench_command,
     cache_prompt_command,
     chat_command,
@@ -30,7 +31,7 @@ from engine.pipes import guard_standard_streams
 # In the order `shoal --help` lists them: set up, run, inspect, then change the placement.
 COMMANDS = (cluster_init_command, pull_command, shard_command, generate_command, chat_command,
             cache_prompt_command, workers_command, demo_command, bench_command, plan_command,
-            serve_command, doctor_command, heat_command, deploy_rebalance_command)
+            serve_command, api_key_command, doctor_command, heat_command, deploy_rebalance_command)
 
 
 def version_text() -> str:

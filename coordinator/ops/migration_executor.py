@@ -88,7 +88,8 @@ class Executor:
         started = time.perf_counter()
         total = plan.copy_bytes
         self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
-                        disable=not self.progress or not total, file=sys.stderr)
+                        disable=None if self.progress and total else True,  # None: off a terminal
+                        file=sys.stderr)
         with self.bar:
             for index, step in enumerate(plan.steps):
                 self.on_event("step", step, 0)

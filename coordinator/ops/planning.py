@@ -72,6 +72,7 @@ def print_plan(report: dict) -> None:
               "experts together; OUT_DIR's drive needs this much free)")
     if not report["fits"]:
         print(f"does not fit: {report['reason']}")
+        print_advice(report)
         return
     where = "in memory" if report["resident"] else "only by streaming experts from disk"
     print(f"fits {where}")
@@ -90,3 +91,9 @@ def print_plan(report: dict) -> None:
           f"{a['memory_gbps']:.0f} GB/s memory, {a['disk_gbps']:.0f} GB/s disk, "
           f"{a['round_trip_ms']:.2f} ms network round trip per MoE layer, and compute that "
           "keeps up with memory")
+    print_advice(report)
+
+
+def print_advice(report: dict) -> None:
+    for line in report.get("advice", ()):
+        print(f"hint: {line}")

@@ -122,6 +122,14 @@ class Service:
         return prepare(self.tokenizer, request, self.vocab, context=self.context,
                        longest=self.longest_token)
 
+    def check_model(self, body: object) -> object:
+        """The request's body, refused (404, naming the model served) when it asks for
+        another model: a client meaning some other server gets told, not this model's words."""
+        name = body.get("model") if isinstance(body, dict) else None
+        if isinstance(name, str) and name not in (self.model_id, f"{self.model_id}:latest"):
+            raise NotFound(f"model {name!r} not found: this server serves {self.model_id!r}")
+        return body
+
     def check_serving(self) -> None:
         """Unavailable, naming the problem, unless a request can be answered now."""
         problem = self.health()

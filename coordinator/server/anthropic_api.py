@@ -293,7 +293,8 @@ def routes(service: Service, guard: Callable) -> list[Route]:
     async def messages(request: Request) -> Response:
         try:
             parsed, prompt = await read_request(
-                service, request, lambda body: service.prepare(parse_messages(body)))
+                service, request,
+                lambda body: service.prepare(parse_messages(service.check_model(body))))
             parsed = fit_to_context(parsed, len(prompt), service.context)
             service.check_serving()
             if parsed.stream:

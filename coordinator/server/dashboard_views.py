@@ -105,7 +105,9 @@ def worker_cards(
             s = summarize_stats(reading)
             card.update(resident_bytes=s["resident_bytes"], expert_bytes=s["expert_bytes"],
                         memory_budget=s["memory_budget"] or row["memory_budget"],
-                        hit_rate=s["hit_rate"], prefetch_recall=s["prefetch_recall"],
+                        hit_rate=s["hit_rate"],
+                        # before any prefetch there is no recall to show, not a 0% one
+                        prefetch_recall=s["prefetch_recall"] if s["prefetch_issued"] else None,
                         bytes_read=s["bytes_read"], problems=s["problems"],
                         drive_reads_per_s=reads_per_second.get(member.address))
         cards.append(card)

@@ -33,9 +33,37 @@ def checked(grammar: str, what: str) -> str:
     return grammar
 
 
+# Bounds for numbers a schema leaves open, so a model that keeps emitting digits is stopped
+# by the grammar (the number must end) instead of running to max_tokens with broken JSON:
+# integers within I-JSON's exact range (RFC 7493), other numbers within it and to 9 decimals.
+LARGEST = 2**53 - 1
+NUMBER_STEP = 1e-9
+_LITERALS = ("const", "enum", "default", "examples")  # values, not schemas: left alone
+
+
+def bounded(schema: object) -> object:
+    """`schema` with every integer and number given the bounds above where it has none of
+    its own; everything else as it was."""
+    if isinstance(schema, list):
+        return [bounded(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _LITERALS else bounded(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    if kind in ("integer", "number"):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -LARGEST
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = LARGEST
+        if kind == "number" and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    return out
+
+
 def json_schema_grammar(schema: dict, what: str) -> str:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(bounded(schema),
+                                                                overrides=JSON_OPTIONS)
     except ValueError as e:
         raise InvalidInput(f"{what}: {e}") from None
     return checked(grammar, what)
@@ -76,8 +104,8 @@ def tool_call_grammar(tools: list[dict], name: str | None, *, start: str, end: s
         calls.append({"type": "object", "additionalProperties": False,
                       "required": ["name", "arguments"],
                       "properties": {"name": {"const": function["name"]},
-                                     "arguments": function.get("parameters")
-                                     or {"type": "object"}}})
+                                     "arguments": bounded(function.get("parameters")
+                                                          or {"type": "object"})}})
     call = json.dumps({"anyOf": calls} if len(calls) > 1 else calls[0])
     options = json.dumps(JSON_OPTIONS)
     repeat = ' ("\\n" block)*' if several else ""

@@ -80,10 +80,7 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
     def guard(handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:
             if not authorized(service, request):
-                return JSONResponse(
-                    error_json("a valid API key is needed: send 'Authorization: Bearer KEY'",
-                               "invalid_request_error", 401), 401,
-                    headers={"WWW-Authenticate": "Bearer"})
+                return unauthorized(request.url.path)
             try:
                 return await handler(request)
             except ShoalError as e:
@@ -117,7 +114,8 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
 
     async def completions(request: Request, *, chat: bool) -> Response:
         parsed, prompt = await read_request(
-            service, request, lambda body: service.prepare(parse_request(body, chat=chat)))
+            service, request,
+            lambda body: service.prepare(parse_request(service.check_model(body), chat=chat)))
         parsed = fit_to_context(parsed, len(prompt), service.context)
         service.check_serving()
         meta = answer_meta(chat=chat, model=service.model_id)
@@ -153,6 +151,18 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
                                      allow_headers=["*"]))
     return Starlette(routes=routes, middleware=layers,
                      exception_handlers={HTTPException: _http_error})
+
+
+def unauthorized(path: str) -> JSONResponse:
+    """401 in the shape of the API the path belongs to, so each API's clients show it."""
+    message = "a valid API key is needed: send 'Authorization: Bearer KEY'"
+    if path.startswith("/v1/messages"):
+        body = anthropic_api.error_json(message + " or 'x-api-key: KEY'", 401)
+    elif path.startswith("/api/"):
+        body = ollama_api.error_json(message)
+    else:
+        body = error_json(message, "invalid_request_error", 401)
+    return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
@@ -210,7 +220,7 @@ def read_api_key(path: Path) -> str:
     try:
         key = Path(path).read_text().strip()
     except FileNotFoundError:
-        raise NotFound(f"no API key file at {path}") from None
+        raise NotFound(f"no API key file at {path}: `shoal api-key {path}` makes one") from None
     except OSError as e:
         raise ShoalError(f"cannot read the API key file {path}: {e.strerror}") from None
     if not key or any(c.isspace() for c in key):

@@ -288,7 +288,8 @@ def routes(service: Service, guard: Callable) -> list[Route]:
     async def answer(request: Request, *, chat: bool) -> Response:
         try:
             def bind(body: object) -> tuple[CompletionRequest, list[int], bool]:
-                parsed, stream = (parse_chat if chat else parse_generate)(body)
+                parsed, stream = (parse_chat if chat else parse_generate)(
+                    service.check_model(body))
                 return *service.prepare(parsed), stream
 
             parsed, prompt, stream = await read_request(service, request, bind)

@@ -247,3 +247,29 @@ def test_a_drained_copy_waits_out_the_quiet_time_before_its_deletion():
     assert wait_before_delete(1.0, 5.0, 99.5, now=100.0, limit=60.0) == pytest.approx(0.5)
     assert wait_before_delete(1.0, 5.0, 90.0, now=100.0, limit=60.0) == 0.0
     assert wait_before_delete(500.0, 0.0, None, now=100.0, limit=60.0) == 60.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rebalance_run_right_after_another_proposes_nothing(seed):
+    """The demo's shape (30 layers of 16 experts, two workers split by index) with a short
+    run's heat: the second proposal, from the first's target and the same heat, moves nothing."""
+    import random
+
+    rng = random.Random(seed)
+    keys = [(layer, e) for layer in range(30) for e in range(16)]
+    sizes = dict.fromkeys(keys, 2_700_000)
+    heat = dict.fromkeys(keys, 0)
+    for _ in range(45):
+        for layer in range(30):
+            for e in rng.sample(range(16), 4):
+                heat[(layer, e)] += 1
+    holders = {key: ("a",) if key[1] < 8 else ("b",) for key in keys}
+    moved = []
+    for _ in range(2):
+        workers = [worker(n, serving=[k for k, v in holders.items() if n in v],
+                          memory=14 << 30, free=10 << 30) for n in ("a", "b")]
+        p = propose(state_of(workers, keys, local=[]), workers, sizes, heat)
+        moved.append(sum(set(p.target[k]) != set(holders[k]) for k in keys))
+        holders = {key: tuple(names) for key, names in p.target.items()}
+    assert moved[0] > 0 and moved[1] == 0
+    assert p.imbalance_after == p.imbalance_now and not p.plan.steps

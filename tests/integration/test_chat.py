@@ -5,8 +5,11 @@ quantization of `shoal chat` and `shoal generate` against mlx-lm's with the same
 prompt cache files against mlx-lm's."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from unittest.mock import patch
 
@@ -168,3 +171,81 @@ def test_prompt_cache_files_are_mlx_lms_both_ways(cluster, secret_file, tmp_path
     assert report["text"] + "\n" == reference.stdout
     computed = load_tokenizer(source).decode(report["prompt_token_ids"])
     assert question in computed and "shoal" not in computed  # the question, not the context
+
+
+class Terminal:
+    """A command on a pseudo-terminal, as a person at a shell runs it: Ctrl-C written to the
+    terminal reaches the command as SIGINT, and input() sees a tty (so readline edits)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the terminal's session leader
+            os.execv(argv[0], argv)
+        self.seen = b""
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def expect(self, text: str, seconds: float = 120) -> str:
+        """Everything shown until `text` appears (after what earlier calls consumed)."""
+        import select
+
+        deadline = time.monotonic() + seconds
+        while text.encode() not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} not shown; the terminal shows: {self.seen[-3000:]!r}"
+            if select.select([self.fd], [], [], min(left, 1.0))[0]:
+                try:
+                    self.seen += os.read(self.fd, 65536)
+                except OSError:  # the command ended and the terminal closed
+                    assert text.encode() in self.seen, self.seen[-3000:]
+        shown, _, self.seen = self.seen.partition(text.encode())
+        return shown.decode(errors="replace") + text
+
+    def close(self) -> int:
+        for _ in range(300):
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+            try:
+                os.read(self.fd, 65536)
+            except OSError:
+                pass
+            time.sleep(0.1)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        raise AssertionError("the chat did not end")
+
+
+def test_ctrl_c_stops_the_reply_not_the_session_and_the_line_edits(cluster, secret_file):
+    """In a terminal: Ctrl-C mid-reply stops that reply and the chat goes on (the workers'
+    lanes still answer), readline's Ctrl-A and Up arrow edit and recall a line, /help lists
+    the commands, and a message of several lines between two lines of three quotes is one
+    message."""
+    _, sharded, workers = cluster
+    chat = Terminal([sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
+                     "--workers", ",".join(w.address for w in workers), "--secret-file",
+                     str(secret_file), "--max-tokens", "100000"])
+    try:
+        chat.expect(">> ")
+        chat.send(b"Tell me everything\r")
+        time.sleep(3)  # the random tiny model writes on and on; stop it mid-way
+        chat.send(b"\x03")
+        assert "[stopped: " in chat.expect("from the cache]")
+        chat.expect(">> ")
+        chat.send(b"elp\x01/h\r")  # Ctrl-A: to the start of the line, where "/h" goes
+        assert "/reset" in chat.expect("earlier messages")
+        chat.send(b"\x1b[A\r")  # Up: the line before, /help, again
+        chat.expect("earlier messages")
+        chat.send(b'"""\rfirst line\rsecond line\r"""\r')
+        time.sleep(3)
+        chat.send(b"\x03")
+        turn = chat.expect("from the cache]")
+        assert "... " in turn and turn.count("tokens at") == 1  # one message, one reply
+        chat.send(b"/quit\r")
+    finally:
+        code = chat.close()
+    assert code == 0

@@ -1,9 +1,12 @@
 """`shoal demo` as a newcomer runs it: real SmolLM2 weights, converted, sharded over two local
 workers, a chat answer that names Paris, and no worker left running afterwards."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +63,110 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_
         remote.close()
     assert tokens == expected
     assert "Paris" in tokenizer.decode(tokens)
+
+
+def free_port_pair() -> int:
+    """A free port whose next one is free too (a worker's expert lane takes port + 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two free ports in a row")
+
+
+def chat_as_printed(command: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(command + " --max-tokens 16", shell=True, cwd=REPO, env=env, text=True,
+                          input="What is the capital of France?\n", capture_output=True,
+                          timeout=300)
+
+
+def wait_for_port(port: int, process: subprocess.Popen, seconds: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"nothing listened on {port} within {seconds} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_the_commands_the_demo_prints_work_as_printed(tmp_path):
+    """A chat, the OpenAI API through the official client, and a worker of its own, each on
+    the demo's model, typed as the demo printed them (ports made free where the printed one
+    is taken on this shared machine, the only change)."""
+    from openai import OpenAI
+
+    env = {**os.environ, "SHOAL_CACHE": str(tmp_path / "cache")}
+    demo = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
+    )
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    after = demo.stdout.split("Next, on the model the demo built")[1]
+    commands = [line.strip() for line in after.splitlines() if line.startswith("    ")]
+    alone, serve, worker, with_worker = commands
+    assert alone.startswith(".venv/bin/shoal chat ")  # how this install's shoal is typed
+
+    answered = chat_as_printed(alone, env)
+    assert answered.returncode == 0, answered.stderr[-3000:]
+    assert "Paris" in answered.stdout
+
+    http_port = free_port_pair()
+    server = subprocess.Popen(serve.replace("--port 8080", f"--port {http_port}"), shell=True,
+                              cwd=REPO, env=env, text=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_port(http_port, server, 300)
+        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content
+        # the demo model's template renders tools: a forced call comes back parsed
+        weather = {"type": "function", "function": {
+            "name": "get_weather", "parameters": {
+                "type": "object", "additionalProperties": False, "required": ["city"],
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}
+        called = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=40,
+            temperature=0, tools=[weather],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+        call = called.choices[0].message.tool_calls[0].function
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in (
+            "Paris", "Rome")
+    finally:
+        stop(server)
+
+    worker_port = free_port_pair()
+    worker_process = subprocess.Popen(worker.replace("--port 50561", f"--port {worker_port}"),
+                                      shell=True, cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      start_new_session=True)
+    try:
+        wait_for_port(worker_port, worker_process, 300)
+        answered = chat_as_printed(with_worker.replace(":50561", f":{worker_port}"), env)
+        assert answered.returncode == 0, answered.stderr[-3000:]
+        assert "Paris" in answered.stdout
+    finally:
+        stop(worker_process)

@@ -6,6 +6,7 @@ cluster config stands in for Bonjour, and a lost worker's copies elsewhere take 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -129,10 +130,13 @@ def test_other_clusters_and_models_are_ignored_and_duplicates_and_secrets_report
     shard(tiny_checkpoint("mixtral"), other_model, workers=2, progress=False)
     first = start_worker([sharded / "worker-0"], "--cluster", cluster, "--node-id", "a")
     twin = start_worker([sharded / "worker-1"], "--cluster", cluster, "--node-id", "a")
-    start_worker([sharded / "worker-1"], "--cluster", cluster + "-x", "--node-id", "x")
+    # the same experts again, each from a copy: a store is served by one worker at a time
+    shutil.copytree(sharded / "worker-1", tmp_path / "x-store")
+    shutil.copytree(sharded / "worker-0", tmp_path / "stranger-store")
+    start_worker([tmp_path / "x-store"], "--cluster", cluster + "-x", "--node-id", "x")
     start_worker([other_model / "worker-0"], "--cluster", cluster, "--node-id", "m")
     other_secret = create_secret(tmp_path / "other-secret")
-    stranger = launch_worker([sharded / "worker-0"], other_secret, tmp_path / "s.log",
+    stranger = launch_worker([tmp_path / "stranger-store"], other_secret, tmp_path / "s.log",
                              ["--cluster", cluster, "--node-id", "s"])
     try:
         run = shoal("workers", "--cluster", cluster, "--json", "--interface", LOOPBACK,
@@ -205,8 +209,9 @@ def test_a_lost_worker_is_routed_around_when_another_holds_its_experts(
     source = tiny_checkpoint("qwen3_moe")
     full = tmp_path / "full"
     shard(source, full, progress=False)  # one store with every expert
+    shutil.copytree(full / "experts", tmp_path / "copy")  # one store, one worker
     first = start_worker([full / "experts"], "--no-advertise", "--node-id", "first")
-    second = start_worker([full / "experts"], "--no-advertise", "--node-id", "second")
+    second = start_worker([tmp_path / "copy"], "--no-advertise", "--node-id", "second")
     remote = open_remote_model(full, [first.address, second.address], load_secret(secret_file))
     try:
         expected = reference_tokens(source, PROMPT)

@@ -2,6 +2,8 @@
 refused connection told apart, fingerprints compared, exit status 1 when something is wrong."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +37,9 @@ def by_area(report: dict, area: str) -> list[dict]:
 def test_doctor_checks_this_mac_and_each_worker(sharded, start_worker, secret_file, tmp_path):
     a = start_worker([sharded / "worker-0"], "--no-advertise", "--node-id", "a")
     b = start_worker([sharded / "worker-1"], "--no-advertise", "--node-id", "b")
-    stranger = launch_worker([sharded / "worker-1"], create_secret(tmp_path / "other"),
+    # a store of its own: one store is never served by two workers (engine/store_lock.py)
+    shutil.copytree(sharded / "worker-1", tmp_path / "stranger")
+    stranger = launch_worker([tmp_path / "stranger"], create_secret(tmp_path / "other"),
                              tmp_path / "s.log", ["--no-advertise", "--node-id", "s"])
     try:
         run = doctor("--workers", f"{a.address},{b.address},127.0.0.1:1,{stranger.address}",
@@ -108,3 +112,18 @@ def test_worker_verdicts_compare_models_protocols_and_paths():
     assert failed(none) and "no worker found" in none[0].detail
     text = format_checks([Check("mlx", "ok", "cpu"), Check("secret", "fail", "missing")])
     assert "FAIL  secret" in text and "verdict: 1 problem to fix" in text
+
+
+def test_doctor_without_a_worker_option_checks_the_default_cluster(sharded, start_worker,
+                                                                    secret_file):
+    """What `shoal generate` would use with no --workers: the default cluster's workers,
+    found with Bonjour (here announced on loopback)."""
+    worker = start_worker([sharded / "worker-0"], "--node-id", "plain",
+                          "--interface", "127.0.0.1")
+    env = {**os.environ, "SHOAL_SECRET_FILE": str(secret_file)}
+    run = subprocess.run([sys.executable, "-m", "coordinator.cli", "doctor", "--interface",
+                          "127.0.0.1", "--json", "--wait", "6"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env=env)
+    workers = by_area(json.loads(run.stdout), "worker")
+    ours = [c for c in workers if c["detail"].startswith(f"plain at {worker.address}")]
+    assert ours and ours[0]["verdict"] == "ok", workers

@@ -81,9 +81,61 @@ def test_the_shard_folder_given_for_a_store_is_refused_naming_the_store(sharded,
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert run.returncode == 2
     assert run.stderr.startswith("shoal-worker: error:")
-    assert f"--store {sharded / 'worker-0'}" in run.stderr
-    assert str(sharded / "worker-1") in run.stderr
+    assert "the folder `shoal shard` wrote" in run.stderr
+    assert str(sharded / "worker-0") in run.stderr and str(sharded / "worker-1") in run.stderr
     assert "serving" not in run.stdout
+
+
+def worker_run(store: Path, secret_file: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.daemon", "--store", str(store), "--no-advertise",
+         "--secret-file", str(secret_file), *extra],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_the_folder_above_the_shard_folder_is_refused_naming_the_stores_not_the_shard(
+    sharded, secret_file
+):
+    run = worker_run(sharded.parent, secret_file, "--port", "0")
+    assert run.returncode == 2 and run.stderr.startswith("shoal-worker: error:")
+    assert "a folder above the stores" in run.stderr
+    named = re.search(r"the stores in it are ([^.]+)\.", run.stderr).group(1).split(", ")
+    assert named == [str(sharded / "worker-0"), str(sharded / "worker-1")]
+
+
+def test_a_store_folder_given_for_the_model_names_the_model_folder(sharded, secret_file):
+    run = shoal("generate", "--model", str(sharded / "worker-0"), "--secret-file",
+                str(secret_file), "hello")
+    assert run.returncode == 2, run.stderr
+    assert "is a worker's store folder" in run.stderr
+    assert f"--model {sharded}" in run.stderr and "Traceback" not in run.stderr
+    above = shoal("generate", "--model", str(sharded.parent), "hello")
+    assert above.returncode == 2 and f"did you mean --model {sharded}?" in above.stderr
+
+
+def test_a_busy_port_is_named_without_grpcs_own_log_line(sharded, secret_file):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        run = worker_run(sharded / "worker-0", secret_file, "--port",
+                         str(taken.getsockname()[1]))
+    assert run.returncode != 0
+    assert run.stderr.startswith("shoal-worker: error: cannot listen on"), run.stderr
+    assert "add_port" not in run.stderr and "lsof -i :" in run.stderr
+
+
+def test_a_second_worker_on_a_served_store_is_refused_naming_both_pids(
+    sharded, start_worker, secret_file
+):
+    first = start_worker([sharded / "worker-1"], "--no-advertise")
+    second = worker_run(sharded / "worker-1", secret_file, "--port", "0")
+    assert second.returncode != 0
+    assert second.stderr.startswith("shoal-worker: error:"), second.stderr
+    assert f"already served by shoal-worker PID {first.proc.pid}" in second.stderr
+    assert re.search(r"this worker \(PID \d+\) stops", second.stderr)
+    assert "serving" not in second.stdout
 
 
 def run_worker_until_advertised(store: Path, secret_file: Path, log: Path,

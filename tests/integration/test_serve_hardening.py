@@ -126,7 +126,7 @@ def _fresh_client_seconds(server: LocalServer) -> list[float]:
     took.append(time.monotonic() - started)
     assert health.status_code == 200, health.text
     started = time.monotonic()
-    reply = _client(server).completions.create(model="x", prompt="hi", max_tokens=2,
+    reply = _client(server).completions.create(model="sharded", prompt="hi", max_tokens=2,
                                                temperature=0)
     took.append(time.monotonic() - started)
     assert reply.choices[0].finish_reason in ("stop", "length")

@@ -23,7 +23,7 @@ def test_a_lost_worker_with_copies_elsewhere_is_routed_around(replicated_stores,
                                timeout=60)
 
         def ask(stream: bool):
-            return client.completions.create(model="m", prompt="hello there", max_tokens=600,
+            return client.completions.create(model="sharded", prompt="hello there", max_tokens=600,
                                              temperature=0, stream=stream)
 
         expected = ask(False).choices[0].text

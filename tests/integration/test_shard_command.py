@@ -124,3 +124,12 @@ def test_a_full_disk_ends_the_split_with_an_error_line_and_loses_nothing(tiny_ch
     finally:
         subprocess.run(["umount", str(mount)], check=True, timeout=30)
     assert {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()} == source_files
+
+
+def test_progress_written_to_a_file_is_lines_not_a_redrawn_bar(tiny_checkpoint, tmp_path):
+    """Off a terminal (a log, CI) a progress bar's redraws would pile up on one line."""
+    run = shoal("shard", str(tiny_checkpoint("qwen3_moe")), str(tmp_path / "out"),
+                "--workers", "2")
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stderr and "\r" not in run.stdout
+    assert all(line.strip() for line in run.stderr.splitlines())

@@ -166,3 +166,40 @@ def test_plan_of_a_sharded_folder_uses_the_heat_its_cluster_recorded(sharded):
         assert uniform["heat"] == "uniform" and not uniform["replicas"]
     finally:
         reset_heat(sharded)
+
+
+def published_config(tmp_path: Path, name: str) -> Path:
+    from tests.engine.published_configs import PUBLISHED
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(PUBLISHED[name][0]))
+    return path
+
+
+def test_a_bf16_model_that_does_not_fit_gets_the_bits_that_would_and_a_disk_question(
+    tmp_path
+):
+    config = published_config(tmp_path, "Mixtral-8x7B")
+    run = plan("--model", str(config), "--worker", "a=32G", "--worker", "b=32G")
+    assert run.returncode == 3, run.stdout  # only by streaming
+    hints = [line for line in run.stdout.splitlines() if line.startswith("hint: ")]
+    assert hints[0].startswith("hint: with --bits 8 (`shoal shard --quantize 8`) it would fit")
+    assert "NAME=MEMORY:DISK" in hints[1]
+    quantized = plan("--model", str(config), "--worker", "a=32G", "--worker", "b=32G",
+                     "--bits", "8")
+    assert quantized.returncode == 0, quantized.stdout  # the hint holds
+    given_disks = plan("--model", str(config), "--worker", "a=16G:1TB", "--worker",
+                       "b=16G:1TB", "--json")
+    advice = json.loads(given_disks.stdout)["advice"]
+    assert advice and not any("DISK" in line for line in advice)  # disks given: not asked
+
+
+def test_a_bf16_config_gets_its_download_size(tmp_path):
+    config = published_config(tmp_path, "Qwen3-30B-A3B")
+    report = json.loads(plan("--model", str(config), "--worker", "a=64G", "--worker",
+                             "b=64G", "--json").stdout)
+    model = report["model"]
+    assert model["source_bytes"] == model["expert_bytes"] + model["dense_bytes"]
+    assert report["verdict"] == "fits" and report["advice"] == []
+    text = plan("--model", str(config), "--worker", "a=64G", "--bits", "4").stdout
+    assert f"download: {model['source_bytes'] / 1e9:.2f} GB" in text  # bf16's, not the 4-bit

@@ -61,6 +61,15 @@ def test_a_card_takes_its_figures_from_the_workers_latest_stats():
     assert not cards[1]["healthy"] and "hit_rate" not in cards[1]  # no stale figures
 
 
+def test_prefetch_recall_is_none_until_a_prefetch_was_issued():
+    a = member("a", "healthy", {(0, 0)})
+    cold = shoal_pb2.WorkerStats(node_id="a", demands=10, hits=4, misses=6)
+    assert worker_cards([a], {a.address: cold}, {}, {})[0]["prefetch_recall"] is None
+    warm = shoal_pb2.WorkerStats(node_id="a", demands=10, hits=4, misses=6,
+                                 prefetch_issued=3, prefetch_hits=2, prefetch_used=2)
+    assert worker_cards([a], {a.address: warm}, {}, {})[0]["prefetch_recall"] == 0.25
+
+
 def test_the_heat_grid_has_every_expert_with_its_first_owner_and_copies():
     manifest = Manifest("f", "s", "qwen3_moe", {}, (MoeLayer(1, "p", 3, ()),
                                                     MoeLayer(3, "q", 2, ())), (), ())

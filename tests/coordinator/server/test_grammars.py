@@ -80,3 +80,49 @@ def test_bad_formats_are_refused(fmt, message):
     with pytest.raises(InvalidInput, match=message):
         response_format_grammar(fmt)
     assert response_format_grammar({"type": "text"}) is None
+
+
+def digits_first(grammars, grammar: str, steps: int = 400) -> str:
+    """A model that writes a digit whenever the grammar lets it (the worst case for an
+    unbounded number), else the lowest allowed token."""
+    g, tokenizer = grammars
+    processor = g.processor(grammar)
+    vocab = len(tokenizer.get_vocab())
+    digits = [i for i in range(vocab) if tokenizer.decode([i]).isdigit()]
+    assert digits
+    logits = mx.array(np.where(np.isin(np.arange(vocab), digits), 1.0, 0.0)[None],
+                      dtype=mx.float32)
+    out: list[int] = []
+    for _ in range(steps):
+        token = int(mx.argmax(processor(mx.array([0, *out]), logits), axis=-1).item())
+        if token in tokenizer.eos_token_ids:
+            return tokenizer.decode(out)
+        out.append(token)
+    raise AssertionError(f"no end after {steps} tokens: {tokenizer.decode(out)[:200]!r}")
+
+
+def test_numbers_a_schema_leaves_unbounded_end_and_the_answer_is_valid_json(grammars):
+    schema = {"type": "object", "additionalProperties": False, "required": ["x", "n", "at"],
+              "properties": {"x": {"type": "number"}, "n": {"type": "integer"},
+                             "at": {"type": "array", "minItems": 1, "maxItems": 2,
+                                    "items": {"type": "number", "minimum": 0}}}}
+    grammar = response_format_grammar({"type": "json_schema",
+                                       "json_schema": {"name": "p", "schema": schema}})
+    answer = json.loads(digits_first(grammars, grammar))
+    jsonschema.validate(answer, schema)
+    assert abs(answer["n"]) <= 2**53 - 1 and abs(answer["x"]) <= 2**53 - 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    call = digits_first(grammars, tool_call_grammar(tools, "f", start="<tool_call>",
+                                                    end="</tool_call>", several=False))
+    jsonschema.validate(json.loads(call.split("\n")[1])["arguments"], schema)
+
+
+def test_a_schemas_own_bounds_and_literal_values_are_kept():
+    from coordinator.server.grammars import bounded
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 3, "exclusiveMaximum": 9},
+        "b": {"const": {"type": "integer"}}, "c": {"enum": [{"type": "number"}]}}}
+    out = bounded(schema)["properties"]
+    assert out["a"] == {"type": "integer", "minimum": 3, "exclusiveMaximum": 9}
+    assert out["b"] == {"const": {"type": "integer"}} and out["c"] == schema["properties"]["c"]
