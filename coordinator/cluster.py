@@ -32,6 +32,10 @@ class Members(Protocol):
 
     def live(self) -> tuple[int, list[ExpertHost], list[frozenset[ExpertKey]]]: ...
 
+    def absent(self) -> list[str]:
+        """The members known but not serving now, each in words (who, where, why)."""
+        ...
+
     def watch(self, changed: Callable[[], None]) -> None: ...
 
     def update_inventory(self, link: ExpertHost, inventory: shoal_pb2.Inventory) -> None: ...
@@ -58,7 +62,9 @@ def snapshot_of(members: Members, layers: dict[int, int]) -> Snapshot:
     try:
         routes = replica_routes(layers, holdings)
     except Unavailable as e:
-        return Snapshot(tuple(links), tuple(holdings), {}, version, str(e))
+        absent = members.absent()
+        why = f"{e}; not serving: {'; '.join(absent)}" if absent else str(e)
+        return Snapshot(tuple(links), tuple(holdings), {}, version, why)
     return Snapshot(tuple(links), tuple(holdings), routes, version)
 
 
@@ -160,9 +166,15 @@ class FixedMembers:
         self._holdings: list[frozenset[ExpertKey]] = [frozenset()] * len(self.links)
         self.version = 0
         self._watchers: list[Callable[[], None]] = []
+        self._failed: dict[int, str] = {}  # by link: why it was taken out
 
     def watch(self, changed: Callable[[], None]) -> None:
         self._watchers.append(changed)
+
+    def absent(self) -> list[str]:
+        return [detail if self.links[i].address in detail
+                else f"worker {self.links[i].address}: {detail}"
+                for i, detail in sorted(self._failed.items())]
 
     def _changed(self) -> None:
         self.version += 1
@@ -239,10 +251,12 @@ class FixedMembers:
 
     def update_inventory(self, link: WorkerLink, inventory: shoal_pb2.Inventory) -> None:
         self._holdings[self.links.index(link)] = held(inventory)
+        self._failed.pop(self.links.index(link), None)
         self._changed()
 
     def report_failure(self, link: WorkerLink, detail: str) -> None:
         self._holdings[self.links.index(link)] = frozenset()
+        self._failed[self.links.index(link)] = detail
         self._changed()
 
     def close(self) -> None:

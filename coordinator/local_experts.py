@@ -246,6 +246,11 @@ class WithLocal:
     def watch(self, changed: Callable[[], None]) -> None:
         self._watchers.append(changed)
 
+    def absent(self) -> list[str]:
+        own = [] if self._held or not self.local.held() else [
+            "this machine's own experts (--local-store) failed"]
+        return own + (self.remote.absent() if self.remote is not None else [])
+
     def _changed(self) -> None:
         for changed in self._watchers:
             changed()

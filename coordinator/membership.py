@@ -327,6 +327,14 @@ class Membership:
         if link is not None:
             link.close()
 
+    def absent(self) -> list[str]:
+        """Workers found but not healthy, each with its node id, address, state and why."""
+        with self._changed:
+            return [f"worker {m.node_id or m.key} at {m.address} is {m.state}"
+                    + (f" ({m.detail})" if m.detail else "")
+                    for m in sorted(self._members.values(), key=lambda m: (m.node_id, m.key))
+                    if m.state != "healthy"]
+
     def watch(self, changed: Callable[[], None]) -> None:
         """Call `changed` after every change of the healthy workers (under this one's lock)."""
         with self._changed:
@@ -386,10 +394,12 @@ class Membership:
                         "this one? `shoal workers` shows what is found (see "
                         "docs/operations.md)"
                     )
-                if on_wait and said != healthy:
-                    said = healthy
+                if on_wait and said != healthy:  # said once, then only as workers come
                     on_wait(f"waiting up to {remaining:.0f} s for workers of cluster "
-                            f"{self.cluster!r} ({healthy} healthy; {missing})")
+                            f"{self.cluster!r} ({healthy} healthy; {missing})" if said is None
+                            else f"{healthy} worker{'s' * (healthy != 1)} of cluster "
+                            f"{self.cluster!r} healthy; not every expert held yet")
+                    said = healthy
                 self._changed.wait(min(remaining, 1.0))
 
     def _seen_locked(self) -> str:

@@ -22,14 +22,13 @@ from typing import TypeVar
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.requests import Request
 
-from coordinator.cluster import Members, layer_sizes
+from coordinator.cluster import Members, layer_sizes, snapshot_of
 from coordinator.server.batching import BatchEngine, Event, Sampling
 from coordinator.server.http_limits import ConnectionGuard, Limits
 from coordinator.server.openai_api import CompletionRequest, decode_body
 from coordinator.server.prompts import longest_token, prepare
 from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
-from engine.placement import replica_routes
 
 HEARTBEAT = 15.0  # seconds between keep-alives while a streamed answer waits for tokens
 
@@ -62,13 +61,9 @@ def status_of(error: ShoalError) -> int:
 
 
 def missing_experts(membership: Members, manifest: Manifest) -> str | None:
-    """Why the cluster cannot serve every expert now (naming them), or None."""
-    _, _, holdings = membership.live()
-    try:
-        replica_routes(layer_sizes(manifest), holdings)
-    except Unavailable as e:
-        return str(e)
-    return None
+    """Why the cluster cannot serve every expert now (naming them, and the workers found but
+    not serving), or None."""
+    return snapshot_of(membership, layer_sizes(manifest)).missing or None
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ def test_a_failed_listed_worker_keeps_its_place_and_is_routed_around(secret_file
         assert cluster.holdings == [frozenset({(0, 0), (0, 1)}), frozenset()]
         with pytest.raises(Unavailable, match="worker a failed; no live worker holds"):
             cluster.lost(0, Unavailable("worker a failed"))
+        # what a later call (or `shoal serve`'s 503) says names the workers taken out
+        assert "not serving: worker 127.0.0.1:1: worker a failed; worker 127.0.0.1:2: " \
+               "worker b failed" in cluster.current.missing
     finally:
         members.close()
 
