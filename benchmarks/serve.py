@@ -1,15 +1,9 @@
-"""Aggregate decode tokens/s of 1, 2, 4 and 8 concurrent streams through `shoal serve`, with
-two local workers on `shoal bench`'s checkpoint, and whether each stream's greedy output is
-the one it gets alone.
-
-    python -m benchmarks.serve [--quick] [--json] [--tokens N] [--streams 1,2,4,8]
-
-Each prompt is first sent alone (its text and per-token log-probabilities are the
-reference, its decode speed the one-stream figure); then for each concurrency C the first C
-prompts are sent at once. A stream's decode rate runs from its first token to its last; the
-aggregate is the tokens all streams received while every one of them was decoding, over
-that window, so prefill and stragglers do not count.
-"""
+"""Aggregate decode tokens/s of 1, 2, 4 and 8 concurrent streams through `shoal serve` on two
+local workers, and whether each stream's greedy output is the one it gets alone:
+`python -m benchmarks.serve [--quick] [--json] [--tokens N] [--streams 1,2,4,8]`."""
+# Each prompt is first sent alone (its text and log-probabilities the reference, its speed the
+# one-stream figure); then for each concurrency C the first C prompts at once. The aggregate is
+# the tokens all streams received while every one was decoding, over that window.
 
 from __future__ import annotations
 

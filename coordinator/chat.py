@@ -1,7 +1,6 @@
 """A conversation with the cluster, as `shoal chat` holds it: the history through the chat
-template each turn, and one KV cache that carries over, so a turn computes only what the
-cache does not already hold (the new message; the cache is trimmed back to the longest
-prefix it shares with the new prompt, as mlx-lm's prompt cache does)."""
+template each turn, and one KV cache that carries over, trimmed back to the longest prefix it
+shares with the new prompt, so a turn computes only the new message."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""Speculative decoding for a sharded model: a draft model on the coordinator proposes tokens,
-the target checks them all in one forward (one request per worker per MoE layer, whatever the
-number of rows), and the number proposed follows how often the target agrees.
-
-The verification is mlx-lm's own `speculative_generate_step`, run in segments of constant N:
-when the acceptance estimate asks for another N, the segment is closed at the end of a
-verification step (its `finally` rewinds the caches as its loop would) and the next one starts
-on the same caches. N = 0 is plain decoding through the same step, one row per forward; while
-it lasts the draft sees nothing, and it catches up from the token history when drafting
-resumes. docs/speculative.md describes the rule and the figures.
-"""
+"""Speculative decoding for a sharded model: a draft proposes tokens, the target checks them all
+in one forward (one request per worker per MoE layer), the number proposed follows how often
+the target agrees; the rule and figures are docs/speculative.md's."""
+# The verification is mlx-lm's own `speculative_generate_step`, run in segments of constant N:
+# when the acceptance estimate asks for another N, the segment is closed at the end of a
+# verification step (its `finally` rewinds the caches as its loop would) and the next starts
+# on the same caches. N = 0 is plain decoding through the same step; while it lasts the draft
+# sees nothing, and it catches up from the token history when drafting resumes.
 
 from __future__ import annotations
 

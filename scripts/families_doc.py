@@ -1,11 +1,6 @@
-"""Run the family sweep and write its results into docs/models.md, between the markers.
-
-    python scripts/families_doc.py             # run tests/integration/test_families.py, write
-    python scripts/families_doc.py --report F  # write from an earlier sweep's JSON lines
-
-Only the text between `<!-- families:begin -->` and `<!-- families:end -->` changes; the rest
-of docs/models.md is left as it is (a file without the markers gets them at its end).
-"""
+"""Run the family sweep and write its results into docs/models.md between the markers
+`<!-- families:begin -->` and `<!-- families:end -->`: `python scripts/families_doc.py`,
+or `--report F` to write from an earlier sweep's JSON lines."""
 
 from __future__ import annotations
 

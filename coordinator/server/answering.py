@@ -1,9 +1,6 @@
-"""What every API `shoal serve` speaks answers from, and one request's way through it: the
-`Service` (the batch engine, the model, the workers, the API key and the limits), then, on
-the HTTP server's event loop, a request's body read within the limits and parsed off the
-loop, and its events from the batch engine gathered whole, or streamed as they come (with a
-heartbeat while none does). Leaving early cancels the request, which frees its row in the
-batch. The OpenAI routes (http_server.py), Anthropic's and Ollama's all build on this."""
+"""What every API `shoal serve` speaks answers from: the `Service` (the batch engine, the model,
+the workers, the key, the limits) and one request's way through it, its body read within the
+limits, its events gathered whole or streamed; a client that leaves cancels its row."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Anthropic's Messages API (`POST /v1/messages`, streamed or not, with tools, and
-`/v1/messages/count_tokens`) over the same batch engine: a request becomes the same
-CompletionRequest an OpenAI chat request does (so the chat template, tools, sampling and the
-context check are one code path), and its events are shaped as Anthropic's answers."""
+`/v1/messages/count_tokens`): a request becomes the CompletionRequest an OpenAI chat request
+does (one template, tools, sampling and context path), its events shaped as Anthropic's."""
 
 from __future__ import annotations
 

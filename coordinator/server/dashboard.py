@@ -1,12 +1,6 @@
-"""`shoal serve`'s dashboard: the page at `GET /` (plain HTML, JavaScript and CSS from
-coordinator/server/static, nothing fetched from elsewhere), the JSON endpoints it reads
-(documented in docs/dashboard.md, for scripts too), the live rebalance it can start, and
-`GET /metrics`.
-
-A sampler thread reads the engine's and the dispatcher's counters, the members and each
-healthy worker's stats once a second; the heat is read from the workers when asked for, at
-most every HEAT_SECONDS. What the endpoints answer is built by dashboard_views.py.
-"""
+"""`shoal serve`'s dashboard: the page at `GET /` (static/, nothing fetched from elsewhere), the
+JSON endpoints it reads (docs/dashboard.md), the live rebalance it can start; a sampler thread
+reads the counters once a second, and dashboard_views.py builds what the endpoints answer."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""What the dashboard shows, as plain data: a sample of the speed series, the cards of the
-coordinator and of each worker, and the heat map's grid with the owners of every expert.
-
-Pure functions of the membership's members, the workers' stats, the engine's and the
-dispatcher's counters and the heat record, so tests call them without a network;
-coordinator/server/dashboard.py reads those and serves what these return as JSON.
-"""
+"""What the dashboard shows, as plain data: a sample of the speed series, the coordinator's and
+each worker's cards, the heat map's grid with every expert's owners; pure functions of the
+members, the counters and the heat record, so tests call them without a network."""
 
 from __future__ import annotations
 

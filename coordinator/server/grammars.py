@@ -1,11 +1,6 @@
-"""Constrained decoding: the grammars that `response_format` (JSON, JSON Schema) and a forced
-tool call ask for, and the logits processor that holds a request to its grammar, driven by
-llguidance (the grammar engine of Guidance, also used by vLLM and SGLang).
-
-A request without a grammar gets no processor at all, so its logits are untouched; inside a
-constrained one, a step where the grammar allows every token leaves every logit as it was
-(the mask keeps allowed logits bit for bit and sets the others to -inf).
-"""
+"""Constrained decoding with llguidance: the grammars `response_format` and a forced tool call
+ask for, and the logits processor that holds a request to its grammar; a request without one
+gets no processor, and an allowed logit is kept bit for bit."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What one client can hold of `shoal serve` (docs/security.md): connections per address and
-in all, the connection idle longest closed when full, a deadline for a request's headers, the
-request body's limits, and failed accepts said once in a while. Connections are guarded here,
-in the protocol uvicorn serves them with; bodies are read within the limits in
-coordinator/server/answering.py."""
+"""What one client can hold of `shoal serve` (docs/security.md): connections per address and in
+all, the idlest closed when full, a deadline for headers, the body's limits, failed accepts
+said once in a while; guarded in the protocol uvicorn serves connections with."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""`shoal serve`'s HTTP server: the OpenAI API's routes on Starlette and uvicorn (chat and
-text completions, streamed as server-sent events or not, the models, health, the API key),
-with every request decoded in one shared batch (coordinator/server/batching.py); Anthropic's and
-Ollama's routes (coordinator/server/anthropic_api.py, ollama_api.py) are registered beside them,
-with CORS and the access log around all of them.
-
-Requests take their shapes from openai_api.py, answers from openai_answers.py; this module carries
-them: each request's body is read within the limits and parsed off the event loop, submitted
-to the engine, its events awaited, and a request whose client went away cancelled, which
-frees its row in the batch (the Service they share and a request's way through it are
-coordinator/server/answering.py). SIGINT and SIGTERM stop it alike: new requests are refused,
-those in flight have the drain period to finish (then end with an error event), and serve()
-returns.
-"""
+"""`shoal serve`'s HTTP server: the OpenAI routes on Starlette and uvicorn, with Anthropic's,
+Ollama's and the Responses API beside them, CORS and the access log around all; SIGINT and
+SIGTERM refuse new requests and give those in flight the drain period to finish."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`GET /metrics` of `shoal serve`: its figures in Prometheus's text format, made with
-prometheus_client. Requests are counted as they are answered and each worker's round trip
-and compute time observed per MoE layer call (histograms); the rest (tokens, batch width,
-health, cache hits, rebalance progress) is read from the dashboard's state at each scrape.
-"""
+"""`GET /metrics` of `shoal serve` in Prometheus's text format (prometheus_client): requests
+counted as answered, each worker's round trip and compute per MoE call and the streams'
+latencies as histograms, the rest read from the dashboard's state at each scrape."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Ollama's HTTP API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`,
-`/api/version`) over the same batch engine, for the desktop apps and tools that speak it: a
-request becomes the CompletionRequest an OpenAI one does, and its events are shaped as
-Ollama's answers (newline-delimited JSON when streamed, which is Ollama's default)."""
+`/api/version`) over the same batch engine: a request becomes the CompletionRequest an OpenAI
+one does, its events shaped as Ollama's answers (newline-delimited JSON when streamed)."""
 
 from __future__ import annotations
 

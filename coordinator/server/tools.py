@@ -1,8 +1,6 @@
-"""Tool calling as mlx-lm does it, for every API `shoal serve` speaks: the tools rendered by the
-model's own chat template, and the model's tool-call syntax read back into calls by mlx-lm's
-parser for that template (mlx_lm/tool_parsers, picked when the tokenizer is loaded). Pure
-data and functions; the APIs' shapes are in openai_api.py, anthropic_api.py, ollama_api.py.
-"""
+"""Tool calling as mlx-lm does it, for every API `shoal serve` speaks: tools rendered by the
+model's own chat template, its tool-call syntax read back by mlx-lm's parser for that template;
+pure data and functions (the APIs' shapes are in their own modules)."""
 
 from __future__ import annotations
 
