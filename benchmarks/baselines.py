@@ -75,20 +75,31 @@ def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
 
 
 def main() -> None:
-    """`python -m benchmarks.baselines --single SOURCE [--settings JSON] [--out FILE]`: mlx-lm's
-    one-process figures, as `measure_single` runs them in a process of its own."""
+    """`python -m benchmarks.baselines --single SOURCE | --all-local SHARDED [--settings JSON]
+    [--out FILE]`: mlx-lm's one-process figures, or one machine's all-local Shoal figures, as
+    `measure_single` and `measure_all_local` run them in a process of their own."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.baselines",
         description="mlx-lm's decode and prefill figures in this process (shoal bench runs "
                     "the whole comparison)")
-    parser.add_argument("--single", type=Path, required=True, metavar="SOURCE",
-                        help="the checkpoint, as mlx-lm loads it")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--single", type=Path, metavar="SOURCE",
+                       help="the checkpoint, as mlx-lm loads it")
+    which.add_argument("--all-local", type=Path, metavar="SHARDED",
+                       help="Shoal instead, every store of this split served in process, as "
+                            "`shoal generate --local-store` runs (benchmarks/shoal_runs.py)")
     parser.add_argument("--settings", type=json.loads, default=FULL, metavar="JSON",
                         help="lengths, decode_tokens, runs and long_runs (default: the full "
                              "bench's)")
     parser.add_argument("--out", type=Path, help="write the figures here (default: print)")
     args = parser.parse_args()
-    figures = json.dumps(measure_single_here(args.single, args.settings))
+    if args.single is not None:
+        figures = json.dumps(measure_single_here(args.single, args.settings))
+    else:
+        from benchmarks.shoal_runs import measure_shoal_local
+
+        figures = json.dumps(measure_shoal_local(args.all_local, args.settings, None, None,
+                                                 remote_stores=0))
     if args.out is None:
         print(figures)
     else:

@@ -3,7 +3,6 @@ Thunderbolt-like network), the coordinator serving stores itself, and the bare e
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.baselines import baseline_figures
-from benchmarks.checkpoints import FULL, WORKERS
+from benchmarks.checkpoints import WORKERS
 from benchmarks.echo import lane_round_trips, round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
@@ -236,35 +235,8 @@ def measure_all_local(sharded: Path, settings: dict) -> dict:
     --local-store` starts: a coordinator with no worker keeps MLX's own launch setting
     (engine/process.py), which a process that has run workers no longer can."""
     figures = baseline_figures("Shoal with every store local", lambda out: [
-        sys.executable, "-m", "benchmarks.shoal_runs", "--all-local", str(sharded),
+        sys.executable, "-m", "benchmarks.baselines", "--all-local", str(sharded),
         "--settings", json.dumps(settings), "--out", str(out)])
     if "error" in figures:
         raise ShoalError(figures["error"])
     return figures
-
-
-def main() -> None:
-    """`python -m benchmarks.shoal_runs --all-local SHARDED [--settings JSON] [--out FILE]`:
-    Shoal's figures with every store of a split served in process, as `measure_all_local`
-    runs them in a process of its own."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.shoal_runs",
-        description="one machine's decode and prefill figures, every store served by the "
-                    "coordinator itself, in this process (shoal bench runs the whole comparison)")
-    parser.add_argument("--all-local", type=Path, required=True, metavar="SHARDED",
-                        help="the split whose every store is served in process")
-    parser.add_argument("--settings", type=json.loads, default=FULL, metavar="JSON",
-                        help="lengths, decode_tokens, runs and long_runs (default: the full "
-                             "bench's)")
-    parser.add_argument("--out", type=Path, help="write the figures here (default: print)")
-    args = parser.parse_args()
-    figures = json.dumps(measure_shoal_local(args.all_local, args.settings, None, None,
-                                             remote_stores=0))
-    if args.out is None:
-        print(figures)
-    else:
-        args.out.write_text(figures)
-
-
-if __name__ == "__main__":
-    main()
