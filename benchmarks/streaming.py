@@ -4,6 +4,10 @@ drive's sequential read speed and against mlx-lm in one process under the same m
 
     .venv/bin/python benchmarks/streaming.py [--tokens 48] [--budgets 100,50,25]
     .venv/bin/python -m benchmarks.streaming --local [--rounds 4] [--budgets 100,25]
+    .venv/bin/python -m benchmarks.streaming --scale 1,2,4 [--quick] [--json FILE]
+
+With --scale, one model over 1, 2 and 4 members, each a Mac with one throttled SSD
+(benchmarks/streaming_scale.py).
 
 With --local, the coordinator serves every expert itself from the store (one Mac alone, no
 worker: coordinator/local_experts.py) at each budget, alternated round by round with mlx-lm
@@ -298,21 +302,25 @@ def main() -> None:
                         "against mlx-lm with every expert in memory, alternated")
     parser.add_argument("--rounds", type=int, default=4, help="with --local (default 4)")
     parser.add_argument("--scale", metavar="COUNTS",
-                        help="the scaling run: the bench checkpoint over these member counts "
+                        help="the scaling run: one model over these member counts "
                         "(e.g. 1,2,4), each member one memory budget and one throttled drive")
     parser.add_argument("--quick", action="store_true", help="with --scale: 8 tokens, not 32")
+    parser.add_argument("--model", default="demo", choices=("demo", "bench"),
+                        help="with --scale: the demo's SmolLM2 MoE (real routing; default) or "
+                        "the DeepSeek-V3-shaped bench checkpoint (random weights)")
     parser.add_argument("--drive-mbps", type=float, default=16.0,
                         help="with --scale: each member's read limit, MB/s (0: none; default 16)")
     parser.add_argument("--member-budget", type=float, default=10.0, metavar="PERCENT",
                         help="with --scale: each member's memory budget, %% of all the experts' "
                         "bytes (default 10: four members hold 40%%)")
     parser.add_argument("--skew", type=float, default=0.0,
-                        help="with --scale: the routing skew the prediction assumes (default 0)")
+                        help="with --scale: the routing skew the prediction assumes where no "
+                        "heat was counted (default 0)")
     args = parser.parse_args()
     if args.scale:
         from benchmarks.streaming_scale import run_scale
 
-        run_scale([int(n) for n in args.scale.split(",")], quick=args.quick,
+        run_scale([int(n) for n in args.scale.split(",")], model=args.model, quick=args.quick,
                   drive_mbps=args.drive_mbps, budget_share=args.member_budget / 100,
                   skew=args.skew, json_path=args.json)
         return

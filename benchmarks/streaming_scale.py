@@ -44,6 +44,7 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
     from mlx_lm.sample_utils import make_sampler
 
     from coordinator.generate import open_remote_model
+    from coordinator.ops.heat_record import fetch_readings
     from coordinator.ops.worker_stats import read_stats
     from coordinator.report import streaming_report
     from engine.auth import load_secret
@@ -58,14 +59,21 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
             out.append(int(response.token))
             if len(out) == 1:
                 before = read_stats(remote.cluster.links)
+                counted = fetch_readings(remote.cluster.links)
                 started = time.perf_counter()
         decode_seconds = time.perf_counter() - started
         after = read_stats(remote.cluster.links)
+        heat: dict[tuple[int, int], int] = {}
+        for reading in fetch_readings(remote.cluster.links):
+            seen = next((r.counts for r in counted if r.name == reading.name), {})
+            for key, count in reading.counts.items():
+                heat[key] = heat.get(key, 0) + count - seen.get(key, 0)
     finally:
         remote.close()
     members = streaming_report(before, after, 0, None)["workers"]
     print(json.dumps({
         "tokens": out, "decode_seconds": decode_seconds,
+        "heat": [[layer, expert, n] for (layer, expert), n in sorted(heat.items()) if n > 0],
         "members": {address: {"demands": s["demands"], "hit_rate": s["hit_rate"],
                               "bytes_read": s["bytes_read"],
                               "drive_seconds": sum(d["active_seconds"] for d in s["drives"])}
@@ -111,6 +119,7 @@ def run_point(sharded: Path, members: int, budget: int, read_bps: int | None, id
     return {
         "members": members,
         "tokens": run["tokens"],
+        "heat": {(layer, expert): float(n) for layer, expert, n in run["heat"]},
         "tok_s": (len(run["tokens"]) - 1) / decode,
         "hit_rate": hits / demands if demands else None,
         "read_bytes_per_token": sum(s["bytes_read"] for s in stats) / (len(run["tokens"]) - 1),
@@ -122,27 +131,42 @@ def run_point(sharded: Path, members: int, budget: int, read_bps: int | None, id
     }
 
 
-def run_scale(counts: list[int], *, quick: bool, drive_mbps: float, budget_share: float,
-              skew: float, json_path: Path | None) -> dict:
+def model_stores(model: str, counts: list[int]) -> tuple[Path, dict[int, Path]]:
+    """The checkpoint and its stores split over each member count, built once in the cache:
+    "demo" (SmolLM2-135M as 16 experts, top-4: a trained model's routing and varied text) or
+    "bench" (the DeepSeek-V3-shaped random checkpoint; its greedy text repeats a few tokens,
+    so its routing repeats too and caches hit far more than on real text)."""
+    from benchmarks.bench import bench_checkpoint
+    from builders.demo_models import build_once, cache_root, moe_folder, prepare
+    from engine.sharding import shard
+
+    if model == "demo":
+        return moe_folder(16, 4), {n: prepare(16, 4, n, progress=False) for n in counts}
+    if model != "bench":
+        raise SystemExit(f"--model takes demo or bench, not {model!r}")
+    source, _ = bench_checkpoint(False)
+    return source, {n: build_once(cache_root() / "scale" / f"sharded-w{n}",
+                                  lambda out, n=n: shard(source, out, workers=n, progress=False),
+                                  f"{n} member stores") for n in counts}
+
+
+def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
+              budget_share: float, skew: float, json_path: Path | None) -> dict:
     """Every member count at `drive_mbps` (0: no read limit), then each again with every expert
     in memory and no read limit (what the prediction takes as a token's compute)."""
     from mlx_lm.utils import load_tokenizer
 
-    from benchmarks.bench import bench_checkpoint, bench_root
+    from benchmarks.bench import bench_root
     from benchmarks.streaming import run_mlx_lm
-    from builders.demo_models import build_once, cache_root
     from coordinator.generate import encode_prompt
     from engine.auth import ensure_secret
-    from engine.sharding import shard
 
     tokens = 8 if quick else 32
-    source, _ = bench_checkpoint(False)
-    sharded = {n: build_once(cache_root() / "scale" / f"sharded-w{n}",
-                             lambda out, n=n: shard(source, out, workers=n, progress=False),
-                             f"{n} member stores") for n in counts}
+    source, sharded = model_stores(model, counts)
     manifest = read_manifest(sharded[counts[0]])
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     expert_total = sum(sizes.values())
+    experts = manifest.layers[0].num_experts
     top_k = json.loads((source / "config.json").read_text())["num_experts_per_tok"]
     budget = int(expert_total * budget_share)
     read_bps = int(drive_mbps * 1e6) if drive_mbps > 0 else None
@@ -150,7 +174,7 @@ def run_scale(counts: list[int], *, quick: bool, drive_mbps: float, budget_share
     secret_file = bench_root(False) / "secret"
     ensure_secret(secret_file)
     ids = encode_prompt(load_tokenizer(sharded[counts[0]] / "dense"), PROMPT, chat=True)
-    print(f"model: DeepSeek-V3-shaped bench checkpoint, {len({k[0] for k in sizes})} MoE layers "
+    print(f"model: {model} ({source.name}), {len({k[0] for k in sizes})} MoE layers "
           f"x {manifest.layers[0].num_experts} experts (top-{top_k}), experts "
           f"{format_bytes(expert_total)}; each member: memory budget {format_bytes(budget)} "
           f"({100 * budget_share:.0f}% of the experts), drive {drive_mbps:g} MB/s; decode "
@@ -163,6 +187,9 @@ def run_scale(counts: list[int], *, quick: bool, drive_mbps: float, budget_share
             floor = run_point(sharded[n], n, expert_total, None, ids, tokens, secret_file,
                               Path(tmp), device)
             floors[n] = 1.0 / floor["tok_s"]
+            # The decode's own routing, counted by the members with every expert in memory
+            # (the ids are the same at every point, so is the routing): the heat record.
+            heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
             row = run_point(sharded[n], n, budget, read_bps, ids, tokens, secret_file,
                             Path(tmp), device)
             row["exact"] = row["tokens"] == reference.get("tokens")
@@ -171,15 +198,17 @@ def run_scale(counts: list[int], *, quick: bool, drive_mbps: float, budget_share
                        for i in range(n)]
             row["predicted"] = predict_streaming(
                 holders_of(sharded[n], n), members, sizes,
-                skewed_heat({k[0]: manifest.layers[0].num_experts for k in sizes}, skew),
+                heat,
                 top_k=top_k, compute_seconds=floors[n])
+            row.pop("heat")
             rows.append(row)
             print(f"  {n} member(s): {row['tok_s']:.3f} tok/s (predicted "
                   f"{row['predicted']['tokens_per_second']:.3f}), load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     limited = mlx_lm_limited(source, ids, tokens, reference, expert_total, budget, read_bps,
                              device)
-    report = {"drive_mbps": drive_mbps, "memory_budget": budget, "expert_bytes": expert_total,
+    report = {"model": model, "drive_mbps": drive_mbps, "memory_budget": budget,
+              "expert_bytes": expert_total,
               "decode_tokens": tokens, "skew_assumed": skew, "rows": rows,
               "mlx_lm": {k: v for k, v in reference.items() if k != "tokens"},
               "mlx_lm_limited": limited, "load_after": os.getloadavg()[0]}
@@ -214,8 +243,8 @@ def mlx_lm_limited(source: Path, ids: list[int], tokens: int, reference: dict, e
 
 def print_scale(report: dict) -> None:
     print(f"\ndrive {report['drive_mbps']:g} MB/s and memory budget "
-          f"{format_bytes(report['memory_budget'])} per member; predicted: shoal plan's "
-          f"streaming model (skew {report['skew_assumed']:g}), compute from the all-in-memory run")
+          f"{format_bytes(report['memory_budget'])} per member; predicted: engine/stream_speed.py "
+          "(shoal plan's forecast) from the decode's heat and the all-in-memory run's speed")
     print(f"{'members':>7} {'tok/s':>7} {'x one':>6} {'predicted':>9} {'hit':>6} "
           f"{'read/tok':>10} {'drive busy':>18} {'exact':>6} {'all in memory':>13}")
     for row in report["rows"]:
