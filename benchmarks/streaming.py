@@ -308,11 +308,13 @@ def main() -> None:
     parser.add_argument("--model", default="demo", choices=("demo", "bench"),
                         help="with --scale: the demo's SmolLM2 MoE (real routing; default) or "
                         "the DeepSeek-V3-shaped bench checkpoint (random weights)")
-    parser.add_argument("--drive-mbps", type=float, default=16.0,
-                        help="with --scale: each member's read limit, MB/s (0: none; default 16)")
+    parser.add_argument("--drive-mbps", type=float, default=40.0,
+                        help="with --scale: each member's read limit, MB/s (0: none; default 40)")
     parser.add_argument("--member-budget", type=float, default=10.0, metavar="PERCENT",
                         help="with --scale: each member's memory budget, %% of all the experts' "
                         "bytes (default 10: four members hold 40%%)")
+    parser.add_argument("--no-lookahead", action="store_true",
+                        help="with --scale: no prefetch hints from the router's lookahead")
     parser.add_argument("--skew", type=float, default=0.0,
                         help="with --scale: the routing skew the prediction assumes where no "
                         "heat was counted (default 0)")
@@ -322,7 +324,7 @@ def main() -> None:
 
         run_scale([int(n) for n in args.scale.split(",")], model=args.model, quick=args.quick,
                   drive_mbps=args.drive_mbps, budget_share=args.member_budget / 100,
-                  skew=args.skew, json_path=args.json)
+                  skew=args.skew, json_path=args.json, lookahead=not args.no_lookahead)
         return
 
     from builders.demo_models import moe_folder, prepare

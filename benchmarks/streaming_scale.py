@@ -36,7 +36,7 @@ def holders_of(sharded: Path, members: int) -> dict[tuple[int, int], tuple[str, 
 
 
 def member_once(sharded: str, addresses: list[str], secret_file: str, budget: int,
-                ids: list[int], tokens: int) -> None:
+                ids: list[int], tokens: int, lookahead: bool = True) -> None:
     """The coordinator, in a process (and cgroup) of its own: member 0's store here, the rest
     on the workers at `addresses`; prints one JSON line of decode-only figures."""
     import mlx.core as mx
@@ -52,6 +52,8 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
     remote = open_remote_model(Path(sharded), addresses, load_secret(Path(secret_file)),
                                local_stores=[Path(sharded) / "worker-0"],
                                memory_budget=str(budget))
+    if not lookahead:
+        remote.dispatcher.lookahead = None
     try:
         out = []
         for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
@@ -82,7 +84,8 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
 
 
 def run_point(sharded: Path, members: int, budget: int, read_bps: int | None, ids: list[int],
-              tokens: int, secret_file: Path, log_dir: Path, device: str | None) -> dict:
+              tokens: int, secret_file: Path, log_dir: Path, device: str | None,
+              lookahead: bool = True) -> dict:
     """One member count: page cache dropped, each member in its own cgroup, decode timed."""
     from coordinator.ops.local_processes import start_worker
 
@@ -99,7 +102,7 @@ def run_point(sharded: Path, members: int, budget: int, read_bps: int | None, id
         limits.insert(0, coordinator)
         code = ("from benchmarks.streaming_scale import member_once; member_once("
                 f"{str(sharded)!r}, {[w.address for w in workers]!r}, {str(secret_file)!r}, "
-                f"{budget}, {ids!r}, {tokens})")
+                f"{budget}, {ids!r}, {tokens}, {lookahead})")
         proc = subprocess.run(coordinator.wrap([sys.executable, "-c", code]), capture_output=True,
                               text=True, timeout=3600, cwd=REPO)
         if proc.returncode != 0:
@@ -151,7 +154,8 @@ def model_stores(model: str, counts: list[int]) -> tuple[Path, dict[int, Path]]:
 
 
 def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
-              budget_share: float, skew: float, json_path: Path | None) -> dict:
+              budget_share: float, skew: float, json_path: Path | None,
+              lookahead: bool = True) -> dict:
     """Every member count at `drive_mbps` (0: no read limit), then each again with every expert
     in memory and no read limit (what the prediction takes as a token's compute)."""
     from mlx_lm.utils import load_tokenizer
@@ -191,7 +195,7 @@ def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
             # (the ids are the same at every point, so is the routing): the heat record.
             heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
             row = run_point(sharded[n], n, budget, read_bps, ids, tokens, secret_file,
-                            Path(tmp), device)
+                            Path(tmp), device, lookahead)
             row["exact"] = row["tokens"] == reference.get("tokens")
             row["all_in_memory_tok_s"] = floor["tok_s"]
             members = [StreamingMember(f"member-{i}", budget, read_bps or 1e15)
@@ -207,7 +211,8 @@ def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     limited = mlx_lm_limited(source, ids, tokens, reference, expert_total, budget, read_bps,
                              device)
-    report = {"model": model, "drive_mbps": drive_mbps, "memory_budget": budget,
+    report = {"model": model, "lookahead": lookahead, "drive_mbps": drive_mbps,
+              "memory_budget": budget,
               "expert_bytes": expert_total,
               "decode_tokens": tokens, "skew_assumed": skew, "rows": rows,
               "mlx_lm": {k: v for k, v in reference.items() if k != "tokens"},
@@ -246,14 +251,17 @@ def print_scale(report: dict) -> None:
           f"{format_bytes(report['memory_budget'])} per member; predicted: engine/stream_speed.py "
           "(shoal plan's forecast) from the decode's heat and the all-in-memory run's speed")
     print(f"{'members':>7} {'tok/s':>7} {'x one':>6} {'predicted':>9} {'hit':>6} "
-          f"{'read/tok':>10} {'drive busy':>18} {'exact':>6} {'all in memory':>13}")
+          f"{'read/tok':>10} {'drive busy':>18} {'exact':>6} {'all in memory':>13} "
+          f"{'pred. hit':>9} {'pred. read':>10}")
     for row in report["rows"]:
         busy = ",".join(f"{100 * b:.0f}%" for b in row["drive_busy"])
         print(f"{row['members']:>7} {row['tok_s']:>7.3f} {row['ratio']:>6.2f} "
               f"{row['predicted']['tokens_per_second']:>9.3f} "
               f"{100 * (row['hit_rate'] or 0):>5.1f}% "
               f"{format_bytes(row['read_bytes_per_token']):>10} {busy:>18} "
-              f"{str(row['exact']):>6} {row['all_in_memory_tok_s']:>13.3f}")
+              f"{str(row['exact']):>6} {row['all_in_memory_tok_s']:>13.3f} "
+              f"{100 * row['predicted']['hit_rate']:>8.1f}% "
+              f"{format_bytes(row['predicted']['read_bytes_per_token']):>10}")
     ref, lim = report["mlx_lm"], report["mlx_lm_limited"]
     print(f"mlx-lm, no limits: {ref.get('decode_tps', 0):.3f} tok/s; under one member's limits "
           f"({format_bytes(lim.get('memory_limit', 0))} memory, same read limit): "
