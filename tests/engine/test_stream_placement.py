@@ -85,3 +85,18 @@ def test_plan_placement_streams_by_read_speed_when_it_knows_them():
     by_bytes = plan_placement(unknown, SIZES, SKEWED, spare=0.0, top_k=TOP_K)
     assert by_bytes.bytes_per_worker["fast"] == pytest.approx(
         by_bytes.bytes_per_worker["slow"], rel=0.2)
+
+
+def test_a_deploy_onto_workers_with_measured_read_speeds_places_for_streaming():
+    from engine.rebalance_plan import LiveWorker, propose, state_of
+
+    workers = [LiveWorker("fast", frozenset(), memory_budget=4 * SIZE, free_disk=1 << 30,
+                          read_gbps=3.0),
+               LiveWorker("slow", frozenset(), memory_budget=4 * SIZE, free_disk=1 << 30,
+                          read_gbps=1.0)]
+    proposal = propose(state_of(workers, SIZES, ()), workers, SIZES, SKEWED, spare=0.0,
+                       deploy=True, top_k=TOP_K)
+    placed = {n: sum(SIZE for names in proposal.target.values() if n in names)
+              for n in ("fast", "slow")}
+    assert set(proposal.target) == set(SIZES)
+    assert placed["fast"] > 2 * placed["slow"]
