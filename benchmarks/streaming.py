@@ -4,6 +4,10 @@ drive's sequential read speed and against mlx-lm in one process under the same m
 
     .venv/bin/python benchmarks/streaming.py [--tokens 48] [--budgets 100,50,25]
     .venv/bin/python -m benchmarks.streaming --local [--rounds 4] [--budgets 100,25]
+    .venv/bin/python -m benchmarks.streaming --scale 1,2,4 [--quick] [--json FILE]
+
+With --scale, one model over 1, 2 and 4 members, each a Mac with one throttled SSD
+(benchmarks/streaming_scale.py).
 
 With --local, the coordinator serves every expert itself from the store (one Mac alone, no
 worker: coordinator/local_experts.py) at each budget, alternated round by round with mlx-lm
@@ -29,6 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.records import write_record  # noqa: E402
+from benchmarks.stream_limits import (  # noqa: E402
+    MemberLimits,
+    drop_page_cache,
+    peak_rss,
+    sequential_bandwidth,
+)
 from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
 from coordinator.ops.worker_stats import read_stats  # noqa: E402
@@ -36,95 +46,8 @@ from coordinator.report import streaming_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402
-from worker.uncached import open_uncached, read_into  # noqa: E402
 
 PROMPT = "Explain how rainbows form."
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-CGROUP_V2 = Path("/sys/fs/cgroup")
-
-
-def drop_page_cache(files: list[Path]) -> str:
-    """Empty the OS page cache (root on Linux), else drop the given files' pages."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    if hasattr(os, "posix_fadvise"):
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        return "posix_fadvise(DONTNEED) on every file"
-    return "nothing (no way to drop the page cache here)"
-
-
-def sequential_bandwidth(folder: Path, size: int = 1 << 30, block: int = 8 << 20) -> float:
-    """Bytes/s of one sequential pass over a fresh file on the drive, around the page cache."""
-    import mmap
-
-    path = folder / ".shoal-bench-sequential"
-    chunk = os.urandom(block)
-    with open(path, "wb") as f:
-        for _ in range(size // block):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    drop_page_cache([path])
-    buffer = mmap.mmap(-1, block)
-    view = memoryview(buffer)
-    file = open_uncached(path)
-    started = time.perf_counter()
-    offset = 0
-    while got := read_into(file, view, offset):
-        offset += got
-    elapsed = time.perf_counter() - started
-    os.close(file.fd)
-    view.release()
-    buffer.close()
-    path.unlink()
-    return offset / elapsed
-
-
-class MemoryLimit:
-    """A cgroup (v1 or v2) with a memory limit that a command joins before it starts."""
-
-    def __init__(self, name: str, limit: int) -> None:
-        if (CGROUP_V1 / "cgroup.procs").exists():
-            self.path = CGROUP_V1 / name
-            self.path.mkdir(exist_ok=True)
-            (self.path / "memory.limit_in_bytes").write_text(str(limit))
-            self.kind = "cgroup v1 memory.limit_in_bytes"
-        else:
-            self.path = CGROUP_V2 / name
-            self.path.mkdir(exist_ok=True)
-            (self.path / "memory.max").write_text(str(limit))
-            self.kind = "cgroup v2 memory.max"
-
-    def wrap(self, cmd: list[str]) -> list[str]:
-        return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh", *cmd]
-
-    def peak(self) -> int | None:
-        for name in ("memory.max_usage_in_bytes", "memory.peak"):
-            if (self.path / name).exists():
-                return int((self.path / name).read_text())
-        return None
-
-    def close(self) -> None:
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 MLX_LM_SCRIPT = """
 import json, sys, time
 import mlx.core as mx
@@ -146,7 +69,7 @@ print(json.dumps({"tokens": out, "decode_tps": last.generation_tps, "load_s": lo
 """
 
 
-def run_mlx_lm(model_dir: Path, ids: list[int], tokens: int, limit: MemoryLimit | None) -> dict:
+def run_mlx_lm(model_dir: Path, ids: list[int], tokens: int, limit: MemberLimits | None) -> dict:
     cmd = [sys.executable, "-c", MLX_LM_SCRIPT, str(model_dir), json.dumps(ids), str(tokens)]
     if limit is not None:
         cmd = limit.wrap(cmd)
@@ -379,7 +302,31 @@ def main() -> None:
                         help="one Mac alone: the coordinator's own experts at each budget "
                         "against mlx-lm with every expert in memory, alternated")
     parser.add_argument("--rounds", type=int, default=4, help="with --local (default 4)")
+    parser.add_argument("--scale", metavar="COUNTS",
+                        help="the scaling run: one model over these member counts "
+                        "(e.g. 1,2,4), each member one memory budget and one throttled drive")
+    parser.add_argument("--quick", action="store_true", help="with --scale: 8 tokens, not 32")
+    parser.add_argument("--model", default="demo", choices=("demo", "bench"),
+                        help="with --scale: the demo's SmolLM2 MoE (real routing; default) or "
+                        "the DeepSeek-V3-shaped bench checkpoint (random weights)")
+    parser.add_argument("--drive-mbps", type=float, default=40.0,
+                        help="with --scale: each member's read limit, MB/s (0: none; default 40)")
+    parser.add_argument("--member-budget", type=float, default=10.0, metavar="PERCENT",
+                        help="with --scale: each member's memory budget, %% of all the experts' "
+                        "bytes (default 10: four members hold 40%%)")
+    parser.add_argument("--no-lookahead", action="store_true",
+                        help="with --scale: no prefetch hints from the router's lookahead")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="with --scale: the routing skew the prediction assumes where no "
+                        "heat was counted (default 0)")
     args = parser.parse_args()
+    if args.scale:
+        from benchmarks.streaming_scale import run_scale
+
+        run_scale([int(n) for n in args.scale.split(",")], model=args.model, quick=args.quick,
+                  drive_mbps=args.drive_mbps, budget_share=args.member_budget / 100,
+                  skew=args.skew, json_path=args.json, lookahead=not args.no_lookahead)
+        return
 
     from builders.demo_models import moe_folder, prepare
 
@@ -426,12 +373,12 @@ def main() -> None:
             limit_bytes = reference["peak_rss"] - missing + (32 << 20)
             limit = None
             try:
-                limit = MemoryLimit(f"shoal-bench-{row['share']}", limit_bytes)
+                limit = MemberLimits(f"shoal-bench-{row['share']}", limit_bytes, None, None)
                 drop_page_cache(sorted(source.glob("*.safetensors")))
                 row["mlx_lm"] = run_mlx_lm(source, prompt_ids, args.tokens, limit)
                 row["mlx_lm"]["limit"] = limit_bytes
-                row["mlx_lm"]["how"] = limit.kind
-                row["mlx_lm"]["cgroup_peak"] = limit.peak()
+                row["mlx_lm"]["how"] = ", ".join(limit.kinds)
+                row["mlx_lm"]["cgroup_peak"] = limit.peak_memory()
             except OSError as e:
                 row["mlx_lm"] = {"error": f"no memory limit possible here ({e})"}
             finally:

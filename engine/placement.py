@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.errors import InvalidInput, Unavailable
 from engine.manifest import ExpertKey
+from engine.stream_placement import plan_streaming
 
 
 def split_by_bytes(sizes: Mapping[ExpertKey, int], workers: int) -> list[list[ExpertKey]]:
@@ -133,11 +134,13 @@ def ranges(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class WorkerCapacity:
-    """What one worker can hold: bytes of memory for experts, and of free disk (None: ample)."""
+    """What one worker can hold: bytes of memory for experts, and of free disk (None: ample);
+    its drive's read speed in GB/s where known (placement for streaming weighs it)."""
 
     name: str
     memory: int
     disk: int | None = None
+    read_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ def plan_placement(
     spare: float = 0.1,
     current: Mapping[ExpertKey, Sequence[str]] | None = None,
     stickiness: float = 0.0,
+    top_k: int | None = None,
 ) -> Placement:
     """Place every expert on at least one worker, hot ones on several, within capacity, so the
     busiest worker's expected load per layer is as low as greedy packing makes it.
@@ -284,6 +288,9 @@ def plan_placement(
     is that of `current` (default: the same packing without replicas). With `current` and a
     `stickiness` > 0 (live rebalancing), a copy stays where it is unless another worker would
     carry less load by more than stickiness x the layer's fair share: fewer bytes to move.
+    When the experts outgrow the workers' memory and every worker's read speed and `top_k`
+    are known, engine/stream_placement.py places them instead (hot sets in memory, cold
+    reads spread by read speed; `current` and `stickiness` then play no part).
     """
     if not workers:
         raise InvalidInput("a placement needs at least one worker")
@@ -297,6 +304,14 @@ def plan_placement(
     total = sum(sizes.values())
     capacity, resident = _capacities(workers, total, spare)
     names = [w.name for w in workers]
+    if not resident and top_k and all(w.read_gbps for w in workers):
+        memory, disk = _capacities(workers, 0, spare)[0], capacity
+        speeds = {w.name: w.read_gbps * 1e9 for w in workers}
+        holders = plan_streaming(memory, disk, speeds, sizes, heat, top_k=top_k)
+        used = {n: sum(sizes[k] for k, h in holders.items() if n in h) for n in names}
+        before = current or _pack(sizes, heat, dict.fromkeys(sizes, 1), names, capacity)[0]
+        return Placement(holders, used, False, imbalance(before, heat, names),
+                         imbalance(holders, heat, names))
     copies = _copies(sizes, heat, len(workers), sum(capacity.values()) - total)
 
     holders, used = _pack(sizes, heat, copies, names, capacity, current, stickiness)

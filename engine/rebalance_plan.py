@@ -30,13 +30,15 @@ NO_BUDGET = 1 << 62  # the memory of a worker that reports no budget: ample
 @dataclass(frozen=True)
 class LiveWorker:
     """What one live worker reported: the copies it serves and drains, its memory budget for
-    experts (0: none set) and its free disk, in bytes."""
+    experts (0: none set) and its free disk, in bytes; its drive's read speed (GB/s) where
+    measured, which placement for streaming weighs."""
 
     name: str
     serving: frozenset[ExpertKey]
     draining: frozenset[ExpertKey] = frozenset()
     memory_budget: int = 0
     free_disk: int = 0
+    read_gbps: float | None = None
 
 
 def state_of(
@@ -63,7 +65,8 @@ def capacities(
     out = []
     for w in workers:
         held = sum(sizes[key] for key in w.serving | w.draining)
-        out.append(WorkerCapacity(w.name, w.memory_budget or NO_BUDGET, w.free_disk + held))
+        out.append(WorkerCapacity(w.name, w.memory_budget or NO_BUDGET, w.free_disk + held,
+                                  w.read_gbps))
     return out
 
 
@@ -86,6 +89,7 @@ def propose(
     spare: float = 0.1,
     max_bytes: int | None = None,
     deploy: bool = False,
+    top_k: int | None = None,
 ) -> Proposal:
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
@@ -94,7 +98,8 @@ def propose(
 
     Every worker with room for an expert counts, the ones holding nothing too (just added:
     idle, so the others carry more than their share); one with no room (a full disk) is
-    neither a target nor counted."""
+    neither a target nor counted. With `top_k` and every worker's read speed, a model larger
+    than their memory is placed for streaming (engine/stream_placement.py)."""
     live = {w.name for w in workers}
     current = holders_of(state)
     placed = all(current.values())
@@ -110,7 +115,7 @@ def propose(
         if not able:
             raise InvalidInput("no live worker has free disk for even one expert")
         placement = plan_placement(able, sizes, weights, spare=spare, current=current,
-                                   stickiness=STICKINESS)
+                                   stickiness=STICKINESS, top_k=top_k)
         target = dict(placement.holders)
         if max_bytes is not None and placed:
             target = limit_moves(current, target, sizes, weights, max_bytes)

@@ -52,6 +52,12 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    help="SSD read bandwidth for the speed bound (default 5)")
     p.add_argument("--round-trip-ms", type=float, default=0.3, metavar="MS",
                    help="network round trip per MoE layer for the speed bound (default 0.3)")
+    p.add_argument("--scaling", action="store_true",
+                   help="forecast streamed decode on the first 1, 2, 4, ... of the --worker Macs "
+                   "(without it, only when the model streams, on all of them)")
+    p.add_argument("--skew", type=float, default=0.0, metavar="S",
+                   help="with no heat, the forecast's routing: expert e of a layer gets "
+                   "1/(e+1)^S of its tokens (default 0: uniform)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(main=main)
 
@@ -82,10 +88,17 @@ def main(args: argparse.Namespace) -> None:
                                                            args.group_size))
     report = plan_report(sizes, workers, heat, args.spare / 100, assume, heat_origin=origin)
     report["advice"] = advice(report, sizes, args, workers, heat, assume)
+    if args.scaling or report["verdict"] == "streams":
+        from coordinator.ops.stream_forecast import print_forecast, streaming_forecast
+
+        report["streaming"] = streaming_forecast(sizes, workers, heat, args.spare / 100, assume,
+                                                 skew=args.skew, scaling=args.scaling)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print_plan(report)
+        if "streaming" in report:
+            print_forecast(report["streaming"], assume)
     sys.exit(VERDICT_EXIT[report["verdict"]])
 
 
@@ -119,7 +132,7 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
            assume) -> list[str]:
     """What to try when the model does not fit in memory: the fewest bits that make it fit
     (a config not yet quantized), and the disk sizes a streaming verdict needs."""
-    from coordinator.report import plan_report
+    from coordinator.ops.ops_report import plan_report
     from engine.sizes import read_sizes
 
     out = []

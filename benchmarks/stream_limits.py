@@ -1,0 +1,150 @@
+"""What makes one process on this machine act as one Mac with one SSD for the streaming
+benchmarks: an empty page cache, a cgroup with a memory limit and a read-bandwidth limit."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+from worker.uncached import open_uncached, read_into
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Empty the OS page cache (root on Linux), else drop the given files' pages."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    if hasattr(os, "posix_fadvise"):
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "posix_fadvise(DONTNEED) on every file"
+    return "nothing (no way to drop the page cache here)"
+
+
+def sequential_bandwidth(folder: Path, size: int = 1 << 30, block: int = 8 << 20) -> float:
+    """Bytes/s of one sequential pass over a fresh file on the drive, around the page cache."""
+    path = folder / ".shoal-bench-sequential"
+    chunk = os.urandom(block)
+    with open(path, "wb") as f:
+        for _ in range(size // block):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    drop_page_cache([path])
+    buffer = mmap.mmap(-1, block)
+    view = memoryview(buffer)
+    file = open_uncached(path)
+    started = time.perf_counter()
+    offset = 0
+    while got := read_into(file, view, offset):
+        offset += got
+    elapsed = time.perf_counter() - started
+    os.close(file.fd)
+    view.release()
+    buffer.close()
+    path.unlink()
+    return offset / elapsed
+
+
+def block_device(folder: Path) -> str:
+    """'MAJOR:MINOR' of the whole disk under `folder` (cgroups throttle disks, not partitions)."""
+    dev = os.stat(folder).st_dev
+    number = f"{os.major(dev)}:{os.minor(dev)}"
+    node = Path("/sys/dev/block") / number
+    if (node / "partition").exists():
+        return (node.resolve().parent / "dev").read_text().strip()
+    return number
+
+
+class MemberLimits:
+    """A cgroup (v1: memory and blkio hierarchies; v2: one group) that a command joins before
+    it starts: a memory limit and, with `read_bps`, a read-bandwidth limit on `device`.
+    `kinds` says what was set; a limit that could not be set is named in `missing`."""
+
+    def __init__(self, name: str, memory: int | None, read_bps: int | None,
+                 device: str | None) -> None:
+        self.groups: list[Path] = []
+        self.kinds: list[str] = []
+        self.missing: list[str] = []
+        self.blkio: Path | None = None
+        if (CGROUP_ROOT / "memory" / "cgroup.procs").exists():
+            self._v1(name, memory, read_bps, device)
+        elif (CGROUP_ROOT / "cgroup.controllers").exists():
+            self._v2(name, memory, read_bps, device)
+        else:
+            self.missing.append("no cgroup file system here: no memory or read limit")
+
+    def _group(self, path: Path) -> Path:
+        path.mkdir(exist_ok=True)
+        self.groups.append(path)
+        return path
+
+    def _v1(self, name: str, memory: int | None, read_bps: int | None, device: str | None):
+        if memory is not None:
+            group = self._group(CGROUP_ROOT / "memory" / name)
+            (group / "memory.limit_in_bytes").write_text(str(memory))
+            self.kinds.append("cgroup v1 memory.limit_in_bytes")
+        if read_bps is not None:
+            if device is None or not (CGROUP_ROOT / "blkio" / "cgroup.procs").exists():
+                self.missing.append("read limit (no blkio controller or no block device)")
+                return
+            self.blkio = self._group(CGROUP_ROOT / "blkio" / name)
+            (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
+            self.kinds.append("cgroup v1 blkio.throttle.read_bps_device")
+
+    def _v2(self, name: str, memory: int | None, read_bps: int | None, device: str | None):
+        group = self._group(CGROUP_ROOT / name)
+        if memory is not None:
+            (group / "memory.max").write_text(str(memory))
+            self.kinds.append("cgroup v2 memory.max")
+        if read_bps is not None:
+            try:
+                (group / "io.max").write_text(f"{device} rbps={read_bps}")
+                self.kinds.append("cgroup v2 io.max")
+            except (OSError, TypeError):
+                self.missing.append("read limit (io controller not enabled for this group)")
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """`cmd` run by a shell that first moves itself into every group."""
+        joins = " && ".join(f"echo $$ > {g / 'cgroup.procs'}" for g in self.groups)
+        return ["sh", "-c", f'{joins or "true"} && exec "$@"', "sh", *cmd]
+
+    def bytes_read(self) -> int | None:
+        """Bytes the group read from its device (v1 blkio's own count)."""
+        if self.blkio is None:
+            return None
+        for line in (self.blkio / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == "Read":
+                return int(parts[2])
+        return 0
+
+    def peak_memory(self) -> int | None:
+        for group in self.groups:
+            for name in ("memory.max_usage_in_bytes", "memory.peak"):
+                if (group / name).exists():
+                    return int((group / name).read_text())
+        return None
+
+    def close(self) -> None:
+        for group in self.groups:
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
