@@ -98,7 +98,10 @@ class LocalExperts:
 
     def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
         """mlx-lm's own switch call over this layer's experts, when every one is held here in
-        memory (lazy, like the single-process model's); else None."""
+        memory (lazy, like the single-process model's), or read into memory now when the
+        budget cannot hold them all; else None."""
+        if self.residency.streaming:
+            return self.residency.whole_streamed(layer, x, inds)
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._note(layer, inds)

@@ -1,0 +1,43 @@
+"""The streaming cache's memory: fixed stacked arrays, one per expert parameter, whose slots
+hold the resident experts, so that any set of them runs as one gathered call (slot numbers in
+place of expert numbers) and a miss costs its read and one copy into its slot."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine.errors import CorruptData
+
+
+class SlotPool:
+    """`slots` experts' worth of each parameter, stacked: the switch module's parameters for
+    every layer whose experts have the sample's tensor names, shapes and dtypes."""
+
+    def __init__(self, sample: dict[str, mx.array], slots: int, *,
+                 allocate: bool = True) -> None:
+        self.signature = {name: (tuple(a.shape), a.dtype) for name, a in sample.items()}
+        self.slots = slots
+        self.params = {name: mx.zeros((slots if allocate else 0, *a.shape), dtype=a.dtype)
+                       for name, a in sample.items()}
+        mx.eval(self.params)
+
+    def fits(self, tensors: dict[str, mx.array]) -> bool:
+        """Whether an expert with these tensors can take a slot."""
+        return {name: (tuple(a.shape), a.dtype) for name, a in tensors.items()} == self.signature
+
+    def put(self, slot: int, tensors: dict[str, mx.array]) -> None:
+        """Copy one expert's tensors into `slot`. In place: MLX reuses a stacked array's memory
+        for the update when nothing else refers to it (no graph built on it is left unevaluated,
+        which the caller sees to), else it copies, which costs time and never changes a result."""
+        if not self.fits(tensors):
+            raise CorruptData(f"an expert's tensors {sorted(tensors)} do not fit this worker's "
+                              f"slots ({sorted(self.signature)})")
+        for name, array in tensors.items():
+            self.params[name][slot : slot + 1] = array[None]
+        mx.eval(list(self.params.values()))
+
+
+def positions(slots: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+    """Each pair's slot: `slots` per distinct expert, `inverse` each pair's distinct expert."""
+    return slots[inverse].astype(np.int32, copy=False)
