@@ -119,6 +119,8 @@ def open_remote_model(
     dispatcher = Dispatcher(cluster)
     install(model, manifest, dispatcher)
     dispatcher.lookahead = Lookahead(model, manifest)
+    if local is not None:
+        local.lookahead = dispatcher.lookahead
     mx.eval(model.parameters())
     return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned, local)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from coordinator.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
 from engine.tensors import dtype_name
@@ -92,6 +93,9 @@ class LocalExperts:
         self._work: deque[_Work] = deque()
         self._noted: deque[tuple[int, mx.array]] = deque()
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
+        # the router lookahead (coordinator/lookahead.py) for the layers run by `whole`,
+        # which the dispatcher does not see; set by whoever builds the model's dispatcher
+        self.lookahead: Lookahead | None = None
         self.inventory = self.fetch_inventory()
 
     # -- the compute path ------------------------------------------------------------------
@@ -101,11 +105,19 @@ class LocalExperts:
         memory (lazy, like the single-process model's), or read into memory now when the
         budget cannot hold them all; else None."""
         if self.residency.streaming:
-            return self.residency.whole_streamed(layer, x, inds)
+            return self.residency.whole_streamed(layer, x, inds,
+                                                 lambda: self._prefetch_next(layer, x, inds))
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._note(layer, inds)
         return out
+
+    def _prefetch_next(self, layer: int, x: mx.array, inds: mx.array) -> None:
+        """Start reading the experts the router lookahead expects the next layer to use."""
+        if self.lookahead is not None:
+            predicted = self.lookahead.predict(layer, x, inds.shape[-1])
+            if predicted is not None:
+                self.residency.prefetch(predicted[0], predicted[1].tolist())
 
     def submit(self, layer: int, x: mx.array, needed: slice | np.ndarray, rows: np.ndarray,
                experts: np.ndarray, call_pairs: int, seq: int,

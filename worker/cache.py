@@ -101,11 +101,9 @@ class ExpertCache:
         self._speculative = np.zeros(n, dtype=bool)  # loaded by a prefetch, not yet asked for
         self._last_used = np.zeros(n, dtype=np.int64)
         self._entries: dict[int, _Entry] = {}
-        # with a SlotPool of `slots` (every expert the same size): slots no entry holds, and
-        # entries read but not yet copied into theirs (`install`)
+        # with a SlotPool (every expert one slot): the slots no entry holds
         slots = capacity // slot_bytes if slot_bytes else 0
         self._free_slots = list(range(slots - 1, -1, -1))
-        self._fresh: list[_Entry] = []
         self._used = 0
         self._uses = 0
         self._last_layer = sys.maxsize
@@ -284,15 +282,19 @@ class ExpertCache:
                         raise Unavailable(
                             f"expert reads made no progress for {WAIT_SECONDS:.0f} s")
 
-    def install(self, put: Callable[[int, dict[str, mx.array]], None]) -> None:
-        """Copy every expert read since the last call into its slot (`put`, the SlotPool's),
-        and let go of its decoded tensors. The caller holds the MLX lock."""
+    def install(self, put: Callable[[int, dict[str, mx.array]], None],
+                lease: Lease | None = None, positions: Iterable[int] = ()) -> None:
+        """Copy the lease's experts at `positions` (without a lease: every expert read) that
+        are not yet in their slots into them (`put`, the SlotPool's), and let go of their
+        decoded tensors; a prefetched expert stays as read until it is asked for. The caller
+        holds the MLX lock."""
         with self._cond:
-            for entry in self._fresh:
+            entries = ([lease.held[pos] for pos in positions] if lease is not None
+                       else list(self._entries.values()))
+            for entry in entries:
                 if entry.tensors is not None and self._entries.get(entry.index) is entry:
                     put(entry.slot, entry.tensors)
                     entry.tensors = None
-            self._fresh.clear()
 
     def give_back(self, lease: Lease, positions: Iterable[int]) -> None:
         """The lease is done with the experts at `positions`; start loads it still waits for."""
@@ -407,8 +409,6 @@ class ExpertCache:
                 entry.tensors = tensors
                 entry.state = _READY
                 self._state[i] = _READY
-                if entry.slot >= 0:
-                    self._fresh.append(entry)
             else:
                 entry.error = error
                 self._forget(i)

@@ -204,7 +204,7 @@ class Residency:
         return SlotPool(samples[0], pool.slots)
 
     def _install(self) -> None:
-        """Copy the experts read since the last time into their slots (MLX work: the lock)."""
+        """Copy the experts read at start into their slots (MLX work: under the lock)."""
         if self.pool is not None:
             with self._lock:
                 self.cache.install(self.pool.put)
@@ -367,11 +367,13 @@ class Residency:
         with self._lock:
             return self.runners[layer].whole(stack.params, x, inds)
 
-    def whole_streamed(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+    def whole_streamed(self, layer: int, x: mx.array, inds: mx.array,
+                       then: Callable[[], None] = lambda: None) -> mx.array | None:
         """`whole` while the budget cannot hold every expert: mlx-lm's call over the slots
         with the router's picks (evaluated now) turned into slot numbers, lazily, once the
         missing experts are read; their heat and hits counted now. None when the layer is not
-        all held here or its picks need more slots than there are."""
+        all held here or its picks need more slots than there are. `then` runs once the
+        missing experts' reads are queued (the caller's prefetch hints go behind them)."""
         held = self._held_mask.get(layer)
         if self.pool is None or held is None or not held.all():
             return None
@@ -382,11 +384,12 @@ class Residency:
             return None
         lease = self.cache.demand(layer, unique, counts)
         try:
+            then()
             slots = np.full(unique.size, -1, dtype=np.int32)
             while (slots < 0).any():
                 ready = np.array(lease.take(), dtype=np.int64)
                 with self._lock:
-                    self._install_held()
+                    self.cache.install(self.pool.put, lease, ready.tolist())
                     slots[ready] = lease.slots(ready)
             picks = mx.array(slots[inverse.reshape(-1)].reshape(inds.shape))
             with self._lock:
@@ -432,7 +435,7 @@ class Residency:
         lease = self.cache.demand(request.layer, unique, counts)
         try:
             if self.pool is not None:
-                return over_slots(runner, self.pool, self._install_held, lease, request.hidden,
+                return over_slots(runner, self.pool, self.cache, lease, request.hidden,
                                   mlx_dtype(request.dtype), request.rows, inverse,
                                   request.call_pairs, lambda: self._turn(timing), timing)
             hidden = request.hidden
@@ -448,10 +451,6 @@ class Residency:
             raise
         finally:
             lease.close()
-
-    def _install_held(self) -> None:
-        """`_install` for a caller that holds the lock already."""
-        self.cache.install(self.pool.put)
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:
         """A hint: these experts of `layer` will probably be asked for next. Never fails."""

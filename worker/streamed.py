@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.experts import ExpertRunner
-from worker.cache import Lease
+from worker.cache import ExpertCache, Lease
 from worker.slots import SlotPool
 
 
@@ -24,11 +24,11 @@ def _take(lease: Lease, timing) -> list[int]:
 
 
 def over_slots(
-    runner: ExpertRunner, pool: SlotPool, install: Callable[[], None], lease: Lease,
+    runner: ExpertRunner, pool: SlotPool, cache: ExpertCache, lease: Lease,
     hidden: np.ndarray | mx.array, dtype: mx.Dtype, rows: np.ndarray, inverse: np.ndarray,
     call_pairs: int, turn: Callable[[], AbstractContextManager], timing,
 ) -> mx.array:
-    """Each round: the experts whose reads are done are copied into their slots (`install`),
+    """Each round: the experts whose reads are done are copied into their slots,
     then every pair of theirs runs in one gathered call, with slot numbers for expert numbers.
     A request whose experts are all resident is one round: the resident path's call."""
     distinct = int(inverse.max()) + 1
@@ -38,7 +38,7 @@ def over_slots(
     while True:
         ready = np.array(_take(lease, timing), dtype=np.int64)
         with turn():
-            install()
+            cache.install(pool.put, lease, ready.tolist())
             slots[ready] = lease.slots(ready)
             every = not parts and ready.size == distinct
             pairs = None if every else np.flatnonzero(np.isin(inverse, ready))
