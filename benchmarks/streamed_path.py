@@ -80,9 +80,57 @@ def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
     }))
 
 
-def run_worker(sharded: Path, share: int, ids: list[int], tokens: int) -> dict:
-    code = ("from benchmarks.streamed_path import worker_once; "
-            f"worker_once({str(sharded)!r}, {share}, {ids!r}, {tokens})")
+def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
+    """Run in a process of its own: the coordinator's own store at `share`%, each decode layer
+    call's time in `LocalExperts.whole` with the router's picks already evaluated, less the
+    waits for reads; prints one JSON line."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    import worker.lease
+    from coordinator.generate import open_remote_model
+
+    root = Path(sharded)
+    remote = open_remote_model(root, [], b"", local_stores=[root / "worker-0"],
+                               memory_budget=f"{share}%")
+    local, spent = remote.local, {"whole": 0.0, "reads": 0.0, "calls": 0}
+    whole, take = local.whole, worker.lease.Lease.take
+
+    def timed_whole(layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+        mx.eval(inds)  # the sync that the streamed path makes: not bookkeeping
+        before = time.perf_counter()
+        out = whole(layer, x, inds)
+        spent["whole"] += time.perf_counter() - before
+        spent["calls"] += 1
+        return out
+
+    def timed_take(lease: worker.lease.Lease) -> list[int]:
+        before = time.perf_counter()
+        ready = take(lease)
+        spent["reads"] += time.perf_counter() - before
+        return ready
+
+    local.whole, worker.lease.Lease.take = timed_whole, timed_take
+    try:
+        out = []
+        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
+                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
+            out.append(int(response.token))
+            if len(out) == 1:
+                spent.update(whole=0.0, reads=0.0, calls=0)
+    finally:
+        remote.close()
+    calls = max(spent["calls"], 1)
+    print(json.dumps({"share": share, "tokens": out, "decode_tps": response.generation_tps,
+                      "bookkeeping_us": (spent["whole"] - spent["reads"]) / calls * 1e6,
+                      "reads_us": spent["reads"] / calls * 1e6}))
+
+
+def run_worker(sharded: Path, share: int, ids: list[int], tokens: int,
+               what: str = "worker_once") -> dict:
+    code = (f"from benchmarks.streamed_path import {what}; "
+            f"{what}({str(sharded)!r}, {share}, {ids!r}, {tokens})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=1800, cwd=REPO)
     if proc.returncode != 0:
@@ -97,11 +145,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--bookkeeping", action="store_true",
+                        help="instead: the time per decode layer call outside MLX and reads, "
+                        "own store and worker, at 100%% and at the budget, alternated")
     args = parser.parse_args()
 
     source, sharded = checkpoint(args.family)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     ids = bench_prompt(vocab, PROMPT_TOKENS)
+    if args.bookkeeping:
+        bookkeeping(sharded, args.share, ids, args.tokens, args.rounds)
+        return
     configs = ["mlx-lm", "local", "worker"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for round_ in range(args.rounds):
@@ -130,6 +184,25 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"family": args.family, "share": args.share,
                                          "runs": runs}, indent=1))
+
+
+def bookkeeping(sharded: Path, share: int, ids: list[int], tokens: int, rounds: int) -> None:
+    """Each member kind's bookkeeping per decode layer call at 100% and at `share`%."""
+    configs = [(what, budget) for what in ("local_bookkeeping_once", "worker_once")
+               for budget in (100, share)]
+    runs: dict = {c: [] for c in configs}
+    for round_ in range(rounds):
+        for what, budget in configs[round_ % 4:] + configs[:round_ % 4]:
+            row = run_worker(sharded, budget, ids, tokens, what)
+            if "error" in row:
+                raise SystemExit(f"{what} {budget}%: {row['error']}")
+            runs[(what, budget)].append(row)
+    print(f"bookkeeping per decode layer call (us), {rounds} alternated rounds, median (each):")
+    for (what, budget), rows in runs.items():
+        each = [round(r["bookkeeping_us"]) for r in rows]
+        name = "own store" if what.startswith("local") else "worker"
+        print(f"{name:>10} at {budget:>3}%: {statistics.median(each):6.0f}  {each}  "
+              f"same tokens {all(r['tokens'] == rows[0]['tokens'] for r in rows)}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,6 @@
-"""The streaming expert cache: decoded experts in memory under the worker's budget, the reads
-that bring the others from the drives, and the checks every read must pass.
-
-A request leases its distinct experts (`ExpertCache.demand` -> `Lease`) and takes each as its
-read completes; prefetch hints start reads early. Which experts stay is decided by
-`engine/cache_policy.py` (heat and recency; hot experts pinned). A read whose checksum fails
-is retried copy by copy (`worker/read_checks.py`); an expert with no intact copy left is given up
-alone (`on_lost`), never the worker.
-"""
+"""The streaming expert cache: which experts are in memory under the worker's budget, the reads
+that bring the others (checked by `worker/read_checks.py`), and the leases requests hold on them
+(`worker/lease.py`); which stay is `engine/cache_policy.py`'s decision."""
 
 from __future__ import annotations
 
@@ -22,6 +16,7 @@ import numpy as np
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
 from engine.errors import ShoalError, Unavailable
 from engine.manifest import ExpertFile, ExpertKey
+from worker.lease import Lease
 from worker.read_checks import ReadChecks
 from worker.reader import ReaderPool, ReadJob
 
@@ -101,6 +96,7 @@ class ExpertCache:
         self._speculative = np.zeros(n, dtype=bool)  # loaded by a prefetch, not yet asked for
         self._last_used = np.zeros(n, dtype=np.int64)
         self._entries: dict[int, _Entry] = {}
+        self._tables: dict[int, np.ndarray] = {}  # layer -> expert number -> index, or -1
         # with a SlotPool (every expert one slot): the slots no entry holds
         slots = capacity // slot_bytes if slot_bytes else 0
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -145,6 +141,7 @@ class ExpertCache:
         """Serve one more expert (a file just received); it starts on the drives."""
         with self._cond:
             if key not in self.index:
+                self._tables.pop(key[0], None)
                 self.index[key] = len(self.keys)
                 self.keys.append(key)
                 self._file_sizes = np.concatenate([self._file_sizes, np.array([size], np.int64)])
@@ -204,8 +201,8 @@ class ExpertCache:
 
     def demand(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> Lease:
         """Ask for a request's distinct experts; returns a lease to take them as they are ready."""
-        idx = np.array([self.index[(layer, int(e))] for e in experts], dtype=np.int64)
         with self._cond:
+            idx = self._indices(layer, experts)
             if layer <= self._last_layer:
                 self.counters.passes += 1
                 self.heat.advance()
@@ -216,33 +213,45 @@ class ExpertCache:
             self._uses += 1
             self._last_used[idx] = self._uses
             lease = Lease(self, idx)
-            for pos, i in enumerate(idx.tolist()):
-                c = self.counters
-                c.demands += 1
-                state = self._state[i]
-                if state == _ABSENT:
-                    c.misses += 1
-                    lease.pending.append(pos)
-                    continue
-                entry = self._entries[i]
-                self._users[i] += 1
-                lease.held[pos] = entry
-                if self._speculative[i]:
-                    self._speculative[i] = False
-                    c.prefetch_used += 1
-                    if state == _READY:
-                        c.hits += 1
-                        c.prefetch_hits += 1
-                    else:
-                        c.misses += 1
-                        c.prefetch_late += 1
-                        self._reader.promote(entry.job)
-                elif state == _READY:
-                    c.hits += 1
-                else:
-                    c.misses += 1
+            self._count_demand(lease, idx)
             self._start_pending(lease)
         return lease
+
+    def _indices(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The cache's numbers of a layer's experts, by a table per layer built once."""
+        table = self._tables.get(layer)
+        if table is None:
+            mine = [(e, i) for (lay, e), i in self.index.items() if lay == layer]
+            table = self._tables[layer] = np.full(max(e for e, _ in mine) + 1, -1, np.int64)
+            for e, i in mine:
+                table[e] = i
+        idx = table[np.minimum(experts, table.size - 1)]
+        if (idx < 0).any() or (experts >= table.size).any():
+            raise KeyError(f"layer {layer} holds no expert among {experts.tolist()}")
+        return idx
+
+    def _count_demand(self, lease: Lease, idx: np.ndarray) -> None:
+        """A request's distinct experts, counted as hits or misses over the state arrays at
+        once; the lease holds those resident or being read, and waits for room for the rest."""
+        state, guessed = self._state[idx], self._speculative[idx]
+        ready, absent = state == _READY, state == _ABSENT
+        late = guessed & (state == _LOADING)
+        c = self.counters
+        c.demands += idx.size
+        c.hits += int(ready.sum())
+        c.misses += idx.size - int(ready.sum())
+        c.prefetch_used += int(guessed.sum())
+        c.prefetch_hits += int((guessed & ready).sum())
+        c.prefetch_late += int(late.sum())
+        held = np.flatnonzero(~absent)
+        present = idx[held]
+        self._speculative[present] = False
+        self._users[present] += 1
+        lease.held = {pos: self._entries[i] for pos, i in
+                      zip(held.tolist(), present.tolist(), strict=True)}
+        lease.pending = np.flatnonzero(absent).tolist()
+        for i in idx[late].tolist():
+            self._reader.promote(self._entries[i].job)
 
     def _start_pending(self, lease: Lease) -> None:
         while lease.pending:
@@ -415,35 +424,3 @@ class ExpertCache:
             self._cond.notify_all()
         if error is not None:
             self._report(str(error))
-
-
-class Lease:
-    """One request's hold on its experts: take them as they become ready, then give them back.
-    The cache keeps the fields; the request only calls the three methods."""
-
-    def __init__(self, cache: ExpertCache, idx: np.ndarray) -> None:
-        self.cache = cache
-        self.idx = idx
-        self.pending: list[int] = []  # positions whose load could not start yet (no room)
-        self.held: dict[int, _Entry] = {}
-        self.taken = [False] * len(idx)
-
-    def take(self) -> list[int]:
-        """Block until some of the experts are ready; the positions of those not yet taken."""
-        return self.cache.take(self)
-
-    def tensors(self, pos: int) -> dict[str, mx.array]:
-        """A taken expert's decoded tensors (a cache without a SlotPool keeps them so)."""
-        return self.held[pos].tensors
-
-    def slots(self, positions: np.ndarray) -> np.ndarray:
-        """The slots of taken experts, once installed (`ExpertCache.install`)."""
-        return np.array([self.held[pos].slot for pos in positions.tolist()], dtype=np.int32)
-
-    def done(self, positions: Iterable[int]) -> None:
-        """The experts at `positions` are computed: they may be evicted now."""
-        self.cache.give_back(self, positions)
-
-    def close(self) -> None:
-        """Give back every expert still held (the request ended, computed or failed)."""
-        self.cache.end(self)

@@ -1,12 +1,6 @@
-"""The worker's experts: which it holds and offers, the request's validation, and the compute.
-
-A request is checked against what is held (`validate`), then run by the layer's mlx-lm switch
-module (`engine/experts.py`). When the budget holds every expert, each layer's experts are
-stacked once (views, not a second copy) and a request runs in one gathered call; otherwise
-its experts are leased from the streaming cache (`worker/cache.py`) and computed one by one
-as they arrive. Whatever the budget, every requested expert is computed from its own
-tensors: the budget changes the speed, never the result.
-"""
+"""The worker's experts: which it holds and offers, the request's validation, and the compute:
+every expert in memory stacked once per layer, or under a smaller budget the streaming cache's
+slots (`worker/cache.py`, `worker/streamed.py`); the budget changes the speed, never a result."""
 
 from __future__ import annotations
 
@@ -27,9 +21,9 @@ from engine.tensors import from_numpy, mlx_dtype
 from worker.cache import CacheCounters, ExpertCache
 from worker.holdings import Holdings
 from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool
-from worker.slots import SlotPool
+from worker.slots import pool_for
 from worker.store import StoreScan
-from worker.streamed import one_by_one, over_slots
+from worker.streamed import Turn, all_in_slots, one_by_one, over_slots
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
 # (token, expert) pairs in one request: a 2048-token prompt chunk with top-16 routing is 32768;
@@ -60,21 +54,6 @@ class Timing:
     matrix: float = 0.0
     waited: float = 0.0
     reads: float = 0.0
-
-
-class _Turn:
-    """Holds the lock for one request's MLX work, its wait for the lock added to `waited`."""
-
-    def __init__(self, lock: threading.Lock, timing: Timing) -> None:
-        self._lock, self._timing = lock, timing
-
-    def __enter__(self) -> None:
-        before = time.perf_counter()
-        self._lock.acquire()
-        self._timing.waited += time.perf_counter() - before
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
 
 
 SMALL = 64  # values from which numpy's calls are quicker than Python's over a list
@@ -163,15 +142,20 @@ class Residency:
         skeleton = self._skeleton = build_skeleton(config)
         self.runners: dict[int, ExpertRunner] = {}
         self._held_mask: dict[int, np.ndarray] = {}
+        samples: dict[int, dict[str, mx.array]] = {}
         for layer, expert in keys:
             moe = manifest.layer(layer)
             if layer not in self.runners:
-                sample = placeholders(scan.copies[(layer, expert)][0][1])
+                sample = samples[layer] = placeholders(scan.copies[(layer, expert)][0][1])
                 self.runners[layer] = ExpertRunner(skeleton, config, moe, sample)
                 self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
             self._held_mask[layer][expert] = True
-        self.slot_bytes = 0  # with a pool: each expert counts as one slot's bytes
-        self.pool = self._slot_pool(keys, sizes)
+        # Under a budget smaller than the experts, the resident ones are slots of stacked
+        # arrays when every layer's experts have the same tensors (they differ only by a few
+        # header bytes: a slot takes the largest file's room).
+        self.pool = pool_for(list(samples.values()), self.budget // int(sizes.max())) \
+            if self.streaming and keys else None
+        self.slot_bytes = int(sizes.max()) if self.pool is not None else 0
         self.cache = ExpertCache(
             keys, sizes, {k: list(v) for k, v in scan.copies.items()}, self.budget,
             self.reader, self._decode,
@@ -186,22 +170,6 @@ class Residency:
             self._install()
             for layer in self.runners:
                 self._stack(layer)
-
-    def _slot_pool(self, keys: list[ExpertKey], sizes: np.ndarray) -> SlotPool | None:
-        """Slots for as many experts as the budget holds, when it cannot hold them all and
-        every layer's experts have the same tensors (then the resident ones run as one
-        stack); None otherwise. Files differ by a few header bytes: a slot takes the largest."""
-        if not self.streaming or not keys:
-            return None
-        firsts = {}
-        for key in keys:
-            firsts.setdefault(key[0], key)
-        samples = [placeholders(self.scan.copies[key][0][1]) for key in firsts.values()]
-        pool = SlotPool(samples[0], self.budget // int(sizes.max()), allocate=False)
-        if not all(pool.fits(sample) for sample in samples):
-            return None
-        self.slot_bytes = int(sizes.max())
-        return SlotPool(samples[0], pool.slots)
 
     def _install(self) -> None:
         """Copy the experts read at start into their slots (MLX work: under the lock)."""
@@ -385,13 +353,8 @@ class Residency:
         lease = self.cache.demand(layer, unique, counts)
         try:
             then()
-            slots = np.full(unique.size, -1, dtype=np.int32)
-            while (slots < 0).any():
-                ready = np.array(lease.take(), dtype=np.int64)
-                with self._lock:
-                    self.cache.install(self.pool.put, lease, ready.tolist())
-                    slots[ready] = lease.slots(ready)
-            picks = mx.array(slots[inverse.reshape(-1)].reshape(inds.shape))
+            picks = mx.array(all_in_slots(lease, self.cache, self.pool, self._lock,
+                                          unique.size)[inverse.reshape(inds.shape)])
             with self._lock:
                 # the lease ends before this is evaluated: a slot taken over meanwhile is
                 # copied, not overwritten, as MLX keeps an array the graph still refers to
@@ -406,9 +369,9 @@ class Residency:
         self.cache.count_resident(layer, distinct(experts), experts.size)
         self.holdings.asked(layer, experts)
 
-    def _turn(self, timing: Timing) -> _Turn:
+    def _turn(self, timing: Timing) -> Turn:
         """This request's turn at MLX: one at a time (MLX work is not thread-safe here)."""
-        return _Turn(self._lock, timing)
+        return Turn(self._lock, timing)
 
     def _gathered(
         self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing,

@@ -5,7 +5,6 @@ place of expert numbers) and a miss costs its read and one copy into its slot.""
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from engine.errors import CorruptData
 
@@ -14,17 +13,16 @@ class SlotPool:
     """`slots` experts' worth of each parameter, stacked: the switch module's parameters for
     every layer whose experts have the sample's tensor names, shapes and dtypes."""
 
-    def __init__(self, sample: dict[str, mx.array], slots: int, *,
-                 allocate: bool = True) -> None:
-        self.signature = {name: (tuple(a.shape), a.dtype) for name, a in sample.items()}
+    def __init__(self, sample: dict[str, mx.array], slots: int) -> None:
+        self.signature = signature(sample)
         self.slots = slots
-        self.params = {name: mx.zeros((slots if allocate else 0, *a.shape), dtype=a.dtype)
+        self.params = {name: mx.zeros((slots, *a.shape), dtype=a.dtype)
                        for name, a in sample.items()}
         mx.eval(self.params)
 
     def fits(self, tensors: dict[str, mx.array]) -> bool:
         """Whether an expert with these tensors can take a slot."""
-        return {name: (tuple(a.shape), a.dtype) for name, a in tensors.items()} == self.signature
+        return signature(tensors) == self.signature
 
     def put(self, slot: int, tensors: dict[str, mx.array]) -> None:
         """Copy one expert's tensors into `slot`. In place: MLX reuses a stacked array's memory
@@ -38,6 +36,13 @@ class SlotPool:
         mx.eval(list(self.params.values()))
 
 
-def positions(slots: np.ndarray, inverse: np.ndarray) -> np.ndarray:
-    """Each pair's slot: `slots` per distinct expert, `inverse` each pair's distinct expert."""
-    return slots[inverse].astype(np.int32, copy=False)
+def signature(tensors: dict[str, mx.array]) -> dict[str, tuple]:
+    return {name: (tuple(a.shape), a.dtype) for name, a in tensors.items()}
+
+
+def pool_for(samples: list[dict[str, mx.array]], slots: int) -> SlotPool | None:
+    """A pool of `slots` when the samples (an expert of each layer) all have the same tensors,
+    so that any layer's experts fit any slot; else None."""
+    if not samples or slots < 1 or any(signature(s) != signature(samples[0]) for s in samples):
+        return None
+    return SlotPool(samples[0], slots)

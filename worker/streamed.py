@@ -4,6 +4,7 @@ run by the layer's mlx-lm switch module, over the cache's slots in one gathered 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -12,8 +13,24 @@ import mlx.core as mx
 import numpy as np
 
 from engine.experts import ExpertRunner
-from worker.cache import ExpertCache, Lease
+from worker.cache import ExpertCache
+from worker.lease import Lease
 from worker.slots import SlotPool
+
+
+class Turn:
+    """Holds the lock for one request's MLX work, its wait for the lock added to `waited`."""
+
+    def __init__(self, lock: threading.Lock, timing) -> None:
+        self._lock, self._timing = lock, timing
+
+    def __enter__(self) -> None:
+        before = time.perf_counter()
+        self._lock.acquire()
+        self._timing.waited += time.perf_counter() - before
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 def _take(lease: Lease, timing) -> list[int]:
@@ -58,6 +75,19 @@ def over_slots(
             order = np.argsort(np.concatenate(picked)).astype(np.int32)
             with turn():
                 return mx.concatenate(parts)[mx.array(order)]
+
+
+def all_in_slots(lease: Lease, cache: ExpertCache, pool: SlotPool, lock: threading.Lock,
+                 distinct: int) -> np.ndarray:
+    """Wait for every expert of the lease and copy each into its slot as it arrives (under
+    the MLX lock); their slots, by position."""
+    slots = np.full(distinct, -1, dtype=np.int32)
+    while (slots < 0).any():
+        ready = np.array(lease.take(), dtype=np.int64)
+        with lock:
+            cache.install(pool.put, lease, ready.tolist())
+            slots[ready] = lease.slots(ready)
+    return slots
 
 
 def one_by_one(
