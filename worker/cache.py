@@ -275,11 +275,13 @@ class ExpertCache:
         with self._cond:
             waited = 0.0
             while True:
-                for entry in lease.held.values():
-                    if entry.state == _ABSENT and entry.error is not None:
-                        raise entry.error
-                ready = [pos for pos, e in lease.held.items() if e.state == _READY and not
-                         lease.taken[pos]]
+                failed = [e.error for e in lease.held.values() if e.error is not None]
+                # the lease's other reads in flight finish first, so that one retry of the
+                # request learns of every expert of it lost meanwhile, not of one at a time
+                if failed and not any(e.state == _LOADING for e in lease.held.values()):
+                    raise failed[0]
+                ready = [] if failed else [pos for pos, e in lease.held.items()
+                                           if e.state == _READY and not lease.taken[pos]]
                 if ready:
                     for pos in ready:
                         lease.taken[pos] = True
