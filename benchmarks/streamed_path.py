@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="all three in one process, a generation each in turn (for a "
+                        "machine whose load swings from minute to minute)")
     parser.add_argument("--bookkeeping", action="store_true",
                         help="instead: the time per decode layer call outside MLX and reads, "
                         "own store and worker, at 100%% and at the budget, alternated")
@@ -158,7 +161,9 @@ def main() -> None:
         return
     configs = ["mlx-lm", "local", "worker"]
     runs: dict[str, list[dict]] = {c: [] for c in configs}
-    for round_ in range(args.rounds):
+    if args.interleaved:
+        runs = interleaved(source, sharded, args.share, ids, args.tokens, args.rounds)
+    for round_ in range(0 if args.interleaved else args.rounds):
         for config in configs[round_ % 3:] + configs[:round_ % 3]:
             started = time.perf_counter()
             row = (run_mlx_lm(source, ids, args.tokens, None) if config == "mlx-lm" else
@@ -171,7 +176,8 @@ def main() -> None:
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
     expected = runs["mlx-lm"][0]["tokens"]
     print(f"\n{args.family}, bench size, 4-bit, {args.share}% budget, {args.tokens} tokens, "
-          f"{args.rounds} alternated rounds (ratio: each run over its round's mlx-lm run)")
+          f"{args.rounds} alternated rounds{', in one process' if args.interleaved else ''} "
+          "(ratio: each run over its round's mlx-lm run)")
     for config in configs:
         rows = runs[config]
         ratios = [r["decode_tps"] / m["decode_tps"] for r, m in zip(rows, runs["mlx-lm"],
@@ -184,6 +190,49 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"family": args.family, "share": args.share,
                                          "runs": runs}, indent=1))
+
+
+def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens: int,
+                rounds: int) -> dict:
+    """mlx-lm, the own store and a worker in one process, one generation each in turn, the
+    order turned every round: on a machine whose load swings, each ratio is taken between
+    generations seconds apart."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from coordinator.generate import open_remote_model
+    from coordinator.ops.local_processes import start_worker
+    from engine.auth import ensure_secret, load_secret
+
+    secret = sharded.parent / "secret"
+    ensure_secret(secret)
+    worker = start_worker([sharded / "worker-0"], secret, sharded.parent / "worker.log",
+                          ["--memory-budget", f"{share}%"])
+    models = {"mlx-lm": load(str(source))}
+    try:
+        own = open_remote_model(sharded, [], b"", local_stores=[sharded / "worker-0"],
+                                memory_budget=f"{share}%")
+        remote = open_remote_model(sharded, [worker.address], load_secret(secret))
+        models["local"], models["worker"] = (own.model, own.tokenizer), (remote.model,
+                                                                         remote.tokenizer)
+        runs: dict[str, list[dict]] = {name: [] for name in models}
+        names = list(models)
+        for round_ in range(rounds + 1):  # the first round warms up and is not kept
+            for name in names[round_ % 3:] + names[:round_ % 3]:
+                model, tokenizer = models[name]
+                out = []
+                for response in stream_generate(model, tokenizer, mx.array(ids),
+                                                max_tokens=tokens,
+                                                sampler=make_sampler(temp=0.0)):
+                    out.append(int(response.token))
+                if round_:
+                    runs[name].append({"tokens": out, "decode_tps": response.generation_tps})
+        own.close()
+        remote.close()
+    finally:
+        worker.stop()
+    return runs
 
 
 def bookkeeping(sharded: Path, share: int, ids: list[int], tokens: int, rounds: int) -> None:
