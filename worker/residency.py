@@ -176,6 +176,7 @@ class Residency:
         if self.pool is not None:
             with self._lock:
                 self.cache.install(self.pool.put)
+                mx.eval(list(self.pool.params.values()))
 
     @property
     def layers(self) -> dict[int, ExpertRunner]:

@@ -25,15 +25,15 @@ class SlotPool:
         return signature(tensors) == self.signature
 
     def put(self, slot: int, tensors: dict[str, mx.array]) -> None:
-        """Copy one expert's tensors into `slot`. In place: MLX reuses a stacked array's memory
-        for the update when nothing else refers to it (no graph built on it is left unevaluated,
-        which the caller sees to), else it copies, which costs time and never changes a result."""
+        """Copy one expert's tensors into `slot`, as part of the graph that next uses the slots
+        (no evaluation of its own). In place: MLX reuses a stacked array's memory for the
+        update when nothing else refers to it (no graph built on it is left unevaluated, which
+        the caller sees to), else it copies, which costs time and never changes a result."""
         if not self.fits(tensors):
             raise CorruptData(f"an expert's tensors {sorted(tensors)} do not fit this worker's "
                               f"slots ({sorted(self.signature)})")
         for name, array in tensors.items():
             self.params[name][slot : slot + 1] = array[None]
-        mx.eval(list(self.params.values()))
 
 
 def signature(tensors: dict[str, mx.array]) -> dict[str, tuple]:
