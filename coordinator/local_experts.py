@@ -105,19 +105,22 @@ class LocalExperts:
         memory (lazy, like the single-process model's), or read into memory now when the
         budget cannot hold them all; else None."""
         if self.residency.streaming:
-            return self.residency.whole_streamed(layer, x, inds,
-                                                 lambda: self._prefetch_next(layer, x, inds))
+            ahead = None if self.lookahead is None else \
+                self.lookahead.ahead(layer, x, inds.shape[-1])
+            return self.residency.whole_streamed(
+                layer, x, inds, lambda: self._prefetch(ahead),
+                [ahead[1]] if ahead is not None else [])
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._note(layer, inds)
         return out
 
-    def _prefetch_next(self, layer: int, x: mx.array, inds: mx.array) -> None:
-        """Start reading the experts the router lookahead expects the next layer to use."""
-        if self.lookahead is not None:
-            predicted = self.lookahead.predict(layer, x, inds.shape[-1])
-            if predicted is not None:
-                self.residency.prefetch(predicted[0], predicted[1].tolist())
+    def _prefetch(self, ahead: tuple[int, mx.array] | None) -> None:
+        """Start reading the experts the router lookahead expects the next layer to use (its
+        guess, evaluated with this layer's picks)."""
+        if ahead is not None:
+            layer, guess = self.lookahead.guessed(*ahead)
+            self.residency.prefetch(layer, guess.tolist())
 
     def submit(self, layer: int, x: mx.array, needed: slice | np.ndarray, rows: np.ndarray,
                experts: np.ndarray, call_pairs: int, seq: int,

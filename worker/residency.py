@@ -337,16 +337,18 @@ class Residency:
             return self.runners[layer].whole(stack.params, x, inds)
 
     def whole_streamed(self, layer: int, x: mx.array, inds: mx.array,
-                       then: Callable[[], None] = lambda: None) -> mx.array | None:
+                       then: Callable[[], None] = lambda: None,
+                       along: list[mx.array] = ()) -> mx.array | None:
         """`whole` while the budget cannot hold every expert: mlx-lm's call over the slots
         with the router's picks (evaluated now) turned into slot numbers, lazily, once the
         missing experts are read; their heat and hits counted now. None when the layer is not
         all held here or its picks need more slots than there are. `then` runs once the
-        missing experts' reads are queued (the caller's prefetch hints go behind them)."""
+        missing experts' reads are queued (the caller's prefetch hints go behind them), and
+        `along` is evaluated with the picks (the caller's guess of the next layer's)."""
         held = self._held_mask.get(layer)
         if self.pool is None or held is None or not held.all():
             return None
-        mx.eval(inds)
+        mx.eval(inds, *along)
         experts = np.asarray(inds).reshape(-1)
         unique, inverse, counts = np.unique(experts, return_inverse=True, return_counts=True)
         if unique.size > self.pool.slots:
