@@ -1,15 +1,6 @@
-"""The coordinator's own experts, served in its own process: `LocalExperts` holds the worker's
-`Residency` over this Mac's store folders (memory budget, drives, prefetch, read checks, heat)
-and stands in the cluster as one more member, link-shaped, with no gRPC and no wire bytes.
-
-The dispatcher hands it a layer call's share as MLX arrays (`submit`) after the remote
-requests are sent and takes its outputs (`result`) before their replies are read, so its
-experts compute while the workers compute theirs; a layer whose every expert is held here in
-memory runs as mlx-lm runs it (`whole`: the switch module over the stack, lazily, no
-evaluation for routing). Inventory, counters, heat and expert files are answered by the
-worker's own servicer methods, called in process, so `shoal heat`, replicas and transfers see
-the coordinator as they see a worker.
-"""
+"""The coordinator's own experts, served in its own process around the worker's `Residency`:
+one more member, link-shaped, with no gRPC and no wire bytes; a layer whose every expert is
+held here runs as mlx-lm runs it (`whole`), over the stack or, under a budget, the slots."""
 
 from __future__ import annotations
 
