@@ -1,22 +1,11 @@
-"""Expert streaming benchmark: one worker serving a skewed-routing MoE at memory budgets of
-100/50/25% of its expert bytes, the OS page cache dropped before each run, against the
-drive's sequential read speed and against mlx-lm in one process under the same memory limit.
-
-    .venv/bin/python benchmarks/streaming.py [--tokens 48] [--budgets 100,50,25]
-    .venv/bin/python -m benchmarks.streaming --local [--rounds 4] [--budgets 100,25]
-    .venv/bin/python -m benchmarks.streaming --scale 1,2,4 [--quick] [--json FILE]
-
-With --scale, one model over 1, 2 and 4 members, each a Mac with one throttled SSD
-(benchmarks/streaming_scale.py).
-
-With --local, the coordinator serves every expert itself from the store (one Mac alone, no
-worker: coordinator/local_experts.py) at each budget, alternated round by round with mlx-lm
-running the same model with every expert in memory, each run a process of its own.
-
-The model is `shoal demo`'s (SmolLM2-135M split into 16 experts per layer, top-4: real
-weights, so routing is as skewed as a trained router makes it). Linux, as root, for dropping
-the page cache and for the cgroup memory limit; elsewhere those steps are skipped and said so.
-"""
+"""Expert streaming benchmark: one worker at budgets of 100/50/25% of its expert bytes against the
+drive and mlx-lm (default), `--local` the coordinator's own store alternated with mlx-lm,
+`--scale 1,2,4` one model over 1, 2 and 4 members (benchmarks/streaming_scale.py)."""
+# python -m benchmarks.streaming [--tokens 48] [--budgets 100,50,25] | --local [--rounds 4]
+#     | --scale 1,2,4 [--quick] [--json FILE]
+# The model is `shoal demo`'s (real weights, so routing is as skewed as a trained router makes
+# it). Linux, as root, for dropping the page cache and the cgroup limits; elsewhere those steps
+# are skipped and said so.
 
 from __future__ import annotations
 

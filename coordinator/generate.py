@@ -129,6 +129,8 @@ def open_remote_model(
     install(model, manifest, dispatcher)
     # the main model's layers only: the MTP module's run when it drafts, not after the last
     dispatcher.lookahead = Lookahead(model, without_mtp(manifest))
+    if local is not None:  # for its layers run whole, which the dispatcher does not see
+        local.lookahead = dispatcher.lookahead
     mx.eval(model.parameters())
     return RemoteModel(model, tokenizer, manifest, cluster, dispatcher, owned, local)
 

@@ -1,7 +1,6 @@
-"""The coordinator's own experts, served in its own process (`LocalExperts`, an ExpertHost):
-the worker's `Residency` over this Mac's store folders, whose layers held whole in memory run
-as mlx-lm runs them; inventory, heat and files answered by the worker's own servicer methods.
-"""
+"""The coordinator's own experts, served in its own process (`LocalExperts`, an ExpertHost)
+around the worker's `Residency`: a layer whose every expert is held here runs as mlx-lm runs
+it (`whole`), over the stack or, under a budget, the slots; the rest as shares of a call."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from coordinator.hosts import IN_PROCESS, Answer, Share
+from coordinator.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
 from proto import error_class_for, shoal_pb2
@@ -73,19 +73,36 @@ class LocalExperts:
         self._answers: deque[Answer] = deque()
         self._noted: list[tuple[int, mx.array]] = []
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
+        # the router lookahead (coordinator/lookahead.py) for the layers run by `whole`,
+        # which the dispatcher does not see; set by whoever builds the model's dispatcher
+        self.lookahead: Lookahead | None = None
         self.inventory = self.fetch_inventory()
 
     # -- the compute path ------------------------------------------------------------------
 
     def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
         """mlx-lm's own switch call over this layer's experts, when every one is held here in
-        memory (lazy, like the single-process model's); else None."""
+        memory (lazy, like the single-process model's), or read into memory now when the
+        budget cannot hold them all; else None."""
+        if self.residency.streaming:
+            ahead = None if self.lookahead is None else \
+                self.lookahead.ahead(layer, x, inds.shape[-1])
+            return self.residency.whole_streamed(
+                layer, x, inds, lambda: self._prefetch(ahead),
+                [ahead[1]] if ahead is not None else [])
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._noted.append((layer, inds))
             if len(self._noted) >= 2 * self._kept:  # counted in batches, not a call at a time
                 self._count(len(self._noted) - self._kept)
         return out
+
+    def _prefetch(self, ahead: tuple[int, mx.array] | None) -> None:
+        """Start reading the experts the router lookahead expects the next layer to use (its
+        guess, evaluated with this layer's picks)."""
+        if ahead is not None:
+            layer, guess = self.lookahead.guessed(*ahead)
+            self.residency.prefetch(layer, guess.tolist())
 
     def submit(self, share: Share, timeout: float) -> int:
         """Start computing a share of a layer call: its outputs are started on the device and

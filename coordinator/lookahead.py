@@ -86,6 +86,12 @@ class Lookahead:
 
     def predict(self, layer: int, x: mx.array, k: int) -> tuple[int, np.ndarray] | None:
         """(next MoE layer, distinct experts it will probably use) for MoE input `x` of `layer`."""
+        ahead = self.ahead(layer, x, k)
+        return None if ahead is None else self.guessed(*ahead)
+
+    def ahead(self, layer: int, x: mx.array, k: int) -> tuple[int, mx.array] | None:
+        """`predict`'s guess as a graph, not evaluated: (next MoE layer, its picks), for a
+        caller that evaluates them with what it evaluates anyway, then calls `guessed`."""
         nxt = self._next.get(layer)
         if nxt is None:
             return None
@@ -101,13 +107,15 @@ class Lookahead:
             del self._next[layer]
             return None
         if isinstance(out, tuple):  # routers that pick their own experts (e.g. deepseek_v3)
-            inds = out[0]
-        else:
-            width = min(k + self.extra, out.shape[-1])
-            inds = mx.argpartition(-out, kth=width - 1, axis=-1)[..., :width]
+            return nxt.layer, out[0]
+        width = min(k + self.extra, out.shape[-1])
+        return nxt.layer, mx.argpartition(-out, kth=width - 1, axis=-1)[..., :width]
+
+    def guessed(self, layer: int, inds: mx.array) -> tuple[int, np.ndarray]:
+        """Record the picks guessed for `layer` (scored once it runs); (layer, distinct picks)."""
         guess = np.unique(np.asarray(inds))
-        self._guess[nxt.layer] = guess
-        return nxt.layer, guess
+        self._guess[layer] = guess
+        return layer, guess
 
     def score(self, layer: int, experts: np.ndarray) -> None:
         """Compare the guess made for `layer` (if any) with the experts it actually used."""

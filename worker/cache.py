@@ -1,16 +1,9 @@
-"""The streaming expert cache: decoded experts in memory under the worker's budget, the reads
-that bring the others from the drives, and the checks every read must pass.
-
-A request leases its distinct experts (`ExpertCache.demand` -> `Lease`) and takes each as its
-read completes; prefetch hints start reads early. Which experts stay is decided by
-`engine/cache_policy.py` (heat and recency; hot experts pinned). A read whose checksum fails
-is retried copy by copy (`_find_good_copy`); an expert with no intact copy left is given up
-alone (`on_lost`), never the worker.
-"""
+"""The streaming expert cache: which experts are in memory under the worker's budget, the reads
+that bring the others (checked by `worker/read_checks.py`), and the leases requests hold on them
+(`worker/lease.py`); which stay is `engine/cache_policy.py`'s decision."""
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -21,10 +14,11 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
-from engine.errors import Moved, ShoalError, Unavailable
+from engine.errors import ShoalError, Unavailable
 from engine.manifest import ExpertFile, ExpertKey
-from worker.reader import Crc32, Digest, ReaderPool, ReadJob
-from worker.uncached import read_file
+from worker.lease import Lease
+from worker.read_checks import ReadChecks
+from worker.reader import ReaderPool, ReadJob
 
 WAIT_SECONDS = 600.0  # a demand read that takes longer than this is reported as a failure
 
@@ -51,11 +45,13 @@ class CacheCounters:
 
 
 class _Entry:
-    __slots__ = ("index", "state", "tensors", "job", "error")
+    __slots__ = ("index", "state", "tensors", "job", "error", "slot")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, slot: int) -> None:
         self.index = index
         self.state = _LOADING
+        self.slot = slot  # its place in the SlotPool, -1 without one
+        # decoded by the reader; None once copied into its slot
         self.tensors: dict[str, mx.array] | None = None
         self.job: ReadJob | None = None
         self.error: ShoalError | None = None
@@ -80,15 +76,18 @@ class ExpertCache:
         checks: Mapping[ExpertKey, ExpertFile] | None,
         report: Callable[[str], None],
         on_lost: Callable[[ExpertKey, str], None] = lambda key, why: None,
+        slot_bytes: int = 0,
     ) -> None:
         self.keys = keys
         self.index = {key: i for i, key in enumerate(keys)}
-        self.sizes = sizes
+        self._file_sizes = sizes  # what a read reads
+        # what an expert takes of the budget: with a SlotPool (`slot_bytes`), one slot each
+        self._slot_bytes = slot_bytes
+        self.sizes = np.full_like(sizes, slot_bytes) if slot_bytes else sizes
         self.capacity = capacity
         self._copies = copies
         self._reader = reader
-        self._decode = decode
-        self._checks = checks  # the manifest's entries, whose checksums every read must match
+        self._checks = ReadChecks(checks, decode, self.copies, self.lose_copy)
         self._report = report
         self._on_lost = on_lost
         n = len(keys)
@@ -97,6 +96,10 @@ class ExpertCache:
         self._speculative = np.zeros(n, dtype=bool)  # loaded by a prefetch, not yet asked for
         self._last_used = np.zeros(n, dtype=np.int64)
         self._entries: dict[int, _Entry] = {}
+        self._tables: dict[int, np.ndarray] = {}  # layer -> expert number -> index, or -1
+        # with a SlotPool (every expert one slot): the slots no entry holds
+        slots = capacity // slot_bytes if slot_bytes else 0
+        self._free_slots = list(range(slots - 1, -1, -1))
         self._used = 0
         self._uses = 0
         self._last_layer = sys.maxsize
@@ -129,17 +132,21 @@ class ExpertCache:
         """The decoded tensors of `keys` if every one is in memory now, else None."""
         with self._cond:
             idx = [self.index[key] for key in keys]
-            if not all(self._state[i] == _READY for i in idx):
-                return None
+            if not all(self._state[i] == _READY and self._entries[i].tensors is not None
+                       for i in idx):
+                return None  # not all read, or some only in their slots
             return [self._entries[i].tensors for i in idx]
 
     def add(self, key: ExpertKey, size: int, copies: list[tuple[int, Path]]) -> None:
         """Serve one more expert (a file just received); it starts on the drives."""
         with self._cond:
             if key not in self.index:
+                self._tables.pop(key[0], None)
                 self.index[key] = len(self.keys)
                 self.keys.append(key)
-                self.sizes = np.concatenate([self.sizes, np.array([size], dtype=np.int64)])
+                self._file_sizes = np.concatenate([self._file_sizes, np.array([size], np.int64)])
+                room = self._slot_bytes or size
+                self.sizes = np.concatenate([self.sizes, np.array([room], dtype=np.int64)])
                 self._state = np.concatenate([self._state, np.zeros(1, dtype=np.int8)])
                 self._users = np.concatenate([self._users, np.zeros(1, dtype=np.int32)])
                 self._speculative = np.concatenate([self._speculative, np.zeros(1, dtype=bool)])
@@ -194,8 +201,8 @@ class ExpertCache:
 
     def demand(self, layer: int, experts: np.ndarray, tokens: np.ndarray) -> Lease:
         """Ask for a request's distinct experts; returns a lease to take them as they are ready."""
-        idx = np.array([self.index[(layer, int(e))] for e in experts], dtype=np.int64)
         with self._cond:
+            idx = self._indices(layer, experts)
             if layer <= self._last_layer:
                 self.counters.passes += 1
                 self.heat.advance()
@@ -206,33 +213,45 @@ class ExpertCache:
             self._uses += 1
             self._last_used[idx] = self._uses
             lease = Lease(self, idx)
-            for pos, i in enumerate(idx.tolist()):
-                c = self.counters
-                c.demands += 1
-                state = self._state[i]
-                if state == _ABSENT:
-                    c.misses += 1
-                    lease.pending.append(pos)
-                    continue
-                entry = self._entries[i]
-                self._users[i] += 1
-                lease.held[pos] = entry
-                if self._speculative[i]:
-                    self._speculative[i] = False
-                    c.prefetch_used += 1
-                    if state == _READY:
-                        c.hits += 1
-                        c.prefetch_hits += 1
-                    else:
-                        c.misses += 1
-                        c.prefetch_late += 1
-                        self._reader.promote(entry.job)
-                elif state == _READY:
-                    c.hits += 1
-                else:
-                    c.misses += 1
+            self._count_demand(lease, idx)
             self._start_pending(lease)
         return lease
+
+    def _indices(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The cache's numbers of a layer's experts, by a table per layer built once."""
+        table = self._tables.get(layer)
+        if table is None:
+            mine = [(e, i) for (lay, e), i in self.index.items() if lay == layer]
+            table = self._tables[layer] = np.full(max(e for e, _ in mine) + 1, -1, np.int64)
+            for e, i in mine:
+                table[e] = i
+        idx = table[np.minimum(experts, table.size - 1)]
+        if (idx < 0).any() or (experts >= table.size).any():
+            raise KeyError(f"layer {layer} holds no expert among {experts.tolist()}")
+        return idx
+
+    def _count_demand(self, lease: Lease, idx: np.ndarray) -> None:
+        """A request's distinct experts, counted as hits or misses over the state arrays at
+        once; the lease holds those resident or being read, and waits for room for the rest."""
+        state, guessed = self._state[idx], self._speculative[idx]
+        ready, absent = state == _READY, state == _ABSENT
+        late = guessed & (state == _LOADING)
+        c = self.counters
+        c.demands += idx.size
+        c.hits += int(ready.sum())
+        c.misses += idx.size - int(ready.sum())
+        c.prefetch_used += int(guessed.sum())
+        c.prefetch_hits += int((guessed & ready).sum())
+        c.prefetch_late += int(late.sum())
+        held = np.flatnonzero(~absent)
+        present = idx[held]
+        self._speculative[present] = False
+        self._users[present] += 1
+        lease.held = {pos: self._entries[i] for pos, i in
+                      zip(held.tolist(), present.tolist(), strict=True)}
+        lease.pending = np.flatnonzero(absent).tolist()
+        for i in idx[late].tolist():
+            self._reader.promote(self._entries[i].job)
 
     def _start_pending(self, lease: Lease) -> None:
         while lease.pending:
@@ -251,26 +270,42 @@ class ExpertCache:
 
     # -- what a Lease calls --------------------------------------------------------------
 
-    def take(self, lease: Lease) -> list[tuple[int, dict[str, mx.array]]]:
-        """Block until some of the lease's experts are ready; return those not yet taken."""
+    def take(self, lease: Lease) -> list[int]:
+        """Block until some of the lease's experts are ready; their positions not yet taken."""
         with self._cond:
             waited = 0.0
             while True:
-                for entry in lease.held.values():
-                    if entry.state == _ABSENT and entry.error is not None:
-                        raise entry.error
-                ready = [(pos, e) for pos, e in lease.held.items() if e.state == _READY and not
-                         lease.taken[pos]]
+                failed = [e.error for e in lease.held.values() if e.error is not None]
+                # the lease's other reads in flight finish first, so that one retry of the
+                # request learns of every expert of it lost meanwhile, not of one at a time
+                if failed and not any(e.state == _LOADING for e in lease.held.values()):
+                    raise failed[0]
+                ready = [] if failed else [pos for pos, e in lease.held.items()
+                                           if e.state == _READY and not lease.taken[pos]]
                 if ready:
-                    for pos, _ in ready:
+                    for pos in ready:
                         lease.taken[pos] = True
-                    return [(pos, e.tensors) for pos, e in ready]
+                    return ready
                 self._start_pending(lease)
                 if not self._cond.wait(timeout=5.0):
                     waited += 5.0
                     if waited >= WAIT_SECONDS:
                         raise Unavailable(
                             f"expert reads made no progress for {WAIT_SECONDS:.0f} s")
+
+    def install(self, put: Callable[[int, dict[str, mx.array]], None],
+                lease: Lease | None = None, positions: Iterable[int] = ()) -> None:
+        """Copy the lease's experts at `positions` (without a lease: every expert read) that
+        are not yet in their slots into them (`put`, the SlotPool's), and let go of their
+        decoded tensors; a prefetched expert stays as read until it is asked for. The caller
+        holds the MLX lock."""
+        with self._cond:
+            entries = ([lease.held[pos] for pos in positions] if lease is not None
+                       else list(self._entries.values()))
+            for entry in entries:
+                if entry.tensors is not None and self._entries.get(entry.index) is entry:
+                    put(entry.slot, entry.tensors)
+                    entry.tensors = None
 
     def give_back(self, lease: Lease, positions: Iterable[int]) -> None:
         """The lease is done with the experts at `positions`; start loads it still waits for."""
@@ -345,18 +380,20 @@ class ExpertCache:
         return True
 
     def _load(self, i: int, *, demand: bool) -> _Entry:
-        entry = _Entry(i)
+        entry = _Entry(i, self._free_slots.pop() if self._free_slots else -1)
         self._entries[i] = entry
         self._state[i] = _LOADING
         key = self.keys[i]
         entry.job = self._reader.submit(
-            key, int(self.sizes[i]), self._copies[key], demand=demand, on_done=self._loaded,
-            digest=self._digest(key),
+            key, int(self._file_sizes[i]), self._copies[key], demand=demand, on_done=self._loaded,
+            digest=self._checks.digest(key),
         )
         return entry
 
     def _forget(self, i: int) -> None:
         entry = self._entries.pop(i)
+        if entry.slot >= 0:
+            self._free_slots.append(entry.slot)
         entry.state = _ABSENT
         entry.tensors = None
         self._state[i] = _ABSENT
@@ -368,7 +405,7 @@ class ExpertCache:
         """On a reader thread: check and decode a finished read, then publish it."""
         tensors, error = None, None
         try:
-            tensors = self._check_and_decode(job)
+            tensors = self._checks.check_and_decode(job)
         except ShoalError as e:
             error = e
         finally:
@@ -389,80 +426,3 @@ class ExpertCache:
             self._cond.notify_all()
         if error is not None:
             self._report(str(error))
-
-    def _check_and_decode(self, job: ReadJob) -> dict[str, mx.array]:
-        if job.error is not None:
-            # The reader already tried every other copy of each chunk that failed.
-            reason = job.error.strerror or str(job.error)
-            copies = self.copies(job.key) or job.copies
-            for _, path in copies:
-                self.lose_copy(job.key, path, f"cannot be read ({reason})")
-            raise self._lost(job.key, f"its files cannot be read ({reason})")
-        view = job.buffer[: job.size]
-        if job.digest is not None and (job.digested != job.size
-                                       or job.digest.hexdigest() != self._expected(job.key)):
-            self._find_good_copy(job, view, self._checks[job.key].sha256)
-        layer, expert = job.key
-        origin = str(next(iter(job.sources))) if len(job.sources) == 1 else (
-            f"expert {layer}/{expert} (read from {', '.join(map(str, sorted(job.sources)))})"
-        )
-        return self._decode(job.key, view, origin)
-
-    def _digest(self, key: ExpertKey) -> Digest | None:
-        """A fresh checksum for a read of `key`: the manifest's CRC-32 where it has one (the
-        reader feeds it chunk by chunk as they arrive), else its SHA-256; None: not checked."""
-        if self._checks is None:
-            return None
-        return Crc32() if self._checks[key].crc32 else hashlib.sha256()
-
-    def _expected(self, key: ExpertKey) -> str:
-        entry = self._checks[key]
-        return entry.crc32 or entry.sha256
-
-    def _find_good_copy(self, job: ReadJob, view: memoryview, expected: str) -> None:
-        """A read failed its checksum: check each copy alone against the SHA-256, drop the
-        bad ones, keep a good one in `view`. With none left the expert alone is given up, not
-        the worker."""
-        for _, path in self.copies(job.key):
-            try:
-                read_file(path, job.buffer, job.size)
-            except OSError as e:
-                self.lose_copy(job.key, path, f"cannot be read ({e.strerror or e})")
-                continue
-            if hashlib.sha256(view).hexdigest() == expected:
-                return
-            self.lose_copy(job.key, path, "checksum does not match the manifest")
-        raise self._lost(job.key, "no intact copy of its file is left (see the problems)")
-
-    @staticmethod
-    def _lost(key: ExpertKey, why: str) -> Moved:
-        # ABORTED (Moved), not DATA_LOSS: the coordinator fetches the inventory again, which
-        # no longer lists this expert here, and routes it to another copy or names it alone
-        # as unowned; the worker's other experts stay in service.
-        layer, expert = key
-        return Moved(f"layer {layer}: expert {expert} is no longer served by this worker: "
-                     f"{why}; fetch the inventory again")
-
-
-class Lease:
-    """One request's hold on its experts: take them as they become ready, then give them back.
-    The cache keeps the fields; the request only calls the three methods."""
-
-    def __init__(self, cache: ExpertCache, idx: np.ndarray) -> None:
-        self.cache = cache
-        self.idx = idx
-        self.pending: list[int] = []  # positions whose load could not start yet (no room)
-        self.held: dict[int, _Entry] = {}
-        self.taken = [False] * len(idx)
-
-    def take(self) -> list[tuple[int, dict[str, mx.array]]]:
-        """Block until some of the experts are ready; those not yet taken, by position."""
-        return self.cache.take(self)
-
-    def done(self, positions: Iterable[int]) -> None:
-        """The experts at `positions` are computed: they may be evicted now."""
-        self.cache.give_back(self, positions)
-
-    def close(self) -> None:
-        """Give back every expert still held (the request ended, computed or failed)."""
-        self.cache.end(self)

@@ -1,14 +1,10 @@
-"""The worker's reader pool, for a worker whose experts do not all fit in memory.
-
-Positioned reads go into reusable page-aligned buffers, from a few reader threads per drive
-(one `--store` folder is one drive), through worker/uncached.py so the worker's memory budget
-is what it really uses. Each drive has a demand queue, served first, and a prefetch queue.
-An expert with copies on several drives is read in chunks, each sent to the drive expected to
-finish it first; a drive that fails is reported and its chunks are read from another copy. A
-job may carry a checksum (`digest`): it is fed chunk by chunk, in file order, as the chunks
-arrive, so checking every read costs little more than its last chunk's share on top of the
-read itself.
-"""
+"""The worker's reader pool, for a worker whose experts do not all fit in memory: a few reader
+threads per drive (one `--store` folder), a demand queue served before a prefetch queue, an
+expert with copies on several drives read in chunks from the drive expected to finish first."""
+# Reads go into reusable page-aligned buffers through worker/uncached.py, so the worker's
+# memory budget is what it really uses; a drive that fails is reported and its chunks read from
+# another copy. A job's checksum (`digest`) is fed chunk by chunk in file order as they arrive,
+# so checking every read costs little more than its last chunk's share.
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The worker's experts: which it holds and offers, the request's validation, and the compute.
-
-A request is checked against what is held (`validate`), then run by the layer's mlx-lm switch
-module (`engine/experts.py`). When the budget holds every expert, each layer's experts are
-stacked once (views, not a second copy) and a request runs in one gathered call; otherwise
-its experts are leased from the streaming cache (`worker/cache.py`) and computed one by one
-as they arrive. Whatever the budget, every requested expert is computed from its own
-tensors: the budget changes the speed, never the result.
-"""
+"""The worker's experts: which it holds and offers, the request's validation, and the compute:
+every expert in memory stacked once per layer, or under a smaller budget the streaming cache's
+slots (`worker/cache.py`, `worker/streamed.py`); the budget changes the speed, never a result."""
 
 from __future__ import annotations
 
@@ -24,10 +18,12 @@ from engine.experts import ExpertRunner, build_skeleton
 from engine.manifest import ExpertKey
 from engine.safetensors_view import placeholders, tensors_from_buffer
 from engine.tensors import from_numpy, mlx_dtype
-from worker.cache import CacheCounters, ExpertCache, Lease
+from worker.cache import CacheCounters, ExpertCache
 from worker.holdings import Holdings
 from worker.reader import READERS_PER_DRIVE, DriveStats, ReaderPool
+from worker.slots import pool_for
 from worker.store import StoreScan
+from worker.streamed import Turn, all_in_slots, one_by_one, over_slots
 
 MAX_ROWS = 1 << 20  # far above any prefill chunk; refuses absurd requests before allocating
 # (token, expert) pairs in one request: a 2048-token prompt chunk with top-16 routing is 32768;
@@ -58,21 +54,6 @@ class Timing:
     matrix: float = 0.0
     waited: float = 0.0
     reads: float = 0.0
-
-
-class _Turn:
-    """Holds the lock for one request's MLX work, its wait for the lock added to `waited`."""
-
-    def __init__(self, lock: threading.Lock, timing: Timing) -> None:
-        self._lock, self._timing = lock, timing
-
-    def __enter__(self) -> None:
-        before = time.perf_counter()
-        self._lock.acquire()
-        self._timing.waited += time.perf_counter() - before
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
 
 
 SMALL = 64  # values from which numpy's calls are quicker than Python's over a list
@@ -161,25 +142,41 @@ class Residency:
         skeleton = self._skeleton = build_skeleton(config)
         self.runners: dict[int, ExpertRunner] = {}
         self._held_mask: dict[int, np.ndarray] = {}
+        samples: dict[int, dict[str, mx.array]] = {}
         for layer, expert in keys:
             moe = manifest.layer(layer)
             if layer not in self.runners:
-                sample = placeholders(scan.copies[(layer, expert)][0][1])
+                sample = samples[layer] = placeholders(scan.copies[(layer, expert)][0][1])
                 self.runners[layer] = ExpertRunner(skeleton, config, moe, sample)
                 self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
             self._held_mask[layer][expert] = True
+        # Under a budget smaller than the experts, the resident ones are slots of stacked
+        # arrays when every layer's experts have the same tensors (they differ only by a few
+        # header bytes: a slot takes the largest file's room).
+        self.pool = pool_for(list(samples.values()), self.budget // int(sizes.max())) \
+            if self.streaming and keys else None
+        self.slot_bytes = int(sizes.max()) if self.pool is not None else 0
         self.cache = ExpertCache(
             keys, sizes, {k: list(v) for k, v in scan.copies.items()}, self.budget,
             self.reader, self._decode,
             checks=files if verify_reads else None,
             report=self._problem, on_lost=self.withdraw,
+            slot_bytes=self.slot_bytes,
         )
         self._lock = threading.Lock()
         self._stacks: dict[int, LayerStack] = {}
         if warm:
             self.cache.warm(range(len(keys)))
+            self._install()
             for layer in self.runners:
                 self._stack(layer)
+
+    def _install(self) -> None:
+        """Copy the experts read at start into their slots (MLX work: under the lock)."""
+        if self.pool is not None:
+            with self._lock:
+                self.cache.install(self.pool.put)
+                mx.eval(list(self.pool.params.values()))
 
     @property
     def layers(self) -> dict[int, ExpertRunner]:
@@ -205,6 +202,9 @@ class Residency:
                     self._skeleton, self.scan.manifest.config, moe, placeholders(path)
                 )
                 self._held_mask[layer] = np.zeros(moe.num_experts, dtype=bool)
+        if self.pool is not None and not self.pool.fits(placeholders(path)):
+            raise InvalidInput(f"expert {layer}/{expert}'s tensors differ in shape from the "
+                               "experts this worker holds; restart it to serve both")
         if not self._held_mask[layer][expert]:
             self.cache.add(key, entry.bytes, [(drive, path)])
             self.expert_bytes += entry.bytes
@@ -336,14 +336,45 @@ class Residency:
         with self._lock:
             return self.runners[layer].whole(stack.params, x, inds)
 
+    def whole_streamed(self, layer: int, x: mx.array, inds: mx.array,
+                       then: Callable[[], None] = lambda: None,
+                       along: list[mx.array] = ()) -> mx.array | None:
+        """`whole` while the budget cannot hold every expert: mlx-lm's call over the slots
+        with the router's picks (evaluated now) turned into slot numbers, lazily, once the
+        missing experts are read; their heat and hits counted now. None when the layer is not
+        all held here or its picks need more slots than there are. `then` runs once the
+        missing experts' reads are queued (the caller's prefetch hints go behind them), and
+        `along` is evaluated with the picks (the caller's guess of the next layer's)."""
+        held = self._held_mask.get(layer)
+        if self.pool is None or held is None or not held.all():
+            return None
+        mx.eval(inds, *along)
+        experts = np.asarray(inds).reshape(-1)
+        unique, inverse, counts = np.unique(experts, return_inverse=True, return_counts=True)
+        if unique.size > self.pool.slots:
+            return None
+        lease = self.cache.demand(layer, unique, counts)
+        try:
+            then()
+            picks = mx.array(all_in_slots(lease, self.cache, self.pool, self._lock,
+                                          unique.size)[inverse.reshape(inds.shape)])
+            with self._lock:
+                # the lease ends before this is evaluated: a slot taken over meanwhile is
+                # copied, not overwritten, as MLX keeps an array the graph still refers to
+                out = self.runners[layer].whole(self.pool.params, x, picks)
+        finally:
+            lease.close()
+        self.holdings.asked(layer, experts)
+        return out
+
     def counted(self, layer: int, experts: np.ndarray) -> None:
         """Count the heat and the cache's resident hits of a `whole` call's pairs."""
         self.cache.count_resident(layer, distinct(experts), experts.size)
         self.holdings.asked(layer, experts)
 
-    def _turn(self, timing: Timing) -> _Turn:
+    def _turn(self, timing: Timing) -> Turn:
         """This request's turn at MLX: one at a time (MLX work is not thread-safe here)."""
-        return _Turn(self._lock, timing)
+        return Turn(self._lock, timing)
 
     def _gathered(
         self, runner: ExpertRunner, stack: LayerStack, request: Request, timing: Timing,
@@ -362,20 +393,22 @@ class Residency:
         return out
 
     def _streamed(self, runner: ExpertRunner, request: Request, timing: Timing) -> mx.array:
-        """Some experts may be on the drives: lease them from the cache, compute each as it
-        arrives."""
+        """Some experts may be on the drives: lease them from the cache, compute them as they
+        arrive (`worker/streamed.py`)."""
         unique, inverse, counts = np.unique(request.experts, return_inverse=True,
                                             return_counts=True)
-        hidden = request.hidden
-        if not isinstance(hidden, mx.array):
-            hidden = from_numpy(hidden, request.dtype)
+        inverse = inverse.reshape(-1)
         lease = self.cache.demand(request.layer, unique, counts)
         try:
-            before = time.perf_counter()
-            ready = lease.take()
-            timing.reads += time.perf_counter() - before
-            return self._each_as_it_arrives(runner, lease, ready, hidden, request.rows,
-                                            inverse.reshape(-1), counts, timing)
+            if self.pool is not None:
+                return over_slots(runner, self.pool, self.cache, lease, request.hidden,
+                                  mlx_dtype(request.dtype), request.rows, inverse,
+                                  request.call_pairs, lambda: self._turn(timing), timing)
+            hidden = request.hidden
+            if not isinstance(hidden, mx.array):
+                hidden = from_numpy(hidden, request.dtype)
+            return one_by_one(runner, lease, hidden, request.rows, inverse, counts,
+                              lambda: self._turn(timing), timing)
         except NotFound:
             gone = [int(e) for e in unique if self.holdings.was_deleted((request.layer, int(e)))]
             if gone:  # deleted while this request was on its way (shoal rebalance)
@@ -384,41 +417,6 @@ class Residency:
             raise
         finally:
             lease.close()
-
-    def _each_as_it_arrives(
-        self, runner: ExpertRunner, lease: Lease, ready: list[tuple[int, dict[str, mx.array]]],
-        hidden: mx.array, rows: np.ndarray, inverse: np.ndarray, counts: np.ndarray,
-        timing: Timing,
-    ) -> mx.array:
-        """Run each distinct expert on its rows as its tensors become ready (streaming), then
-        put the outputs back in request order. When every expert is ready at once (all of them
-        cache hits), the whole request is evaluated once."""
-        order = np.argsort(inverse, kind="stable")
-        grouped = rows[order]  # each expert's rows, experts in ascending order
-        sizes = counts.tolist()
-        ends = np.cumsum(counts).tolist()
-        one_row = hidden.shape[0] == 1  # a decode step: every pair's row is row 0
-        parts: list[mx.array | None] = [None] * counts.size
-        remaining = counts.size
-        while True:
-            last = len(ready) == remaining
-            with self._turn(timing):
-                for pos, tensors in ready:
-                    x = hidden if one_row and sizes[pos] == 1 else \
-                        hidden[mx.array(grouped[ends[pos] - sizes[pos]:ends[pos]])]
-                    parts[pos] = runner(tensors, x)
-                if last:  # the outputs back in request order
-                    out = mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
-                before = time.perf_counter()
-                mx.eval(out if last else [parts[pos] for pos, _ in ready])
-                timing.matrix += time.perf_counter() - before
-            lease.done(pos for pos, _ in ready)
-            remaining -= len(ready)
-            if not remaining:
-                return out
-            before = time.perf_counter()
-            ready = lease.take()
-            timing.reads += time.perf_counter() - before
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> None:
         """A hint: these experts of `layer` will probably be asked for next. Never fails."""

@@ -1,8 +1,6 @@
-"""Reading files around the OS page cache, so that what a worker reads costs only the memory
-it reads into: `O_DIRECT` on Linux, `F_NOCACHE` on macOS, else `posix_fadvise(DONTNEED)`
-after the read. The reader pool's chunks, the store's checksums and the scrub's and transfers'
-checks of a file on its drive all read through here.
-"""
+"""Reading files around the OS page cache, so that what a worker reads costs only the memory it
+reads into: `O_DIRECT` on Linux, `F_NOCACHE` on macOS, else `posix_fadvise(DONTNEED)`; the
+reader pool, the store's checksums, the scrub and the transfers all read through here."""
 
 from __future__ import annotations
 

@@ -61,6 +61,9 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
             assert local["hit_rate"] == 1.0 and local["bytes_read"] == 0
             assert local["demands"] > 0  # the heat and hits were counted all the same
         else:
+            # decode steps ran as mlx-lm runs them, over the cache's slots (no dispatch);
+            # the prompt's pass, whose picks need more slots than 10% has, was dispatched
+            assert remote.dispatcher.stats.decode.calls == 0
             assert remote.dispatcher.stats.total().calls > 0
             assert paths[ADDRESS] == "in process"
             assert local["bytes_read"] > 0 and local["hit_rate"] < 1.0

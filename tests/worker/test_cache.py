@@ -56,7 +56,8 @@ def use(cache, expert, tokens=1):
     """One request for one expert of layer 0: wait for it, compute nothing, give it back."""
     lease = cache.demand(0, np.array([expert]), np.array([tokens]))
     try:
-        [(pos, tensors)] = lease.take()
+        [pos] = lease.take()
+        tensors = lease.tensors(pos)
         lease.done([pos])
         return bytes(np.array(tensors["w"]))
     finally:
@@ -103,13 +104,13 @@ def test_an_expert_in_use_is_not_evicted(tmp_path):
     cache, pool, _ = make_cache([folder], copies, capacity=SIZE)
     try:
         held = cache.demand(0, np.array([0]), np.array([1]))
-        [(pos, _)] = held.take()
+        [pos] = held.take()
         other = cache.demand(0, np.array([1]), np.array([1]))  # no room while 0 is held
         assert other.pending == [0] and resident(cache, 0)
         held.done([pos])
         held.close()
-        [(_, tensors)] = other.take()  # now 0 may go, and 1 is read
-        assert bytes(np.array(tensors["w"])) == data[(0, 1)]
+        [pos] = other.take()  # now 0 may go, and 1 is read
+        assert bytes(np.array(other.tensors(pos)["w"])) == data[(0, 1)]
         other.close()
         assert not resident(cache, 0) and cache.counters.evictions == 1
     finally:
@@ -133,8 +134,8 @@ def test_a_cancelled_prefetch_leaves_no_entry_and_no_reserved_bytes(tmp_path):
         lease = cache.demand(0, np.array([0]), np.array([1]))  # 1 was not asked for: stale
         assert cache.counters.prefetch_cancelled == 1
         release.set()
-        [(pos, tensors)] = lease.take()
-        assert bytes(np.array(tensors["w"])) == data[(0, 0)]
+        [pos] = lease.take()
+        assert bytes(np.array(lease.tensors(pos)["w"])) == data[(0, 0)]
         lease.done([pos])
         lease.close()
         # Had the cancelled read kept its bytes reserved, this would evict expert 0.

@@ -54,6 +54,41 @@ def test_small_budgets_compute_exactly_what_a_full_one_does(store):
     full.close()
 
 
+def test_under_a_budget_a_request_of_resident_experts_is_one_gathered_call_over_the_slots(
+    store, monkeypatch
+):
+    scan = scan_stores([store])
+    full = Residency(scan)
+    small = Residency(scan, budget=full.expert_bytes // 2)
+    calls = []
+    gathered = experts_module.ExpertRunner.gathered
+
+    def counted(runner, *args, **kwargs):
+        calls.append(args[0] is small.pool.params)
+        return gathered(runner, *args, **kwargs)
+
+    def one_expert_at_a_time(runner, *args):
+        raise AssertionError("experts of one shape never run one by one")
+
+    monkeypatch.setattr(experts_module.ExpertRunner, "gathered", counted)
+    monkeypatch.setattr(experts_module.ExpertRunner, "__call__", one_expert_at_a_time)
+    try:
+        assert small.pool.slots == small.budget // small.slot_bytes
+        hidden = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+        request = Request(2, hidden, "float32", np.zeros(4, np.int32),
+                          np.array([7, 5, 6, 4], np.int32), 4)  # layer 2: not warmed
+        first = np.array(small.compute(request))  # read now, each a copy into its slot
+        assert small.snapshot().counters.misses == 4
+        calls.clear()
+        again = np.array(small.compute(request))  # all resident: one call, no read
+        assert calls == [True] and small.snapshot().counters.hits == 4
+        expected = np.array(full.compute(request))
+        assert np.array_equal(first, expected) and np.array_equal(again, expected)
+    finally:
+        small.close()
+        full.close()
+
+
 def test_a_full_budget_stacks_each_layer_once_and_restacks_after_a_move(store):
     scan = scan_stores([store])
     before = mx.get_active_memory()

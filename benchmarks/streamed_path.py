@@ -1,0 +1,255 @@
+"""The streamed path against the resident one, page cache warm: mlx-lm with every expert in
+memory, the coordinator's own store and one worker at a memory budget, alternated rounds:
+`python -m benchmarks.streamed_path [--family deepseek_v3] [--rounds 3] [--interleaved]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.measure import bench_prompt  # noqa: E402
+from benchmarks.streaming import run_local, run_mlx_lm  # noqa: E402
+from builders.demo_models import build_once, cache_root  # noqa: E402
+
+PROMPT_TOKENS = 16
+
+
+def checkpoint(family: str) -> tuple[Path, Path]:
+    """The bench-sized, 4-bit checkpoint of `family` and its one store, built once."""
+    from builders.synthetic import build_checkpoint
+    from engine.sharding import shard
+
+    root = cache_root() / "streamed-path"
+    source = build_once(root / f"{family}-source",
+                        lambda out: build_checkpoint(out, family, size="bench", quantize_bits=4,
+                                                     group_size=64),
+                        f"the bench-sized {family} checkpoint")
+    sharded = build_once(root / f"{family}-sharded",
+                         lambda out: shard(source, out, workers=1, progress=False),
+                         "its store")
+    return source, sharded
+
+
+def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
+    """Run in a process of its own: one `shoal-worker` over loopback serving every expert at
+    `share`% of their bytes; prints one JSON line as `local_once` does."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from coordinator.generate import open_remote_model
+    from coordinator.ops.local_processes import start_worker
+    from engine.auth import ensure_secret, load_secret
+
+    root = Path(sharded)
+    secret = root.parent / "secret"
+    ensure_secret(secret)
+    worker = start_worker([root / "worker-0"], secret, root.parent / "worker.log",
+                          ["--memory-budget", f"{share}%"])
+    try:
+        remote = open_remote_model(root, [worker.address], load_secret(secret))
+        try:
+            out, last = [], None
+            for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
+                                            max_tokens=tokens, sampler=make_sampler(temp=0.0)):
+                out.append(int(response.token))
+                last = response
+                if len(out) == 1:
+                    remote.dispatcher.stats.reset()
+        finally:
+            remote.close()
+    finally:
+        worker.stop()
+    breakdown = remote.dispatcher.stats.decode.breakdown()
+    print(json.dumps({
+        "share": share, "tokens": out, "decode_tps": last.generation_tps,
+        "bookkeeping_us": breakdown["worker_bookkeeping_us"],
+        "parse_us": breakdown.get("worker_parse_us", 0.0),
+        "matrix_us": breakdown["worker_matrix_us"],
+    }))
+
+
+def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
+    """Run in a process of its own: the coordinator's own store at `share`%, each decode layer
+    call's time in `LocalExperts.whole` with the router's picks already evaluated, less the
+    waits for reads; prints one JSON line."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    import worker.lease
+    from coordinator.generate import open_remote_model
+
+    root = Path(sharded)
+    remote = open_remote_model(root, [], b"", local_stores=[root / "worker-0"],
+                               memory_budget=f"{share}%")
+    local, spent = remote.local, {"whole": 0.0, "reads": 0.0, "calls": 0}
+    whole, take = local.whole, worker.lease.Lease.take
+
+    def timed_whole(layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+        mx.eval(inds)  # the sync that the streamed path makes: not bookkeeping
+        before = time.perf_counter()
+        out = whole(layer, x, inds)
+        spent["whole"] += time.perf_counter() - before
+        spent["calls"] += 1
+        return out
+
+    def timed_take(lease: worker.lease.Lease) -> list[int]:
+        before = time.perf_counter()
+        ready = take(lease)
+        spent["reads"] += time.perf_counter() - before
+        return ready
+
+    local.whole, worker.lease.Lease.take = timed_whole, timed_take
+    try:
+        out = []
+        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
+                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
+            out.append(int(response.token))
+            if len(out) == 1:
+                spent.update(whole=0.0, reads=0.0, calls=0)
+    finally:
+        remote.close()
+    calls = max(spent["calls"], 1)
+    print(json.dumps({"share": share, "tokens": out, "decode_tps": response.generation_tps,
+                      "bookkeeping_us": (spent["whole"] - spent["reads"]) / calls * 1e6,
+                      "reads_us": spent["reads"] / calls * 1e6}))
+
+
+def run_worker(sharded: Path, share: int, ids: list[int], tokens: int,
+               what: str = "worker_once") -> dict:
+    code = (f"from benchmarks.streamed_path import {what}; "
+            f"{what}({str(sharded)!r}, {share}, {ids!r}, {tokens})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=1800, cwd=REPO)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-300:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "qwen3_moe"])
+    parser.add_argument("--share", type=int, default=25, help="memory budget, %% (default 25)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="all three in one process, a generation each in turn (for a "
+                        "machine whose load swings from minute to minute)")
+    parser.add_argument("--bookkeeping", action="store_true",
+                        help="instead: the time per decode layer call outside MLX and reads, "
+                        "own store and worker, at 100%% and at the budget, alternated")
+    args = parser.parse_args()
+
+    source, sharded = checkpoint(args.family)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    ids = bench_prompt(vocab, PROMPT_TOKENS)
+    if args.bookkeeping:
+        bookkeeping(sharded, args.share, ids, args.tokens, args.rounds)
+        return
+    configs = ["mlx-lm", "local", "worker"]
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    if args.interleaved:
+        runs = interleaved(source, sharded, args.share, ids, args.tokens, args.rounds)
+    for round_ in range(0 if args.interleaved else args.rounds):
+        for config in configs[round_ % 3:] + configs[:round_ % 3]:
+            started = time.perf_counter()
+            row = (run_mlx_lm(source, ids, args.tokens, None) if config == "mlx-lm" else
+                   run_local(sharded, sharded / "worker-0", args.share, ids, args.tokens)
+                   if config == "local" else run_worker(sharded, args.share, ids, args.tokens))
+            if "error" in row:
+                raise SystemExit(f"{config}: {row['error']}")
+            runs[config].append(row)
+            print(f"  round {round_ + 1}: {config} {row['decode_tps']:.2f} tok/s "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    expected = runs["mlx-lm"][0]["tokens"]
+    print(f"\n{args.family}, bench size, 4-bit, {args.share}% budget, {args.tokens} tokens, "
+          f"{args.rounds} alternated rounds{', in one process' if args.interleaved else ''} "
+          "(ratio: each run over its round's mlx-lm run)")
+    for config in configs:
+        rows = runs[config]
+        ratios = [r["decode_tps"] / m["decode_tps"] for r, m in zip(rows, runs["mlx-lm"],
+                                                                     strict=True)]
+        extra = "".join(f" {key} {statistics.median(r[key] for r in rows):.0f}"
+                        for key in ("bookkeeping_us", "parse_us", "matrix_us") if key in rows[0])
+        print(f"{config:>8}: {statistics.median(r['decode_tps'] for r in rows):6.2f} tok/s, "
+              f"x mlx-lm {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), "
+              f"same tokens {all(r['tokens'] == expected for r in rows)}{extra}")
+    if args.json:
+        args.json.write_text(json.dumps({"family": args.family, "share": args.share,
+                                         "runs": runs}, indent=1))
+
+
+def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens: int,
+                rounds: int) -> dict:
+    """mlx-lm, the own store and a worker in one process, one generation each in turn, the
+    order turned every round: on a machine whose load swings, each ratio is taken between
+    generations seconds apart."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from coordinator.generate import open_remote_model
+    from coordinator.ops.local_processes import start_worker
+    from engine.auth import ensure_secret, load_secret
+
+    secret = sharded.parent / "secret"
+    ensure_secret(secret)
+    worker = start_worker([sharded / "worker-0"], secret, sharded.parent / "worker.log",
+                          ["--memory-budget", f"{share}%"])
+    models = {"mlx-lm": load(str(source))}
+    try:
+        own = open_remote_model(sharded, [], b"", local_stores=[sharded / "worker-0"],
+                                memory_budget=f"{share}%")
+        remote = open_remote_model(sharded, [worker.address], load_secret(secret))
+        models["local"], models["worker"] = (own.model, own.tokenizer), (remote.model,
+                                                                         remote.tokenizer)
+        runs: dict[str, list[dict]] = {name: [] for name in models}
+        names = list(models)
+        for round_ in range(rounds + 1):  # the first round warms up and is not kept
+            for name in names[round_ % 3:] + names[:round_ % 3]:
+                model, tokenizer = models[name]
+                out = []
+                for response in stream_generate(model, tokenizer, mx.array(ids),
+                                                max_tokens=tokens,
+                                                sampler=make_sampler(temp=0.0)):
+                    out.append(int(response.token))
+                if round_:
+                    runs[name].append({"tokens": out, "decode_tps": response.generation_tps})
+        own.close()
+        remote.close()
+    finally:
+        worker.stop()
+    return runs
+
+
+def bookkeeping(sharded: Path, share: int, ids: list[int], tokens: int, rounds: int) -> None:
+    """Each member kind's bookkeeping per decode layer call at 100% and at `share`%."""
+    configs = [(what, budget) for what in ("local_bookkeeping_once", "worker_once")
+               for budget in (100, share)]
+    runs: dict = {c: [] for c in configs}
+    for round_ in range(rounds):
+        for what, budget in configs[round_ % 4:] + configs[:round_ % 4]:
+            row = run_worker(sharded, budget, ids, tokens, what)
+            if "error" in row:
+                raise SystemExit(f"{what} {budget}%: {row['error']}")
+            runs[(what, budget)].append(row)
+    print(f"bookkeeping per decode layer call (us), {rounds} alternated rounds, median (each):")
+    for (what, budget), rows in runs.items():
+        each = [round(r["bookkeeping_us"]) for r in rows]
+        name = "own store" if what.startswith("local") else "worker"
+        print(f"{name:>10} at {budget:>3}%: {statistics.median(each):6.0f}  {each}  "
+              f"same tokens {all(r['tokens'] == rows[0]['tokens'] for r in rows)}")
+
+
+if __name__ == "__main__":
+    main()
