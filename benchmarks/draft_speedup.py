@@ -139,21 +139,28 @@ def run(*, runs: int = 3, tokens: int = 64, max_draft: int = DEFAULT_DRAFT_TOKEN
     }
 
 
-def table(report: dict) -> str:
+def result_lines(title: str, report: dict, first: str, width: int) -> list[str]:
+    """A draft benchmark's report as lines: its settings, then a row per run (speed, against
+    plain decoding, acceptance, tokens per step, whether the ids equal plain decoding's)."""
     settings = report["settings"]
     lines = [
-        f"speculative decoding, {settings['model']}, {settings['workers']} workers, "
+        f"{title}, {settings['model']}, {settings['workers']} workers, "
         f"{settings['tokens']} tokens, median of {settings['runs']}, N <= "
         f"{settings['num_draft_tokens']}",
-        f"  {'draft':<16} {'tok/s':>7} {'vs plain':>8} {'accepted':>9} {'tok/step':>8} "
+        f"  {first:<{width}} {'tok/s':>7} {'vs plain':>8} {'accepted':>9} {'tok/step':>8} "
         f"{'same ids':>8}",
     ]
     for name, row in report["results"].items():
         accepted = f"{100 * row['acceptance_rate']:.0f}%" if "acceptance_rate" in row else "-"
         per_step = f"{row['tokens_per_step']:.2f}" if "tokens_per_step" in row else "-"
         same = {True: "yes", False: "NO"}.get(row.get("same_tokens"), "-")
-        lines.append(f"  {name:<16} {row['decode_tps']:>7.2f} {row['ratio_vs_plain']:>7.2f}x "
-                     f"{accepted:>9} {per_step:>8} {same:>8}")
+        lines.append(f"  {name:<{width}} {row['decode_tps']:>7.2f} "
+                     f"{row['ratio_vs_plain']:>7.2f}x {accepted:>9} {per_step:>8} {same:>8}")
+    return lines
+
+
+def table(report: dict) -> str:
+    lines = result_lines("speculative decoding", report, "draft", 16)
     cost = report["verify_forward_cost"]
     lines.append(f"  a target forward of {cost['rows']} rows costs {cost['ratio']:.2f}x one of 1 "
                  f"row ({cost['rows_ms']:.0f} ms against {cost['one_row_ms']:.0f} ms)")

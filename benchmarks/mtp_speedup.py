@@ -98,20 +98,9 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
 
 
 def table(report: dict) -> str:
-    settings = report["settings"]
-    lines = [
-        f"--draft mtp, {settings['model']}, {settings['workers']} workers, "
-        f"{settings['tokens']} tokens, median of {settings['runs']}, N <= "
-        f"{settings['num_draft_tokens']}",
-        f"  {'run':<22} {'tok/s':>7} {'vs plain':>8} {'accepted':>9} {'tok/step':>8} "
-        f"{'same ids':>8}",
-    ]
-    for name, row in report["results"].items():
-        accepted = f"{100 * row['acceptance_rate']:.0f}%" if "acceptance_rate" in row else "-"
-        per_step = f"{row['tokens_per_step']:.2f}" if "tokens_per_step" in row else "-"
-        same = {True: "yes", False: "NO"}.get(row.get("same_tokens"), "-")
-        lines.append(f"  {name:<22} {row['decode_tps']:>7.2f} {row['ratio_vs_plain']:>7.2f}x "
-                     f"{accepted:>9} {per_step:>8} {same:>8}")
+    from benchmarks.draft_speedup import result_lines
+
+    lines = result_lines("--draft mtp", report, "run", 22)
     for name, met in report["targets"].items():
         lines.append(f"  target {name}: {'met' if met else 'MISSED'}")
     return "\n".join(lines)
