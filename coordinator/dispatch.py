@@ -129,21 +129,21 @@ class Dispatcher:
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
         sync = time.perf_counter() - before
-        for attempt in range(MAX_ATTEMPTS):
-            last = attempt == MAX_ATTEMPTS - 1
+        attempts = 1
+        while True:  # a lost member is routed around, a moved expert re-read: MAX_ATTEMPTS
             try:
                 return self._call(members, layer, x, inds, shared, sync)
             except _WorkerFailed as failed:
-                if last:
+                if attempts == MAX_ATTEMPTS:
                     raise failed.error from None
                 self.cluster.lost(failed.worker, failed.error)
             except _StaleRoute as stale:
-                if last:
+                if attempts == MAX_ATTEMPTS:
                     raise Unavailable(f"worker {members.links[stale.worker].address} kept "
                                       "refusing experts its inventory lists") from None
                 self.cluster.reload(stale.worker)
+            attempts += 1
             members = self._members_now()
-        raise AssertionError("unreachable")
 
     def _call(self, members: Snapshot, layer: int, x: mx.array, inds: mx.array,
               shared: SharedAhead | None, sync: float) -> mx.array:
