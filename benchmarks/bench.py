@@ -12,8 +12,8 @@ from benchmarks.baselines import measure_mlx_distributed, measure_single
 from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files, log
 from benchmarks.records import BENCH_BASELINES, BENCH_FIGURES, command_line, make_record
 from benchmarks.shoal_runs import measure_all_local, measure_shoal_local, measure_shoal_on
-from coordinator.link import LANE, Transport
-from coordinator.report import breakdown_table
+from coordinator.dataplane.link import LANE, Transport
+from coordinator.decoding.report import breakdown_table
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 

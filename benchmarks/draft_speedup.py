@@ -19,9 +19,10 @@ from benchmarks.records import machine, write_record
 from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
 from coordinator.cli.demo_command import demo_workers
-from coordinator.generate import GenerationResult, encode_prompt, generate
-from coordinator.report import speculative_report
-from coordinator.speculative import DEFAULT_DRAFT_TOKENS, Draft, DraftPolicy
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+from coordinator.decoding.generate import GenerationResult, encode_prompt, generate
+from coordinator.decoding.report import speculative_report
+from coordinator.decoding.speculative import Draft
 from engine.errors import ShoalError
 
 # The model's own answer to this runs past 64 tokens without stopping.

@@ -13,9 +13,10 @@ from benchmarks.records import machine
 from builders.demo_models import build_once, cache_root
 from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
 from coordinator.cli.demo_command import demo_workers
-from coordinator.generate import generate
-from coordinator.mtp_draft import mtp_draft
-from coordinator.speculative import Draft, DraftPolicy
+from coordinator.decoding.draft_policy import DraftPolicy
+from coordinator.decoding.generate import generate
+from coordinator.decoding.mtp_draft import mtp_draft
+from coordinator.decoding.speculative import Draft
 from engine.sharding import shard
 
 PROMPT = list(range(5, 37))  # token ids: the synthetic tokenizer's text means nothing

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.records import write_record  # noqa: E402
-from coordinator.generate import encode_prompt, generate, open_remote_model  # noqa: E402
-from coordinator.link import WorkerLink  # noqa: E402
+from coordinator.dataplane.link import WorkerLink  # noqa: E402
+from coordinator.decoding.generate import encode_prompt, generate, open_remote_model  # noqa: E402
 from coordinator.ops.heat_record import fetch_readings  # noqa: E402
 from coordinator.ops.local_processes import start_workers, stop_workers  # noqa: E402
 from coordinator.ops.rebalancer import migrate  # noqa: E402

@@ -18,8 +18,8 @@ from benchmarks.echo import lane_round_trips, round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
 from benchmarks.records import REPO
-from coordinator.generate import open_remote_model
-from coordinator.link import LANE, Transport
+from coordinator.dataplane.link import LANE, Transport
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 from engine.errors import ShoalError
@@ -82,7 +82,7 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
 
 def measure_shoal_local(sharded: Path, settings: dict, secret_file: Path, log_dir: Path,
                         *, remote_stores: int) -> dict:
-    """The coordinator serving stores itself, in process (coordinator/local_experts.py): every
+    """The coordinator serving stores itself, in process (dataplane/local_experts.py): every
     store local ("one Mac, all local"), or the first local and the others behind workers on
     loopback ("one local + one remote")."""
     stores = [sharded / f"worker-{k}" for k in range(WORKERS)]

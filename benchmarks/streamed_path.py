@@ -45,7 +45,7 @@ def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_worker
     from engine.auth import ensure_secret, load_secret
 
@@ -86,7 +86,7 @@ def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int
     from mlx_lm.sample_utils import make_sampler
 
     import worker.lease
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
 
     root = Path(sharded)
     remote = open_remote_model(root, [], b"", local_stores=[root / "worker-0"],
@@ -198,7 +198,7 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_worker
     from engine.auth import ensure_secret, load_secret
 

@@ -28,10 +28,10 @@ from benchmarks.stream_limits import (  # noqa: E402
     peak_rss,
     sequential_bandwidth,
 )
-from coordinator.generate import encode_prompt, open_remote_model  # noqa: E402
+from coordinator.decoding.generate import encode_prompt, open_remote_model  # noqa: E402
+from coordinator.decoding.report import streaming_report  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
 from coordinator.ops.worker_stats import read_stats  # noqa: E402
-from coordinator.report import streaming_report  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402
@@ -79,7 +79,7 @@ def compare_predictors(source: Path, sharded: Path, ids: list[int], tokens: int)
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from coordinator.lookahead import Lookahead
+    from coordinator.dataplane.lookahead import Lookahead
     from engine.moe_layers import get_module
 
     model, tokenizer = load(str(source))

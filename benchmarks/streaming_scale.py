@@ -43,10 +43,10 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
+    from coordinator.decoding.report import streaming_report
     from coordinator.ops.heat_record import fetch_readings
     from coordinator.ops.worker_stats import read_stats
-    from coordinator.report import streaming_report
     from engine.auth import load_secret
 
     remote = open_remote_model(Path(sharded), addresses, load_secret(Path(secret_file)),
@@ -162,7 +162,7 @@ def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
 
     from benchmarks.bench import bench_root
     from benchmarks.streaming import run_mlx_lm
-    from coordinator.generate import encode_prompt
+    from coordinator.decoding.generate import encode_prompt
     from engine.auth import ensure_secret
 
     tokens = 8 if quick else 32

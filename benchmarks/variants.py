@@ -36,8 +36,8 @@ def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
     from benchmarks.checkpoints import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
     from benchmarks.shoal_runs import decode_dispatch
-    from coordinator.generate import open_remote_model
-    from coordinator.link import Transport
+    from coordinator.dataplane.link import Transport
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import load_secret
 

@@ -28,7 +28,7 @@ IDLE_SECONDS = 30  # a connection with no call in progress for this long is clos
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", REQUEST_LIMIT),
-    # coordinators ping idle links (coordinator/link.py KEEPALIVE): allow it
+    # coordinators ping idle links (coordinator/dataplane/link.py KEEPALIVE): allow it
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),

@@ -207,7 +207,7 @@ def open_residency(
 ) -> Residency:
     """Scan (and verify) store folders and hold their experts under a memory budget
     (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
-    coordinator for its own experts: coordinator/local_experts.py), the budget on `out`
+    coordinator for its own experts: coordinator/dataplane/local_experts.py), the budget on `out`
     (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now."""
     scan = scan_stores(stores, verify=verify)
     for problem in scan.problems:

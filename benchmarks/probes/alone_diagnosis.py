@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model
 from benchmarks.checkpoints import WORKERS, bench_files
 from benchmarks.measure import bench_prompt
 from benchmarks.probes.batch_invariance import largest_difference
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 

@@ -17,7 +17,7 @@ from mlx_lm.utils import load_model
 
 from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
 from benchmarks.records import machine
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 from engine.manifest import read_manifest

@@ -12,9 +12,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from coordinator.cluster import Snapshot
-from coordinator.dispatch import Dispatcher
-from coordinator.link import answer_of, request_bytes
+from coordinator.cluster.snapshot import Snapshot
+from coordinator.dataplane.dispatch import Dispatcher
+from coordinator.dataplane.link import answer_of, request_bytes
 from engine.placement import replica_routes
 from engine.process import launch_directly
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2

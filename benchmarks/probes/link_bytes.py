@@ -24,7 +24,7 @@ from benchmarks.echo import round_trips
 from benchmarks.echo import serve as echo_serve
 from benchmarks.records import REPO
 from benchmarks.shoal_runs import wait_for_line
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.auth import CredentialChecker, ensure_secret, load_secret
 from proto import EXPERT_REPLY, EXPERT_REQUEST, add_expert_service, shoal_pb2
 from worker.daemon import bind

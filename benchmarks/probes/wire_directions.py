@@ -51,10 +51,10 @@ def as_worker(argv: list[str]) -> None:
 
 
 def run(quick: bool) -> dict:
-    import coordinator.link as link
+    import coordinator.dataplane.link as link
     from benchmarks.checkpoints import bench_files
     from benchmarks.measure import bench_prompt, timed_generation
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import load_secret
 

@@ -1,6 +1,6 @@
 """`shoal cache-prompt`: a long prompt's KV cache computed once on the cluster and written to a
 file that `shoal generate --prompt-cache-file` (or mlx-lm's generate) continues from, as
-mlx-lm's cache_prompt does (the file: coordinator/prompt_cache_file.py)."""
+mlx-lm's cache_prompt does (the file: coordinator/decoding/prompt_cache_file.py)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.membership import stderr_log
-    from coordinator.prompt_cache_file import cached_prompt, save
+    from coordinator.cluster.membership import stderr_log
+    from coordinator.decoding.prompt_cache_file import cached_prompt, save
     from engine.manifest import read_manifest
 
     kv = kv_cache_settings(args)

@@ -1,5 +1,5 @@
 """`shoal chat`: a conversation with the sharded model in the terminal, like mlx-lm's chat
-command (the conversation itself is coordinator/chat.py)."""
+command (the conversation itself is coordinator/decoding/chat.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from coordinator.cli.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.mtp_draft import MtpDraft
+    from coordinator.decoding.mtp_draft import MtpDraft
 
 HELP = ("/reset forgets the conversation, /quit (or Ctrl-D) ends it, Ctrl-C stops a reply, "
         '""" starts and ends a message of several lines, /help shows this')
@@ -81,7 +81,7 @@ def check_chat_args(args: argparse.Namespace) -> None:
     if args.num_draft_tokens is not None and not args.draft:
         raise InvalidInput("--num-draft-tokens needs --draft")
     if args.num_draft_tokens is not None:
-        from coordinator.speculative import DraftPolicy
+        from coordinator.decoding.draft_policy import DraftPolicy
 
         DraftPolicy(args.num_draft_tokens)  # checks N before the model loads
     check_model_args(args)
@@ -91,8 +91,8 @@ def chat_draft(args: argparse.Namespace, model) -> MtpDraft | None:
     """The MTP module drafting, when --draft mtp asks for it."""
     if not args.draft:
         return None
-    from coordinator.mtp_draft import mtp_draft
-    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
+    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+    from coordinator.decoding.mtp_draft import mtp_draft
 
     n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
     return mtp_draft(model, DraftPolicy(n))
@@ -101,8 +101,8 @@ def chat_draft(args: argparse.Namespace, model) -> MtpDraft | None:
 def main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from coordinator.chat import Conversation
-    from coordinator.membership import stderr_log
+    from coordinator.cluster.membership import stderr_log
+    from coordinator.decoding.chat import Conversation
     from engine.manifest import read_manifest
 
     check_chat_args(args)

@@ -20,15 +20,15 @@ from coordinator.cli.options import (
 from engine.errors import InvalidInput, ShoalError, Unavailable
 
 if TYPE_CHECKING:
-    from coordinator.generate import RemoteModel
-    from coordinator.membership import Membership
+    from coordinator.cluster.membership import Membership
+    from coordinator.decoding.generate import RemoteModel
     from engine.manifest import Manifest
 
 
 def worker_addresses(text: str) -> list[str]:
     """--workers HOST:PORT,...: refused at once when nothing listens at one of them, rather
     than after loading the model and waiting for it to answer."""
-    from coordinator.cluster import parse_addresses
+    from coordinator.cluster.snapshot import parse_addresses
     from coordinator.ops.doctor import refused_at_once
 
     addresses = parse_addresses(text)
@@ -49,10 +49,10 @@ def open_membership(
 ) -> Membership:
     """Workers from --cluster-config, else from Bonjour browsing for --cluster; for a command
     that follows --workers too (`shoal serve`), those addresses, watched like a config's."""
-    from coordinator.cluster import parse_addresses
-    from coordinator.discovery import Candidate, read_cluster_config
-    from coordinator.link import LANE
-    from coordinator.membership import Membership
+    from coordinator.cluster.discovery import Candidate, read_cluster_config
+    from coordinator.cluster.membership import Membership
+    from coordinator.cluster.snapshot import parse_addresses
+    from coordinator.dataplane.link import LANE
     from engine.advert import DEFAULT_CLUSTER, check_name
 
     # a command that computes (generate, serve) says how its Compute requests travel
@@ -87,9 +87,9 @@ def open_live_workers(
     (--local-store, a config's [coordinator]) first, as a member in this process; then
     --workers (each must answer), else the healthy workers of the cluster (Bonjour or
     --cluster-config) found within --wait, unless the local stores hold every expert."""
-    from coordinator.link import WorkerLink
-    from coordinator.local_experts import open_local_experts
-    from coordinator.membership import stderr_log
+    from coordinator.cluster.membership import stderr_log
+    from coordinator.dataplane.link import WorkerLink
+    from coordinator.dataplane.local_experts import open_local_experts
 
     check_one_worker_source(args)
     check_local_store_args(args)
@@ -132,7 +132,7 @@ def local_stores(args: argparse.Namespace) -> tuple[list[Path], str | None]:
     if args.local_store:
         return list(args.local_store), args.memory_budget
     if args.cluster_config:
-        from coordinator.discovery import read_cluster_config
+        from coordinator.cluster.discovery import read_cluster_config
 
         config = read_cluster_config(args.cluster_config)
         return list(config.local_stores), args.memory_budget or config.memory_budget
@@ -162,7 +162,7 @@ def remote_model(args: argparse.Namespace, secret: bytes,
     the cluster, --local-store, --transport), let go of however the block ends, the run's
     heat recorded first from the members still serving (a worker given up would only make
     it wait). `say` hears what is waited for."""
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
     from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)

@@ -18,7 +18,7 @@ from engine.errors import InvalidInput
 from engine.process import launch_directly
 
 if TYPE_CHECKING:
-    from coordinator.generate import GenerationResult, RemoteModel
+    from coordinator.decoding.generate import GenerationResult, RemoteModel
     from coordinator.ops.local_processes import LocalWorker
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -88,8 +88,9 @@ def run_demo(
     stop the workers (also on Ctrl-C). With `draft`, answer again with the 4-bit dense model
     as the draft and compare. Returns the answer."""
     from builders.demo_models import prepare, prepare_draft
-    from coordinator.generate import encode_prompt, generate
-    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy, load_draft
+    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+    from coordinator.decoding.generate import encode_prompt, generate
+    from coordinator.decoding.speculative import load_draft
 
     top_k = default_top_k(experts) if top_k is None else top_k
     if not 1 <= top_k <= experts or experts % top_k:
@@ -167,7 +168,7 @@ def next_steps(sharded: Path, secret_file: Path, workers: int) -> str:
 
 def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
     """One line comparing a plain answer with one drafted by a draft model."""
-    from coordinator.report import speculative_report
+    from coordinator.decoding.report import speculative_report
 
     report = speculative_report(drafted)
     same = "the same" if drafted.token_ids == plain.token_ids else "a DIFFERENT"
@@ -192,7 +193,7 @@ def demo_workers(sharded: Path, workers: int) -> Iterator[tuple[RemoteModel, lis
     """Local workers over the demo's stores and the remote model on them; both are stopped
     and closed on leaving, also on Ctrl-C."""
     from builders.demo_models import cache_root
-    from coordinator.generate import open_remote_model
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_workers, stop_workers
     from engine.auth import ensure_secret, load_secret
 

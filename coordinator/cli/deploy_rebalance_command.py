@@ -1,5 +1,5 @@
 """`shoal deploy` and `shoal rebalance`: their arguments and the run (coordinator/ops/rebalancer.py
-plans, executes and words the result; coordinator/report.py makes its --json)."""
+plans, executes and words the result; coordinator/decoding/report.py makes its --json)."""
 
 from __future__ import annotations
 

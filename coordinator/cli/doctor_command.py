@@ -48,9 +48,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.cluster import parse_addresses
-    from coordinator.discovery import Candidate, parse_endpoint
-    from coordinator.membership import Membership
+    from coordinator.cluster.discovery import Candidate, parse_endpoint
+    from coordinator.cluster.membership import Membership
+    from coordinator.cluster.snapshot import parse_addresses
     from coordinator.ops.doctor import (
         Check,
         check_mdns,

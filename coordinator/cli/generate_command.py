@@ -1,6 +1,6 @@
 """`shoal generate`: one prompt through the sharded model, text streamed as it comes, with
---stats or --json a report (model and loop: coordinator/generate.py; the report's shape:
-coordinator/report.py); this module picks the workers and records the run's heat."""
+--stats or --json a report (model and loop: coordinator/decoding/generate.py; the report's shape:
+coordinator/decoding/report.py); this module picks the workers and records the run's heat."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from coordinator.cli.options import (
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.generate import RemoteModel
-    from coordinator.mtp_draft import MtpDraft
-    from coordinator.speculative import Draft, DraftPolicy
+    from coordinator.decoding.draft_policy import DraftPolicy
+    from coordinator.decoding.generate import RemoteModel
+    from coordinator.decoding.mtp_draft import MtpDraft
+    from coordinator.decoding.speculative import Draft
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -61,7 +62,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def draft_options(p: argparse.ArgumentParser) -> None:
     """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
-    from coordinator.speculative import DEFAULT_DRAFT_TOKENS
+    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS
 
     drafts = p.add_mutually_exclusive_group()
     drafts.add_argument("--draft", choices=["mtp"],
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
     else:
-        from coordinator.report import summary_lines
+        from coordinator.decoding.report import summary_lines
 
         print("\n".join(summary_lines(report)), file=sys.stderr)
 
@@ -98,7 +99,7 @@ def main(args: argparse.Namespace) -> None:
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
     """The drafting policy that --draft or --draft-model and friends ask for, or None without
     a draft."""
-    from coordinator.speculative import DEFAULT_DRAFT_TOKENS, DraftPolicy
+    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
 
     if not drafting(args):
         if args.num_draft_tokens is not None or args.fixed_draft:
@@ -119,10 +120,10 @@ def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
                   policy: DraftPolicy) -> Draft | MtpDraft:
     """The draft the options name: the model's own MTP module, or a draft model."""
     if args.draft == "mtp":
-        from coordinator.mtp_draft import mtp_draft
+        from coordinator.decoding.mtp_draft import mtp_draft
 
         return mtp_draft(remote.model, policy)
-    from coordinator.speculative import load_draft
+    from coordinator.decoding.speculative import load_draft
 
     return load_draft(args.draft_model, remote.tokenizer, policy)
 
@@ -168,7 +169,7 @@ def generate_with_workers(
 ) -> dict:
     """Load the model and reach its workers, generate, and let go of everything however the
     run ends, its heat recorded first (connect.remote_model)."""
-    from coordinator.membership import stderr_log
+    from coordinator.cluster.membership import stderr_log
 
     def say(message: str) -> None:
         out.end_line()
@@ -186,13 +187,13 @@ def decode(
 ) -> dict:
     """The prompt through the remote model (with a draft model proposing tokens when asked),
     and the report of the run; with --stats, the workers' counters are read around it."""
-    from coordinator.generate import encode_prompt, generate
+    from coordinator.decoding.generate import encode_prompt, generate
+    from coordinator.decoding.report import generation_report, generation_stats
     from coordinator.ops.worker_stats import read_stats
-    from coordinator.report import generation_report, generation_stats
 
     options = kv_cache_settings(args)
     if args.prompt_cache_file is not None:
-        from coordinator.prompt_cache_file import load, question_tokens
+        from coordinator.decoding.prompt_cache_file import load, question_tokens
 
         options["prompt_cache"] = load(args.prompt_cache_file, remote.model)
         prompt_ids = question_tokens(remote.tokenizer, args.prompt, chat=args.chat)

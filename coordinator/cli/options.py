@@ -83,15 +83,15 @@ def transport_options(p: argparse.ArgumentParser) -> None:
 
 
 def transport_of(args: argparse.Namespace):
-    """--transport and --spin-us as a coordinator.link.Transport."""
-    from coordinator.link import Transport
+    """--transport and --spin-us as a coordinator.dataplane.link.Transport."""
+    from coordinator.dataplane.link import Transport
 
     return Transport(args.transport, args.spin_us / 1e6)
 
 
 def local_store_options(p: argparse.ArgumentParser) -> None:
     """--local-store and --memory-budget: experts this machine serves in the coordinator's own
-    process (coordinator/local_experts.py), in shoal-worker's forms."""
+    process (coordinator/dataplane/local_experts.py), in shoal-worker's forms."""
     p.add_argument("--local-store", action="append", type=Path, metavar="DIR",
                    help="a store folder on this machine (written by `shoal shard`) whose experts "
                    "the coordinator serves itself, in its own process, with the code a "

@@ -1,5 +1,5 @@
 """`shoal plan`: an offline what-if over a model and some Macs (coordinator/ops/planning.py; the
-plan as plain data, also its --json, is coordinator/report.py's)."""
+plan as plain data, also its --json, is coordinator/decoding/report.py's)."""
 
 from __future__ import annotations
 

@@ -185,8 +185,8 @@ def prompt_cache_disk(args: argparse.Namespace, model, manifest) -> DiskTier | N
 
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
-    from coordinator.generate import open_remote_model
-    from coordinator.membership import stderr_log
+    from coordinator.cluster.membership import stderr_log
+    from coordinator.decoding.generate import open_remote_model
     from coordinator.server.answering import Service
     from coordinator.server.batching import BatchEngine
     from coordinator.server.dashboard import Dashboard

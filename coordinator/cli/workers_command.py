@@ -1,5 +1,5 @@
 """`shoal workers`: the workers of a cluster, their health and, with --stats, their counters;
-the table it prints (its --json and --stats are coordinator/report.py's)."""
+the table it prints (its --json and --stats are coordinator/decoding/report.py's)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def main(args: argparse.Namespace) -> None:
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:
     """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
+    from coordinator.decoding.report import summarize_stats
     from coordinator.ops.worker_stats import fetch_worker_stats
-    from coordinator.report import summarize_stats
 
     for row in rows:
         if row["state"] != "healthy":

@@ -284,7 +284,7 @@ def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
 def inspect_workers(rows: list[dict], secret: bytes) -> list[dict]:
     """Add what a health check does not say: why an unreachable one is (TCP), and each
     healthy one's protocol version and model fingerprint (its inventory)."""
-    from coordinator.link import WorkerLink
+    from coordinator.dataplane.link import WorkerLink
 
     out = []
     for row in rows:

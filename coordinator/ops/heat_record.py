@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgpack
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.errors import CorruptData, InvalidInput, ShoalError
 from engine.heat import HeatRecord, WorkerCounts, fold_reading
 from engine.manifest import ExpertKey, Manifest, write_atomic

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from coordinator.link import CONNECT_TIMEOUT, WorkerLink
-from coordinator.link_errors import error_for
+from coordinator.dataplane.link import CONNECT_TIMEOUT, WorkerLink
+from coordinator.dataplane.link_errors import error_for
 from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.migration import LOCAL, MigrationPlan, Step

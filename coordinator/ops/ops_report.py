@@ -1,6 +1,6 @@
 """What the commands that operate a cluster report: `shoal workers`, `doctor`, `plan`, `heat`,
 `deploy` and `rebalance` (each `--json` object and its table), as plain data; the dashboard
-shows the same objects. What a generation reports is coordinator/report.py's."""
+shows the same objects. What a generation reports is coordinator/decoding/report.py's."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from coordinator.membership import duplicate_ids
+from coordinator.cluster.membership import duplicate_ids
+from coordinator.decoding.report import worker_stats_lines
 from coordinator.ops.doctor import failed
-from coordinator.report import worker_stats_lines
 from engine.errors import InvalidInput
 from engine.heat import heat_to_json
 from engine.placement import decode_bound, plan_placement
 
 if TYPE_CHECKING:
-    from coordinator.membership import Member
+    from coordinator.cluster.membership import Member
     from coordinator.ops.doctor import Check
     from coordinator.ops.rebalancer import Report
     from engine.heat import HeatRecord

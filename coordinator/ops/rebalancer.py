@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from coordinator.ops.heat_record import fetch_readings, name_workers, record_heat
 from coordinator.ops.migration_executor import QUIET_SECONDS, Event, Execution, Executor
 from engine.cache_policy import format_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.errors import ShoalError
 from proto import shoal_pb2
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.requests import Request
 
-from coordinator.cluster import Members, layer_sizes, snapshot_of
+from coordinator.cluster.snapshot import Members, layer_sizes, snapshot_of
 from coordinator.server.batching import BatchEngine, Event, Sampling
 from coordinator.server.http_limits import ConnectionGuard, Limits
 from coordinator.server.openai_api import CompletionRequest, decode_body

@@ -17,10 +17,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from coordinator.dispatch import Dispatcher, LayerStats
-from coordinator.link import WorkerLink
+from coordinator.dataplane.dispatch import Dispatcher, LayerStats
+from coordinator.dataplane.link import WorkerLink
+from coordinator.decoding.report import BREAKDOWN_PARTS
 from coordinator.ops.heat_record import fetch_readings, record_heat
-from coordinator.report import BREAKDOWN_PARTS
 from coordinator.server.answering import Guard, Service, authorized
 from coordinator.server.dashboard_views import (
     Counters,

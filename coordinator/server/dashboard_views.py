@@ -8,11 +8,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from coordinator.dispatch import LayerStats
-from coordinator.membership import Member
+from coordinator.cluster.membership import Member
+from coordinator.dataplane.dispatch import LayerStats
+from coordinator.decoding.report import summarize_stats
 from coordinator.ops.heat_record import name_workers, summarize_heat
 from coordinator.ops.ops_report import member_rows
-from coordinator.report import summarize_stats
 from engine.heat import HeatRecord
 from engine.manifest import ExpertKey, Manifest
 from proto import shoal_pb2

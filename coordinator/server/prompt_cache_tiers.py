@@ -1,5 +1,5 @@
 """`shoal serve`'s prompt cache in two tiers: mlx-lm's LRU of KV caches in memory, and files
-on disk (coordinator/prompt_cache_file.py) written by a thread of their own after a request
+on disk (coordinator/decoding/prompt_cache_file.py) written by a thread of their own after a request
 ends, found by blocks of prompt tokens, evicted least-recently-used, kept across restarts."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from coordinator.prompt_cache_file import read_checked, read_sidecar, write_checked
+from coordinator.decoding.prompt_cache_file import read_checked, read_sidecar, write_checked
 from engine.errors import InvalidInput
 
 log = logging.getLogger("shoal.serve")

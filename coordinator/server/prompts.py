@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from coordinator.generate import encode_text
+from coordinator.decoding.generate import encode_text
 from coordinator.server.openai_api import CompletionRequest
 from coordinator.server.tools import (
     check_model_tools,

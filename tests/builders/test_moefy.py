@@ -13,7 +13,7 @@ from mlx_lm import generate, load
 from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama, unpermute_rope
 from builders.moefy import check_split, moefy
 from coordinator.cli.demo_command import DEMO_PROMPT
-from coordinator.generate import encode_prompt
+from coordinator.decoding.generate import encode_prompt
 from engine.errors import InvalidInput, ShoalError
 
 

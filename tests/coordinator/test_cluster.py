@@ -4,8 +4,8 @@ network: WorkerLinks open their channels lazily, and gRPC errors are stood in fo
 import grpc
 import pytest
 
-from coordinator.cluster import Cluster, FixedMembers
-from coordinator.link_errors import CALL, INVENTORY, STREAM, error_for
+from coordinator.cluster.snapshot import Cluster, FixedMembers
+from coordinator.dataplane.link_errors import CALL, INVENTORY, STREAM, error_for
 from engine.auth import load_secret
 from engine.errors import InvalidInput, Moved, Unauthenticated, Unavailable
 from proto import shoal_pb2

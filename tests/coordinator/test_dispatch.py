@@ -7,10 +7,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.call_plan import plan_call
-from coordinator.cluster import Snapshot
-from coordinator.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
-from coordinator.link import answer_of, request_bytes
+from coordinator.cluster.snapshot import Snapshot
+from coordinator.dataplane.call_plan import plan_call
+from coordinator.dataplane.dispatch import Dispatcher, RemoteSwitch, SharedAhead, install
+from coordinator.dataplane.link import answer_of, request_bytes
 from engine.experts import build_skeleton
 from engine.manifest import read_manifest
 from engine.moe_layers import get_module
@@ -164,7 +164,7 @@ def test_hints_name_the_copy_that_the_next_decode_step_will_use():
 
 
 def test_spread_deals_an_experts_tokens_over_its_copies_deterministically():
-    from coordinator.call_plan import spread
+    from coordinator.dataplane.call_plan import spread
     from engine.placement import replica_routes
 
     holdings = [{(0, 0), (0, 1)}, {(0, 0)}, {(0, 0)}]
@@ -284,7 +284,7 @@ class _Members:
 
 
 def test_layer_calls_read_the_members_snapshot_and_it_changes_only_by_events():
-    from coordinator.cluster import Cluster
+    from coordinator.cluster.snapshot import Cluster
 
     links = [_Link(), _Link()]
     members = _Members(links)

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.discovery import (
+from coordinator.cluster.discovery import (
     Candidate,
     parse_cluster_config,
     read_cluster_config,
     same_cluster,
 )
-from coordinator.membership import (
+from coordinator.cluster.membership import (
     DEAD_AFTER,
     RETRY_AFTER,
     after_check,

@@ -1,5 +1,10 @@
-from coordinator.lookahead import LookaheadStats
-from coordinator.report import difference, streaming_lines, streaming_report, summarize_stats
+from coordinator.dataplane.lookahead import LookaheadStats
+from coordinator.decoding.report import (
+    difference,
+    streaming_lines,
+    streaming_report,
+    summarize_stats,
+)
 from proto import shoal_pb2
 
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.speculative import Acceptance, DraftPolicy, draft_count, next_draft, observe
+from coordinator.decoding.draft_policy import (
+    Acceptance,
+    DraftPolicy,
+    draft_count,
+    next_draft,
+    observe,
+)
 from engine.errors import InvalidInput
 from engine.sharding import shard
 
@@ -134,7 +140,7 @@ def test_catching_up_gives_the_draft_the_context_it_missed(tiny_checkpoint):
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from coordinator.speculative import catch_up
+    from coordinator.decoding.speculative import catch_up
 
     model, _ = load(str(tiny_checkpoint("qwen3_moe")))
     history = [(7 * i + 11) % 290 + 5 for i in range(40)]

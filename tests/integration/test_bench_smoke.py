@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.records import load
-from coordinator.report import BREAKDOWN_PARTS
+from coordinator.decoding.report import BREAKDOWN_PARTS
 
 REPO = Path(__file__).resolve().parents[2]
 RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",

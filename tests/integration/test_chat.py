@@ -20,7 +20,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from builders.synthetic import build_checkpoint
 from builders.synthetic_config import SHAPES
-from coordinator.generate import encode_messages, generate
+from coordinator.decoding.generate import encode_messages, generate
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.sharding import shard
 

@@ -46,7 +46,7 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_
     from mlx_lm.utils import load
 
     from builders.demo_models import moe_folder, prepare
-    from coordinator.generate import encode_prompt, open_remote_model
+    from coordinator.decoding.generate import encode_prompt, open_remote_model
     from engine.auth import load_secret
 
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, quantize_model
 
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from engine.auth import load_secret
 from engine.manifest import MANIFEST_NAME, read_manifest
 from engine.sharding import shard

@@ -26,7 +26,7 @@ from mlx_lm.utils import load_model
 from builders.families import TINY, discover
 from builders.synthetic import build_checkpoint
 from builders.synthetic_config import all_families
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.local_processes import LocalWorker, start_worker, stop_workers
 from engine.auth import load_secret
 from engine.sharding import shard

@@ -232,7 +232,7 @@ def test_workers_log_the_copies_a_deploy_sends_them(tiny_checkpoint, tmp_path, s
 @pytest.mark.slow
 def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_path,
                                                          start_worker, secret_file):
-    from coordinator.link import WorkerLink
+    from coordinator.dataplane.link import WorkerLink
     from coordinator.ops.migration_executor import Executor
     from coordinator.ops.rebalancer import observe
     from engine.auth import load_secret

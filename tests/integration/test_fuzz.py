@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard

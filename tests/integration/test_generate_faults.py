@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.link import CONNECT_TIMEOUT
+from coordinator.dataplane.link import CONNECT_TIMEOUT
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow

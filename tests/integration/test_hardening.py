@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.generate import open_remote_model
-from coordinator.link import Transport, WorkerLink
+from coordinator.dataplane.link import Transport, WorkerLink
+from coordinator.decoding.generate import open_remote_model
 from engine.auth import create_secret, load_secret
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.interfaces import local_interfaces

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from coordinator.generate import open_remote_model
-from coordinator.link import Transport, WorkerLink
-from coordinator.report import members_report
+from coordinator.dataplane.link import Transport, WorkerLink
+from coordinator.decoding.generate import open_remote_model
+from coordinator.decoding.report import members_report
 from engine.auth import create_secret, load_secret, make_credential
 from engine.errors import Unauthenticated
 from engine.manifest import read_manifest

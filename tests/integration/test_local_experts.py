@@ -1,4 +1,4 @@
-"""The coordinator serving its own Mac's experts in process (coordinator/local_experts.py) gives
+"""The coordinator serving its own Mac's experts in process (dataplane/local_experts.py) gives
 exactly mlx-lm's output: this Mac alone, one local store beside one remote worker, and replicas
 across the two, in float32 and 4-bit, with every expert in memory and under a 10% budget."""
 
@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from coordinator.generate import open_remote_model
-from coordinator.local_experts import ADDRESS
+from coordinator.dataplane.local_experts import ADDRESS
+from coordinator.decoding.generate import open_remote_model
+from coordinator.decoding.report import members_report, streaming_report
 from coordinator.ops.worker_stats import read_stats
-from coordinator.report import members_report, streaming_report
 from engine.auth import load_secret
 from engine.process import GRAPHS
 from engine.sharding import shard
@@ -74,7 +74,7 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
 
 
 def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint, tmp_path):
-    from coordinator.local_experts import open_local_experts
+    from coordinator.dataplane.local_experts import open_local_experts
     from engine.errors import InvalidInput
 
     sharded = tmp_path / "sharded"
@@ -140,7 +140,7 @@ def test_shoal_serve_on_one_mac_alone_answers_as_mlx_lm_batched_or_not(
     import openai
     from mlx_lm.utils import load_tokenizer
 
-    from coordinator.generate import encode_messages, generate
+    from coordinator.decoding.generate import encode_messages, generate
     from coordinator.ops.local_processes import start_server
 
     source = tiny_checkpoint("qwen3_moe")

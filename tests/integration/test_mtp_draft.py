@@ -14,11 +14,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load, load_model
 
 from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
-from coordinator.dispatch import RemoteSwitch
-from coordinator.generate import RemoteModel, generate, open_remote_model
-from coordinator.mtp_draft import mtp_draft
+from coordinator.dataplane.dispatch import RemoteSwitch
+from coordinator.decoding.draft_policy import DraftPolicy
+from coordinator.decoding.generate import RemoteModel, generate, open_remote_model
+from coordinator.decoding.mtp_draft import mtp_draft
+from coordinator.decoding.speculative import Draft
 from coordinator.ops.local_processes import start_workers, stop_workers
-from coordinator.speculative import Draft, DraftPolicy
 from engine.auth import load_secret
 from engine.errors import InvalidInput
 from engine.mtp import model_classes

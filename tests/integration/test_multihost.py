@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.generate import generate
+from coordinator.decoding.generate import generate
 from coordinator.ops.local_processes import LocalWorker
 from engine.sharding import shard
 

@@ -1,4 +1,4 @@
-"""A prompt pass goes to each worker as pieces (coordinator/dispatch.py: PIECE_PAIRS); a
+"""A prompt pass goes to each worker as pieces (coordinator/dataplane/dispatch.py: PIECE_PAIRS); a
 worker killed after answering some of its pieces is routed around like any lost worker, and
 the pass's output is the one every worker up gives, bit for bit. A worker that streams experts
 from its drives gets its share whole."""
@@ -6,7 +6,7 @@ from its drives gets its share whole."""
 import mlx.core as mx
 import pytest
 
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
 from engine.auth import load_secret
 from engine.sharding import shard

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from coordinator.generate import open_remote_model
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
+from coordinator.decoding.generate import open_remote_model
 from coordinator.ops.heat_record import fetch_readings
 from engine.auth import load_secret
 from engine.manifest import MANIFEST_NAME, read_manifest

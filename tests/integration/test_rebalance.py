@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.generate import generate, open_remote_model
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
+from coordinator.decoding.generate import generate, open_remote_model
 from coordinator.ops.heat_record import fetch_readings
 from coordinator.ops.migration_executor import Executor
 from coordinator.ops.rebalancer import MIGRATION_FILE, migrate, observe
@@ -90,8 +90,8 @@ def cluster(tiny_checkpoint, tmp_path, start_worker, secret_file):
 def generator_loop(sharded: str, config: str, secret_file: str, results: str, stop: str) -> None:
     """Run in another process: generate the prompts in turn through a cluster config
     (membership) until `stop` exists, one JSON line per generation."""
-    from coordinator.discovery import read_cluster_config
-    from coordinator.membership import Membership
+    from coordinator.cluster.discovery import read_cluster_config
+    from coordinator.cluster.membership import Membership
 
     secret = load_secret(Path(secret_file))
     manifest = read_manifest(Path(sharded))

@@ -12,7 +12,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.generate import encode_messages, encode_text, generate
+from coordinator.decoding.generate import encode_messages, encode_text, generate
 from coordinator.ops.local_processes import (
     LocalServer,
     LocalWorker,

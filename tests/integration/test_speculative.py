@@ -13,9 +13,10 @@ import pytest
 from mlx_lm.utils import load
 
 from builders.synthetic import build_random_draft
-from coordinator.generate import RemoteModel, generate, open_remote_model
+from coordinator.decoding.draft_policy import DraftPolicy
+from coordinator.decoding.generate import RemoteModel, generate, open_remote_model
+from coordinator.decoding.speculative import Draft
 from coordinator.ops.local_processes import start_workers, stop_workers
-from coordinator.speculative import Draft, DraftPolicy
 from engine.auth import load_secret
 from engine.sharding import shard
 

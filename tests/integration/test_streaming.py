@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
+from coordinator.decoding.report import streaming_report
 from coordinator.ops.worker_stats import read_stats
-from coordinator.report import streaming_report
 from engine.auth import load_secret
 from engine.errors import Unavailable
 from engine.sharding import shard

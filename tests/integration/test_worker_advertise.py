@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.discovery import Browser
+from coordinator.cluster.discovery import Browser
 from engine.advert import Advert
 from engine.auth import load_secret, make_credential
 from engine.sharding import shard

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from engine.auth import load_secret
 from engine.sharding import shard
 

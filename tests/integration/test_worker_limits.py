@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.generate import open_remote_model
+from coordinator.decoding.generate import open_remote_model
 from engine.auth import load_secret
 from engine.manifest import read_manifest
 from engine.sharding import shard

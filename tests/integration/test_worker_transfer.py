@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.auth import METADATA_KEY, load_secret, make_credential
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, ShoalError
 from engine.manifest import read_manifest

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.link import WorkerLink
+from coordinator.dataplane.link import WorkerLink
 from engine.auth import load_secret
 from engine.errors import InvalidInput
 from engine.sharding import shard

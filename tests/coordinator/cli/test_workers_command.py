@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from coordinator.cli.workers_command import format_table
-from coordinator.membership import Member
+from coordinator.cluster.membership import Member
 from coordinator.ops.ops_report import member_rows
 from engine.interfaces import Route
 

@@ -1,6 +1,6 @@
 """The coordinator's model: mlx-lm's dense part with every switch module replaced by a
 RemoteSwitch, and generation through mlx-lm's own loop, sampler and KV cache (with a draft
-model, through mlx-lm's speculative step: coordinator/speculative.py)."""
+model, through mlx-lm's speculative step: coordinator/decoding/speculative.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.cluster import Cluster, FixedMembers, layer_sizes, with_local
-from coordinator.dispatch import Dispatcher, install
-from coordinator.link import LANE, Transport
-from coordinator.local_experts import LocalExperts, open_local_experts
-from coordinator.lookahead import Lookahead
-from coordinator.membership import Membership
-from coordinator.mtp_draft import MtpDraft
-from coordinator.speculative import Draft, SpeculativeStats, stream_speculative
+from coordinator.cluster.membership import Membership
+from coordinator.cluster.snapshot import Cluster, FixedMembers, layer_sizes, with_local
+from coordinator.dataplane.dispatch import Dispatcher, install
+from coordinator.dataplane.link import LANE, Transport
+from coordinator.dataplane.local_experts import LocalExperts, open_local_experts
+from coordinator.dataplane.lookahead import Lookahead
+from coordinator.decoding.draft_policy import SpeculativeStats
+from coordinator.decoding.mtp_draft import MtpDraft
+from coordinator.decoding.speculative import Draft, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
 from engine.moe_layers import check_safetensors, expert_keys

@@ -1,6 +1,6 @@
 """One interface for a member's experts, however they are reached (`ExpertHost`): in this
-process (coordinator/local_experts.py) or on a worker over its expert lane or gRPC
-(coordinator/link.py); and the shares of a layer call that the dispatcher hands them."""
+process (coordinator/dataplane/local_experts.py) or on a worker over its expert lane or gRPC
+(coordinator/dataplane/link.py); and the shares of a layer call that the dispatcher hands them."""
 
 from __future__ import annotations
 

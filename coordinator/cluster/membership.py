@@ -16,17 +16,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from coordinator.cluster import Cluster, layer_sizes, with_local
-from coordinator.discovery import Browser, Candidate
-from coordinator.link import LANE, Transport, WorkerLink, handshake
-from coordinator.link_errors import held, incompatibility
+from coordinator.cluster.discovery import Browser, Candidate
+from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
+from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
+from coordinator.dataplane.link_errors import held, incompatibility
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
 
 if TYPE_CHECKING:
-    from coordinator.local_experts import LocalExperts
+    from coordinator.dataplane.local_experts import LocalExperts
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0

@@ -15,9 +15,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from coordinator.generate import encode_messages
-from coordinator.mtp_draft import MtpDraft
-from coordinator.speculative import SpeculativeStats, stream_speculative
+from coordinator.decoding.draft_policy import SpeculativeStats
+from coordinator.decoding.generate import encode_messages
+from coordinator.decoding.mtp_draft import MtpDraft
+from coordinator.decoding.speculative import stream_speculative
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

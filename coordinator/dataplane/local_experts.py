@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from coordinator.hosts import IN_PROCESS, Answer, Share
-from coordinator.lookahead import Lookahead
+from coordinator.dataplane.hosts import IN_PROCESS, Answer, Share
+from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
 from proto import error_class_for, shoal_pb2
@@ -52,7 +52,7 @@ class _Streamed:
 
 
 class LocalExperts:
-    """The coordinator's Mac as a member, an ExpertHost (coordinator/hosts.py): its experts
+    """The coordinator's Mac as a member, an ExpertHost (hosts.py): its experts
     computed here, its holdings, heat and files answered as a worker's link answers them. One
     thread computes at a time (the dispatcher's); the residency's lock guards MLX against
     transfers meanwhile."""
@@ -73,7 +73,7 @@ class LocalExperts:
         self._answers: deque[Answer] = deque()
         self._noted: list[tuple[int, mx.array]] = []
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
-        # the router lookahead (coordinator/lookahead.py) for the layers run by `whole`,
+        # the router lookahead (coordinator/dataplane/lookahead.py) for the layers run by `whole`,
         # which the dispatcher does not see; set by whoever builds the model's dispatcher
         self.lookahead: Lookahead | None = None
         self.inventory = self.fetch_inventory()

@@ -12,23 +12,44 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
-from coordinator.link_errors import HEALTH, OTHER_IDENTITY, STREAM, error_for, error_for_code
-from engine.auth import make_credential
+from coordinator.dataplane.link_errors import (
+    HEALTH,
+    OTHER_IDENTITY,
+    STREAM,
+    error_for,
+    error_for_code,
+)
+from engine.auth import Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.tls import Identity
 from proto import COMPUTE, MESSAGE_LIMIT
 from proto import lane as lane_wire
 
-if TYPE_CHECKING:
-    from coordinator.link import WorkerLink
-
 CONNECT_TIMEOUT = 10.0  # opening an expert lane: its TLS handshake and HELLO
 IDLE_CHECK = 1.0  # seconds idle after which a lane is checked for a close before it is used
 _CLOSE = object()
+
+
+class ChannelOwner(Protocol):
+    """What a channel needs of the link that holds it (coordinator/dataplane/link.py's
+    WorkerLink): where the worker is, how to prove this cluster, and a reset after a failure."""
+
+    address: str
+    spin: float
+    secret: Secret
+
+    @property
+    def node_id(self) -> str: ...
+
+    def metadata(self, method: str) -> list[tuple[str, str]]: ...
+
+    def lane_endpoint(self) -> tuple[str, int]: ...
+
+    def reset(self) -> None: ...
 
 
 class LaneRefused(Unavailable):
@@ -88,7 +109,7 @@ class StreamChannel:
     """One Compute stream of a link, on its own channel: requests queued onto it, replies
     read in order, and what the watchdog needs to cancel it when a reply is overdue."""
 
-    def __init__(self, link: WorkerLink, channel: grpc.Channel) -> None:
+    def __init__(self, link: ChannelOwner, channel: grpc.Channel) -> None:
         self.link, self.channel = link, channel
         self._compute = channel.stream_stream(COMPUTE, _registered_method=True)
         self._requests: queue.SimpleQueue | None = None
@@ -160,7 +181,7 @@ class LaneChannel:
     without blocking, reading whatever replies arrive meanwhile into `_inbox`, so that the
     worker, blocked writing a large reply, never blocks our write (no reader thread needed)."""
 
-    def __init__(self, link: WorkerLink) -> None:
+    def __init__(self, link: ChannelOwner) -> None:
         self.link = link
         self._sock: ssl.SSLSocket | None = None
         self._owed = 0  # replies not read yet

@@ -13,12 +13,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from coordinator.call_plan import CHANNELS, LARGE_CALL, PIECE_PAIRS, plan_call, put_back, spread
-from coordinator.cluster import Cluster, Snapshot
-from coordinator.dispatch_stats import DispatchStats, LayerStats
-from coordinator.hosts import ExpertHost, LayerCall, Share
-from coordinator.link import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT
-from coordinator.lookahead import Lookahead
+from coordinator.cluster.snapshot import Cluster, Snapshot
+from coordinator.dataplane.call_plan import (
+    CHANNELS,
+    LARGE_CALL,
+    PIECE_PAIRS,
+    plan_call,
+    put_back,
+    spread,
+)
+from coordinator.dataplane.dispatch_stats import DispatchStats, LayerStats
+from coordinator.dataplane.hosts import ExpertHost, LayerCall, Share
+from coordinator.dataplane.link import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT
+from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
@@ -122,7 +129,7 @@ class Dispatcher:
     ) -> mx.array:
         members = self._members_now()
         # The coordinator's own experts hold the whole layer in memory: mlx-lm's own call, lazy,
-        # as in one process (coordinator/local_experts.py; the member is first when present).
+        # as in one process (dataplane/local_experts.py; the member is first when present).
         if self._whole is not None and (out := self._whole(layer, x, inds)) is not None:
             self.stats.whole_calls += 1
             return out

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.compute_channels import LaneChannel, LaneRefused, StreamChannel
-from coordinator.hosts import GRPC_PATH, LANE_PATH, Answer, Share
-from coordinator.link_errors import (
+from coordinator.dataplane.compute_channels import LaneChannel, LaneRefused, StreamChannel
+from coordinator.dataplane.hosts import GRPC_PATH, LANE_PATH, Answer, Share
+from coordinator.dataplane.link_errors import (
     HEALTH,
     INVENTORY,
     STATS,
@@ -110,7 +110,7 @@ LANE = Transport()  # the default: expert lanes, no spin
 
 class WorkerLink:
     """One worker: its gRPC channel (the control plane), its inventory, and the Compute
-    channels to it, as an ExpertHost (coordinator/hosts.py). With the `lane` transport (the
+    channels to it, as an ExpertHost (hosts.py). With the `lane` transport (the
     default) each channel is an expert lane (`LaneChannel`); with `grpc`, to a worker that
     serves no lane, or whose lane cannot be opened, a gRPC Compute stream (`StreamChannel`:
     channel 0 on the link's own gRPC channel, the others each on a connection of its own).
@@ -218,7 +218,7 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is shutting down")
         return time.perf_counter() - started
 
-    # -- the compute path (coordinator/hosts.py's ExpertHost) ------------------------------
+    # -- the compute path (hosts.py's ExpertHost) ---------------------------------------
 
     in_process = False
 

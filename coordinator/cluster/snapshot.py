@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from coordinator.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
-from coordinator.link_errors import held
+from coordinator.dataplane.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
+from coordinator.dataplane.link_errors import held
 from engine.auth import Secret
 from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
@@ -20,8 +20,8 @@ from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
 
 if TYPE_CHECKING:
-    from coordinator.hosts import ExpertHost
-    from coordinator.local_experts import LocalExperts
+    from coordinator.dataplane.hosts import ExpertHost
+    from coordinator.dataplane.local_experts import LocalExperts
 
 
 class Members(Protocol):
@@ -293,6 +293,6 @@ def with_local(members: Members | None, local: LocalExperts | None) -> Members:
     if local is None:
         assert members is not None
         return members
-    from coordinator.local_experts import WithLocal
+    from coordinator.dataplane.local_experts import WithLocal
 
     return WithLocal(local, members)

@@ -10,9 +10,9 @@ from engine.cache_policy import format_bytes
 from proto import shoal_pb2
 
 if TYPE_CHECKING:
-    from coordinator.dispatch import DispatchStats
-    from coordinator.generate import GenerationResult
-    from coordinator.lookahead import LookaheadStats
+    from coordinator.dataplane.dispatch import DispatchStats
+    from coordinator.dataplane.lookahead import LookaheadStats
+    from coordinator.decoding.generate import GenerationResult
 
 # ---------------------------------------------------------------------------------------
 # shoal generate: --json, and what --stats adds

@@ -1,6 +1,6 @@
 """`--draft mtp`: the model's own multi-token-prediction module (engine/mtp.py) proposes tokens
 from the main model's last hidden states, its experts reached through the same dispatch, and
-the main model verifies them in one forward by coordinator/speculative.py's rule and depth."""
+the main model verifies them in one forward by speculative.py's rule and depth."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
-from coordinator.speculative import (
+from coordinator.decoding.draft_policy import (
     Acceptance,
     DraftPolicy,
     SpeculativeStats,
