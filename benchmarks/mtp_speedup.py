@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load
 
+from benchmarks.draft_rows import figures, log, median_run, result_lines
 from benchmarks.records import machine
 from builders.demo_models import build_once, cache_root
 from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
@@ -49,8 +50,6 @@ def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path 
 def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "bench",
         dtype: str = "float32") -> dict:
     """Plain and drafted decoding of each model, interleaved run by run."""
-    from benchmarks.draft_speedup import figures, log, median_run
-
     started = time.perf_counter()
     adaptive, fixed = DraftPolicy(max_draft), DraftPolicy(max_draft, adaptive=False)
     report = {}
@@ -99,8 +98,6 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
 
 
 def table(report: dict) -> str:
-    from benchmarks.draft_speedup import result_lines
-
     lines = result_lines("--draft mtp", report, "run", 22)
     for name, met in report["targets"].items():
         lines.append(f"  target {name}: {'met' if met else 'MISSED'}")
