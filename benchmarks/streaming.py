@@ -268,6 +268,9 @@ def main() -> None:
     parser.add_argument("--cpu-share", type=float, default=0.4, metavar="CORES",
                         help="with --scale: each member's CPU quota in cores (0: none; "
                         "default 0.4)")
+    parser.add_argument("--placement", choices=("stream", "shard"), default="stream",
+                        help="with --scale: experts placed by engine/stream_placement.py from "
+                        "the decode's heat (default), or as `shoal shard --workers N` splits them")
     parser.add_argument("--no-lookahead", action="store_true",
                         help="with --scale: no prefetch hints from the router's lookahead")
     parser.add_argument("--skew", type=float, default=0.0,
@@ -290,7 +293,8 @@ def main() -> None:
                            budget_share=args.member_budget / 100,
                            cpu_share=args.cpu_share or None, skew=args.skew,
                            json_path=args.json, lookahead=not args.no_lookahead,
-                           checkpoint=args.checkpoint, mixed_drives=mixed)
+                           checkpoint=args.checkpoint, mixed_drives=mixed,
+                           placement=args.placement)
         write_record(what="streaming-scale", figures=report)
         return
 

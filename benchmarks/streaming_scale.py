@@ -56,10 +56,12 @@ def model_stores(model: str, counts: list[int],
 def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
               budget_share: float, cpu_share: float | None, skew: float,
               json_path: Path | None, lookahead: bool = True, checkpoint: Path | None = None,
-              mixed_drives: list[float] | None = None) -> dict:
+              mixed_drives: list[float] | None = None, placement: str = "stream") -> dict:
     """Every member count at `drive_mbps` each (0: no read limit), each first with every
     expert in memory and no read limit (a token's compute, for the forecast, and the routing
-    heat); with `mixed_drives`, two members at those rates placed by engine/stream_placement."""
+    heat); with `mixed_drives`, two members at those rates. Experts are placed by
+    engine/stream_placement.py from the first point's heat (`placement` "stream"), or as
+    `shoal shard --workers N` splits them ("shard"; the mixed run is always placed)."""
     source, sharded = model_stores(model, counts, checkpoint)
     manifest = read_manifest(sharded[1])
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
@@ -114,26 +116,34 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
               f"{row['exact']}, load {os.getloadavg()[0]:.1f}", flush=True)
         return row
 
+    def layout(n: int, rates: list[int], tmp: Path) -> Path:
+        if n == 1 or (placement == "shard" and len(set(rates)) == 1):
+            return sharded[n]
+        if not heats:  # the routing heat first, from one member with every expert in memory
+            heats.append(run_point(sharded[1], 1, expert_total, [None], ids, tokens,
+                                   secret_file, tmp, device, cpu_share)["heat"])
+        names = [f"member-{i}" for i in range(n)]
+        holders = plan_streaming(dict.fromkeys(names, budget), dict.fromkeys(names, expert_total),
+                                 {name: float(r) for name, r in zip(names, rates, strict=True)},
+                                 sizes, heats[0], top_k=top_k)
+        return placed_stores(sharded[1], holders, tmp / ("placed-" + "-".join(map(str, rates))))
+
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
-            rows.append(point(sharded[n], n, [read_bps] * n, Path(tmp)))
+            rates = [read_bps or int(1e12)] * n
+            rows.append(point(layout(n, rates, Path(tmp)), n, [read_bps] * n, Path(tmp)))
         mixed = None
         if mixed_drives:
             rates = [int(r * 1e6) for r in mixed_drives]
-            holders = plan_streaming(
-                {f"member-{i}": budget for i in range(len(rates))},
-                {f"member-{i}": expert_total for i in range(len(rates))},
-                {f"member-{i}": float(r) for i, r in enumerate(rates)},
-                sizes, heats[0], top_k=top_k)
-            store = placed_stores(sharded[1], holders, Path(tmp) / "placed")
-            mixed = point(store, len(rates), rates, Path(tmp))
+            mixed = point(layout(len(rates), rates, Path(tmp)), len(rates), rates, Path(tmp))
     limited = mlx_lm_limited(source, ids, tokens, reference, expert_total, budget, read_bps,
                              device)
     for row in [*rows, *([mixed] if mixed else [])]:
         row["x_one"] = row["tok_s"] / rows[0]["tok_s"]
         row["of_ideal"] = row["x_one"] / row["ideal_x"]
     report = {"model": model if checkpoint is None else str(checkpoint),
-              "lookahead": lookahead, "drive_mbps": drive_mbps, "memory_budget": budget,
+              "lookahead": lookahead, "placement": placement, "drive_mbps": drive_mbps,
+              "memory_budget": budget,
               "cpu_share": cpu_share, "expert_bytes": expert_total, "decode_tokens": tokens,
               "skew_assumed": skew, "rows": rows, "mixed_drives": mixed,
               "mlx_lm": {k: v for k, v in reference.items() if k != "tokens"},

@@ -61,6 +61,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--skew", type=float, default=0.0, metavar="S",
                    help="with no heat, the forecast's routing: expert e of a layer gets "
                    "1/(e+1)^S of its tokens (default 0: uniform)")
+    p.add_argument("--read-factor", type=float, default=1.0, metavar="X",
+                   help="for the streaming forecast: bytes each drive reads per byte of demand "
+                   "misses, as `python -m benchmarks.streaming --scale` measures it (its "
+                   "read_factor; default 1: the misses alone)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(main=main)
 
@@ -85,6 +89,8 @@ def main(args: argparse.Namespace) -> None:
     if heat is not None:
         check_heat_matches(heat, sizes.experts)
     assume = SpeedAssumptions(args.memory_gbps, args.disk_gbps, args.round_trip_ms)
+    if args.read_factor <= 0:
+        raise InvalidInput(f"--read-factor must be above 0, got {args.read_factor:g}")
     if sizes.estimated and not sizes.source_bytes:  # published as the config says: bf16...
         sizes = replace(sizes, source_bytes=download_bytes(args.model, sizes, args.bits,
                                                            args.group_size))
@@ -95,7 +101,8 @@ def main(args: argparse.Namespace) -> None:
         from coordinator.ops.stream_forecast import print_forecast, streaming_forecast
 
         report["streaming"] = streaming_forecast(sizes, workers, heat, args.spare / 100, assume,
-                                                 skew=args.skew, scaling=args.scaling)
+                                                 skew=args.skew, scaling=args.scaling,
+                                                 read_factor=args.read_factor)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

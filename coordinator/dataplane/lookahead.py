@@ -37,6 +37,39 @@ class LookaheadStats:
         return self.correct / self.predicted if self.predicted else 0.0
 
 
+# A guess is sent only from ranks whose own measured hit rate reaches this: below it, a
+# prefetch costs a drive more reads that no token uses than it saves. Each rank starts at
+# one hit in one guess (every rank sent) and its rate decays by RANK_MEMORY per scoring.
+MIN_RANK_HIT_RATE = 0.5
+RANK_MEMORY = 0.98
+
+
+@dataclass
+class RankRates:
+    """How often the guess at each rank (0: the router's top pick) was then used: the
+    confidence that decides which ranks are sent, learnt from the lookahead's own record."""
+
+    guessed: np.ndarray
+    used: np.ndarray
+
+    @classmethod
+    def start(cls, width: int) -> RankRates:
+        return cls(np.ones(width), np.ones(width))
+
+    def record(self, ranked: np.ndarray, used: np.ndarray) -> None:
+        """`ranked`: (rows, width) guesses in rank order; `used`: the experts then used."""
+        width = min(ranked.shape[-1], self.guessed.size)
+        hit = np.isin(ranked[:, :width], used)
+        self.guessed *= RANK_MEMORY
+        self.used *= RANK_MEMORY
+        self.guessed[:width] += ranked.shape[0]
+        self.used[:width] += hit.sum(axis=0)
+
+    def confident(self) -> np.ndarray:
+        """The ranks worth a prefetch."""
+        return self.used / self.guessed >= MIN_RANK_HIT_RATE
+
+
 @dataclass(frozen=True)
 class _Next:
     layer: int
@@ -67,6 +100,8 @@ class Lookahead:
         self.stats = LookaheadStats()
         self._next: dict[int, _Next] = {}
         self._guess: dict[int, np.ndarray] = {}  # layer -> distinct experts guessed for it
+        self._ranked: dict[int, np.ndarray] = {}  # layer -> (rows, width) guesses, rank order
+        self.ranks: RankRates | None = None  # sized at the first guess
         layers = list(manifest.layers)
         for this, nxt in zip(layers, layers[1:], strict=False):
             block = get_module(model, nxt.path.rsplit(".", 1)[0])
@@ -107,22 +142,31 @@ class Lookahead:
             del self._next[layer]
             return None
         if isinstance(out, tuple):  # routers that pick their own experts (e.g. deepseek_v3)
-            return nxt.layer, out[0]
+            inds, scores = out[0], out[1]
+            order = mx.argsort(-scores.astype(mx.float32), axis=-1)
+            return nxt.layer, mx.take_along_axis(inds, order, axis=-1)
         width = min(k + self.extra, out.shape[-1])
-        return nxt.layer, mx.argpartition(-out, kth=width - 1, axis=-1)[..., :width]
+        return nxt.layer, mx.argsort(-out, axis=-1)[..., :width]
 
     def guessed(self, layer: int, inds: mx.array) -> tuple[int, np.ndarray]:
-        """Record the picks guessed for `layer` (scored once it runs); (layer, distinct picks)."""
-        guess = np.unique(np.asarray(inds))
+        """Record the picks guessed for `layer` in rank order (scored once it runs); (layer,
+        the distinct picks of the ranks confident enough to prefetch)."""
+        ranked = np.asarray(inds).reshape(-1, inds.shape[-1])
+        if self.ranks is None or self.ranks.guessed.size < ranked.shape[-1]:
+            self.ranks = RankRates.start(ranked.shape[-1])
+        self._ranked[layer] = ranked
+        guess = np.unique(ranked[:, self.ranks.confident()[:ranked.shape[-1]]])
         self._guess[layer] = guess
         return layer, guess
 
     def score(self, layer: int, experts: np.ndarray) -> None:
         """Compare the guess made for `layer` (if any) with the experts it actually used."""
-        guess = self._guess.pop(layer, None)
+        guess, ranked = self._guess.pop(layer, None), self._ranked.pop(layer, None)
         if guess is None:
             return
         used = np.unique(experts)
+        if ranked is not None and self.ranks is not None:
+            self.ranks.record(ranked, used)
         s = self.stats
         s.predictions += 1
         s.predicted += guess.size

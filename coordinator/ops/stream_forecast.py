@@ -38,11 +38,14 @@ def streaming_forecast(
     *,
     skew: float = 0.0,
     scaling: bool = False,
+    read_factor: float = 1.0,
 ) -> dict:
     """Predicted decode per member count: the streaming placement of the experts over those
     Macs, each keeping its hot set in memory, reading the rest at `assume.disk_gbps` (or its
     own read speed), and off the drives the dense weights, the chosen experts from memory and
-    a round trip per MoE layer. With no heat, `skew` shapes the routing (0: uniform)."""
+    a round trip per MoE layer. With no heat, `skew` shapes the routing (0: uniform).
+    `read_factor`: bytes a drive reads per byte of demand misses, as the scaling benchmark
+    measured it (its `read_factor`; 1: the misses alone)."""
     layers: dict[int, int] = {}
     for layer, _ in sizes.experts:
         layers[layer] = layers.get(layer, 0) + 1
@@ -63,15 +66,17 @@ def streaming_forecast(
             memory_bps=assume.memory_gbps * 1e9, round_trip_s=assume.round_trip_ms / 1e3,
             members=n)
         speed = predict_streaming(plan.holders, members, sizes.experts, heat, top_k=sizes.top_k,
-                                  compute_seconds=compute, samples=64)
+                                  compute_seconds=compute, samples=64,
+                                  read_factor=read_factor)
         rows.append({"macs": n, "fits": True, "resident": plan.resident, **speed})
-    return {"heat": origin, "rows": rows}
+    return {"heat": origin, "read_factor": read_factor, "rows": rows}
 
 
 def print_forecast(forecast: dict, assume: SpeedAssumptions) -> None:
     print(f"streaming forecast (heat {forecast['heat']}; {assume.disk_gbps:g} GB/s SSD unless "
           f"a Mac gives its own, {assume.memory_gbps:g} GB/s memory, "
-          f"{assume.round_trip_ms:g} ms round trip per MoE layer):")
+          f"{assume.round_trip_ms:g} ms round trip per MoE layer, "
+          f"{forecast.get('read_factor', 1.0):g}x the demand misses' bytes read):")
     for row in forecast["rows"]:
         if not row["fits"]:
             print(f"  {row['macs']} Mac(s): does not fit: {row['reason']}")

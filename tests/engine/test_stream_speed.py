@@ -90,3 +90,17 @@ def test_compute_without_a_measurement_counts_memory_reads_and_round_trips():
     two = active_compute_seconds(1000, SIZES, top_k=TOP_K, memory_bps=1000.0,
                                  round_trip_s=0.01, members=2)
     assert two == pytest.approx(alone + LAYERS * 0.01)
+
+
+def test_a_measured_read_factor_scales_every_members_reads_not_the_compute():
+    members = [StreamingMember(f"m{i}", memory=0, read_bps=SIZE * 10) for i in range(2)]
+    plain = predict_streaming(split(2), members, SIZES, UNIFORM, top_k=TOP_K,
+                              compute_seconds=0.5)
+    more = predict_streaming(split(2), members, SIZES, UNIFORM, top_k=TOP_K,
+                             compute_seconds=0.5, read_factor=1.5)
+    assert more["read_bytes_per_token"] == pytest.approx(1.5 * plain["read_bytes_per_token"])
+    assert more["read_seconds_per_token"] == pytest.approx(1.5 * plain["read_seconds_per_token"])
+    assert more["hit_rate"] == plain["hit_rate"]
+    with pytest.raises(InvalidInput, match="read factor"):
+        predict_streaming(split(2), members, SIZES, UNIFORM, top_k=TOP_K, compute_seconds=0.5,
+                          read_factor=0)
