@@ -135,8 +135,10 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
     """What to try when the model does not fit in memory: the fewest bits that make it fit
     (a config not yet quantized), and the disk sizes a streaming verdict needs."""
     from coordinator.ops.ops_report import plan_report
+    from coordinator.ops.planning import machines
     from engine.sizes import read_sizes
 
+    many = machines(2, word_only=True) + "s"
     out = []
     if report["verdict"] != "fits" and args.bits is None and sizes.estimated and (
             sizes.expert_bits >= 16):
@@ -147,8 +149,16 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
                            f"in memory: experts {sum(smaller.experts.values()) / 2**30:.1f} GiB")
                 break
         else:
-            out.append("even at --bits 2 it would not fit in these Macs' memory: add Macs or "
-                       "memory")
+            out.append(f"even at --bits 2 it would not fit in these {many}' memory: add "
+                       f"{many} or memory")
+    if report["verdict"] == "does not fit" and not sizes.estimated:
+        # A sharded folder's sizes are real: what is left is more room, or a smaller split.
+        out.append(f"streaming needs every expert on some worker's drive: add {many}, or "
+                   "free disk on them (the DISK of NAME=MEMORY:DISK)")
+        if "bit" not in sizes.precision:
+            out.append("or make it smaller: shard the source again with `shoal shard SOURCE "
+                       "OUT --quantize 4` (`shoal plan --model SOURCE --bits 4` tells first "
+                       "whether that fits)")
     if report["verdict"] == "streams" and any(w.disk is None for w in workers):
         out.append("streaming keeps experts on the workers' drives: give each --worker its "
                    "free disk (NAME=MEMORY:DISK, e.g. a=192G:2TB) to check that they fit there")

@@ -5,6 +5,7 @@ this model fit these Macs?"."""
 from __future__ import annotations
 
 import re
+import sys
 
 from engine.cache_policy import format_bytes, parse_budget
 from engine.errors import InvalidInput, ShoalError
@@ -43,6 +44,15 @@ def parse_worker_capacity(text: str) -> WorkerCapacity:
         raise InvalidInput(f"--worker {text!r}: sizes look like 64G, 512M, 2T (binary) or "
                            "2TB (decimal)") from None
     return WorkerCapacity(name, budget[0], budget[1] if len(budget) > 1 else None)
+
+
+def machines(count: int, *, word_only: bool = False, platform: str = sys.platform) -> str:
+    """'2 Macs' on macOS, '2 machines' elsewhere ('1 Mac', 'Mac' with `word_only`): the
+    planned members are called what this platform calls its computers."""
+    word = "Mac" if platform == "darwin" else "machine"
+    if word_only:
+        return word
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def both_units(count: int) -> str:
@@ -85,13 +95,33 @@ def print_plan(report: dict) -> None:
     print(f"predicted imbalance (busiest worker / mean, per layer): "
           f"{report['imbalance_before']:.2f} before, {report['imbalance_after']:.2f} after "
           f"({len(report['replicas'])} experts replicated)")
-    bound = report["decode_bound"]
-    a = bound["assumptions"]
-    print(f"decode at most ~{bound['tokens_per_second']:.1f} tokens/s, assuming "
-          f"{a['memory_gbps']:.0f} GB/s memory, {a['disk_gbps']:.0f} GB/s disk, "
-          f"{a['round_trip_ms']:.2f} ms network round trip per MoE layer, and compute that "
-          "keeps up with memory")
+    a = report["decode_bound"]["assumptions"]
+    assumed = (f"{a['memory_gbps']:.0f} GB/s memory, {a['disk_gbps']:.0f} GB/s disk, "
+               f"{a['round_trip_ms']:.2f} ms network round trip per MoE layer")
+    row = all_members_row(report)
+    if row is not None:  # one model: the forecast's figure with its own bound
+        print(f"decode {forecast_words(row)}, by the streaming forecast below; assuming "
+              f"{assumed}")
+    else:
+        print(f"decode at most ~{report['decode_bound']['tokens_per_second']:.1f} tokens/s, "
+              f"assuming {assumed}, and compute that keeps up with memory")
     print_advice(report)
+
+
+def all_members_row(report: dict) -> dict | None:
+    """The streaming forecast's row for every planned member, where one was made and fits."""
+    rows = (report.get("streaming") or {}).get("rows", ())
+    row = max(rows, key=lambda r: r["macs"], default=None)
+    return row if row is not None and row["fits"] and row["macs"] == len(report["workers"]) \
+        else None
+
+
+def forecast_words(row: dict) -> str:
+    """'~0.25 tokens/s (at most ~3.10 were every expert in memory)': a figure and its bound."""
+    if not row["read_bytes_per_token"]:
+        return f"~{row['tokens_per_second']:.2f} tokens/s (every expert in memory)"
+    return (f"~{row['tokens_per_second']:.2f} tokens/s (at most "
+            f"~{row['ceiling_tokens_per_second']:.2f} were every expert in memory)")
 
 
 def print_advice(report: dict) -> None:
