@@ -23,7 +23,12 @@ from engine.migration import (
 from engine.placement import WorkerCapacity, imbalance, plan_placement
 
 STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
-MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run
+MIN_GAIN = 0.02  # a rebalance that lowers the predicted imbalance by less than 2% is not run
+# Nor one whose gain does not pay for its bytes: the relative drop in imbalance must exceed
+# MIN_GAIN by this times the share of the experts' bytes copied (copying 30% of them needs a
+# 12% drop), so a plan made just after a rebalance, from a little more heat, does not move
+# experts back and forth for noise.
+GAIN_PER_MOVED = 1 / 3
 NO_BUDGET = 1 << 62  # the memory of a worker that reports no budget: ample
 
 
@@ -93,7 +98,8 @@ def propose(
 ) -> Proposal:
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
-    serves every expert as it is; a rebalance leaves it when the gain would be under MIN_GAIN.
+    serves every expert as it is; a rebalance leaves it when the gain is not worth the bytes
+    it copies (`worth_moving`).
     Without heat (or with none counted yet) every expert weighs the same.
 
     Every worker with room for an expert counts, the ones holding nothing too (just added:
@@ -121,14 +127,34 @@ def propose(
             target = limit_moves(current, target, sizes, weights, max_bytes)
     now = imbalance(current, weights, counted) if placed else None
     after = imbalance(target, weights, counted)
-    worth = after <= now * (1 - MIN_GAIN) if now is not None else True
-    if not resumed and now is not None and (deploy or not worth):
+    # A worker just added (holding nothing) was added to be used: its share is worth any bytes.
+    joined = any(not (w.serving | w.draining) for w in workers if w.name in counted)
+    moved = 0 if joined else copied_bytes(current, target, sizes)
+    if not resumed and now is not None and (
+            deploy or not worth_moving(now, after, moved, sum(sizes.values()))):
         target = dict(current)
         after = now
     order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
     room = {w.name: w.free_disk for w in workers}
     plan = plan_migration(state, target, sizes, room=room, order=order)
     return Proposal(target, plan, now, after, resumed)
+
+
+def copied_bytes(
+    current: Mapping[ExpertKey, Sequence[str]], target: Mapping[ExpertKey, Sequence[str]],
+    sizes: Mapping[ExpertKey, int],
+) -> int:
+    """Bytes a move from `current` to `target` copies: each new holder gets the whole file."""
+    return sum(sizes[key] * len(set(names) - set(current.get(key, ())))
+               for key, names in target.items())
+
+
+def worth_moving(now: float, after: float, moved: int, total: int) -> bool:
+    """Whether a rebalance's predicted gain is worth the bytes it copies: the imbalance drops
+    by at least MIN_GAIN + GAIN_PER_MOVED x the share of `total` (the experts' bytes) copied."""
+    if now <= 0:
+        return False
+    return (now - after) / now >= MIN_GAIN + GAIN_PER_MOVED * moved / max(total, 1)
 
 
 # ---------------------------------------------------------------------------------------

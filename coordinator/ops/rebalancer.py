@@ -16,7 +16,7 @@ from coordinator.ops.migration_executor import QUIET_SECONDS, Event, Execution, 
 from engine.cache_policy import format_bytes
 from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic
-from engine.rebalance_plan import MIN_GAIN, LiveWorker, Proposal, propose, state_of
+from engine.rebalance_plan import GAIN_PER_MOVED, MIN_GAIN, LiveWorker, Proposal, propose, state_of
 from proto import CHUNK_BYTES, shoal_pb2
 
 # The target is kept in OUT_DIR/migration.json until it is reached, so a run stopped at any
@@ -166,7 +166,9 @@ def describe(report: Report, *, steps: int = 20) -> list[str]:
     if not plan.steps and not plan.blocked:
         why = ("every expert is served by a live worker (`shoal rebalance` moves them)"
                if report.mode == "deploy" else
-               f"no placement found lowers the predicted imbalance by {MIN_GAIN:.0%} or more")
+               f"no placement found lowers the predicted imbalance enough for the bytes it "
+               f"copies (by {MIN_GAIN:.0%}, and 1% more for each {1 / GAIN_PER_MOVED:g}% of "
+               "the experts' bytes copied)")
         lines.append(f"nothing to do: {why}")
     moved: dict[str, list[int]] = {w: [0, 0, 0] for w in report.workers}  # in, bytes in, out
     for s in plan.steps:
