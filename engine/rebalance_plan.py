@@ -4,7 +4,7 @@ the executor's small decisions between steps, so tests call them without a netwo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidInput
@@ -21,6 +21,7 @@ from engine.migration import (
     plan_migration,
 )
 from engine.placement import WorkerCapacity, imbalance, plan_placement
+from engine.stream_placement import read_imbalance
 
 STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
 MIN_GAIN = 0.02  # a rebalance that lowers the predicted imbalance by less than 2% is not run
@@ -82,6 +83,9 @@ class Proposal:
     imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
     imbalance_after: float
     resumed: bool  # the target of an interrupted run
+    # What the imbalance measures: "load" (busiest worker's tokens / mean, per layer) or, for a
+    # streamed model, "reads" (busiest drive's time / the ideal's, per layer)
+    measure: str = "load"
 
 
 def propose(
@@ -125,8 +129,10 @@ def propose(
         target = dict(placement.holders)
         if max_bytes is not None and placed:
             target = limit_moves(current, target, sizes, weights, max_bytes)
-    now = imbalance(current, weights, counted) if placed else None
-    after = imbalance(target, weights, counted)
+    streamed = streaming_measure(able, sizes, weights, spare=spare, top_k=top_k)
+    measure = streamed or (lambda holders: imbalance(holders, weights, counted))
+    now = measure(current) if placed else None
+    after = measure(target)
     # A worker just added (holding nothing) was added to be used: its share is worth any bytes.
     joined = any(not (w.serving | w.draining) for w in workers if w.name in counted)
     moved = 0 if joined else copied_bytes(current, target, sizes)
@@ -137,7 +143,24 @@ def propose(
     order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
     room = {w.name: w.free_disk for w in workers}
     plan = plan_migration(state, target, sizes, room=room, order=order)
-    return Proposal(target, plan, now, after, resumed)
+    return Proposal(target, plan, now, after, resumed, "reads" if streamed else "load")
+
+
+def streaming_measure(
+    able: Sequence[WorkerCapacity], sizes: Mapping[ExpertKey, int],
+    weights: Mapping[ExpertKey, float], *, spare: float, top_k: int | None,
+) -> Callable[[Mapping[ExpertKey, Sequence[str]]], float] | None:
+    """How a placement is judged when the model streams (top_k and every read speed known,
+    the experts beyond the workers' memory): by its drives' time per token over the ideal
+    (engine/stream_placement.py: read_imbalance), not by tokens per worker, since a faster
+    drive is meant to carry more. None when the model is resident or a speed is unknown."""
+    if not top_k or not able or not all(c.read_gbps for c in able):
+        return None
+    memory = {c.name: min(int(c.memory * (1 - spare)), c.disk or NO_BUDGET) for c in able}
+    if sum(memory.values()) >= sum(sizes.values()):
+        return None
+    speeds = {c.name: c.read_gbps * 1e9 for c in able}
+    return lambda holders: read_imbalance(holders, memory, speeds, sizes, weights, top_k=top_k)
 
 
 def copied_bytes(

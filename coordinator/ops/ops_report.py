@@ -152,6 +152,7 @@ def migration_report(report: Report) -> dict:
         "resumed": p.resumed,
         "imbalance_now": p.imbalance_now,
         "imbalance_after": p.imbalance_after,
+        "imbalance_of": p.measure,
         "copy_bytes": p.plan.copy_bytes,
         "steps": [{"kind": s.kind, "layer": s.key[0], "expert": s.key[1], "worker": s.worker,
                    "source": s.source, "bytes": s.bytes} for s in p.plan.steps],

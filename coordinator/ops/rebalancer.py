@@ -185,7 +185,9 @@ def describe(report: Report, *, steps: int = 20) -> list[str]:
         lines.append(f"  {w:<24} +{n_in} ({format_bytes(b_in)})  -{n_out}  -> {held} experts")
     replicas = sum(len(v) > 1 for v in p.target.values())
     now = "-" if p.imbalance_now is None else f"{p.imbalance_now:.2f}"
-    lines.append(f"  predicted imbalance (busiest worker / mean, per layer): {now} now, "
+    what = ("busiest drive's reads / the ideal's, per layer" if p.measure == "reads" else
+            "busiest worker / mean, per layer")
+    lines.append(f"  predicted imbalance ({what}): {now} now, "
                  f"{p.imbalance_after:.2f} after; {replicas} experts with replicas")
     for key, why in sorted(plan.blocked.items()):
         lines.append(f"  left as is: expert {key[0]}/{key[1]}: {why}")
