@@ -5,7 +5,7 @@ the executor's small decisions between steps, so tests call them without a netwo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.errors import InvalidInput
 from engine.manifest import ExpertKey
@@ -61,6 +61,36 @@ def state_of(
     for key in local:
         state[key][LOCAL] = SERVING
     return state
+
+
+# A drive's measured rate counts once it has been busy this long (a few reads say little).
+MEASURED_SECONDS = 1.0
+
+
+def drive_rate(drives: Iterable[tuple[int, float]]) -> float | None:
+    """A worker's read speed in GB/s from its drives' counters (bytes read, seconds busy):
+    the sum of each drive's rate while busy; None before MEASURED_SECONDS of reading."""
+    rates = [nbytes / busy for nbytes, busy in drives if busy >= MEASURED_SECONDS]
+    return sum(rates) / 1e9 if rates else None
+
+
+def with_members(
+    workers: Sequence[LiveWorker], members: Sequence[WorkerCapacity],
+    aliases: Mapping[str, str] | None = None,
+) -> list[LiveWorker]:
+    """The live workers with what the user says of them (`--member`, a cluster config's
+    memory_budget and read_speed), matched by name or by an alias (its address): a given
+    memory budget or read speed takes the place of the reported or measured one."""
+    given = {m.name: m for m in members}
+    known = {w.name for w in workers} | set((aliases or {}).values())
+    unknown = sorted(set(given) - known - set(aliases or {}))
+    if unknown:
+        raise InvalidInput(f"no live worker is named {', '.join(unknown)} (members are named "
+                           "by node id or address: `shoal workers` lists them)")
+    by_worker = {(aliases or {}).get(name, name): m for name, m in given.items()}
+    return [replace(w, memory_budget=by_worker[w.name].memory or w.memory_budget,
+                    read_gbps=by_worker[w.name].read_gbps or w.read_gbps)
+            if w.name in by_worker else w for w in workers]
 
 
 def capacities(

@@ -36,7 +36,8 @@ class ModelSizes:
     source_bytes: int = 0
 
 
-def _top_k(config: dict) -> int:
+def top_k_of(config: dict) -> int:
+    """The experts each token picks per MoE layer, as the config names it (1 if it does not)."""
     text = config.get("text_config", {})
     return int(config.get("num_experts_per_tok") or text.get("num_experts_per_tok") or 1)
 
@@ -54,7 +55,7 @@ def sizes_from_manifest(manifest: Manifest) -> ModelSizes:
     experts = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     dense = sum(f.bytes for f in manifest.dense_files)
     # A manifest holds bytes, not parameter counts: bits per weight stay unknown (0).
-    return ModelSizes(manifest.model_type, experts, dense, _top_k(manifest.config), False,
+    return ModelSizes(manifest.model_type, experts, dense, top_k_of(manifest.config), False,
                       _describe_quantization(manifest.config))
 
 
@@ -234,7 +235,7 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
         experts.update({(layer.layer, e): per_expert for e in range(layer.num_experts)})
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     return ModelSizes(config.get("model_type", "?"), experts, total - expert_total,
-                      _top_k(config), True, storage.words,
+                      top_k_of(config), True, storage.words,
                       8 * expert_total / expert_params if expert_params else 0.0, source)
 
 
