@@ -34,8 +34,11 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "(2, 3, 4, 5, 6 or 8) as `shoal shard --quantize BITS` does (config only)")
     p.add_argument("--group-size", type=int, default=64, metavar="G",
                    help="quantization group size for --bits (default 64)")
-    p.add_argument("--worker", action="append", required=True, metavar="NAME=MEMORY[:DISK]",
-                   help="a Mac: memory for experts and free disk, e.g. studio=192G:2TB (repeat). "
+    p.add_argument("--worker", action="append", required=True,
+                   metavar="NAME=MEMORY[:DISK[:READ]]",
+                   help="a Mac: memory for experts, free disk and (for a model that streams) "
+                   "its drive's read speed, e.g. studio=192G:2TB or studio=192G:2TB:5GB/s "
+                   "(repeat; with every READ given, the placement is the streamed one). "
                    "G, T (and GiB, TiB) are binary, 2^30 and 2^40 bytes; GB, TB are decimal, as "
                    "drives are sold: a 2 TB SSD is 2TB (1.82 TiB). The plan prints disks in both")
     p.add_argument("--heat", type=Path, metavar="HEAT.json",

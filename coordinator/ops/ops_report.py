@@ -101,7 +101,7 @@ def plan_report(
         "heat": "uniform" if heat is None else heat_origin or "from file",
     }
     try:
-        plan = plan_placement(workers, sizes.experts, heat, spare=spare)
+        plan = plan_placement(workers, sizes.experts, heat, spare=spare, top_k=sizes.top_k)
     except InvalidInput as e:
         return {**report, "fits": False, "verdict": "does not fit", "reason": str(e)}
     per_worker = {w.name: {"memory": w.memory, "disk": w.disk, "experts": 0, "bytes": 0,

@@ -41,17 +41,24 @@ def parse_size(text: str) -> int:
 
 
 def parse_worker_capacity(text: str) -> WorkerCapacity:
-    """NAME=MEMORY[:DISK], sizes like 192G, 1.5T or 2TB (see parse_size)."""
+    """NAME=MEMORY[:DISK[:READ]], sizes like 192G, 1.5T or 2TB (see parse_size), the drive's
+    read speed like 40MB/s (see parse_read_speed)."""
     name, _, sizes = text.partition("=")
-    memory, _, disk = sizes.partition(":")
+    memory, _, rest = sizes.partition(":")
+    disk, _, read = rest.partition(":")
     if not name or not memory:
-        raise InvalidInput(f"--worker {text!r} is not NAME=MEMORY[:DISK], e.g. studio=192G:2TB")
+        raise InvalidInput(f"--worker {text!r} is not NAME=MEMORY[:DISK[:READ]], e.g. "
+                           "studio=192G:2TB or studio=192G:2TB:5GB/s")
     try:
         budget = [parse_size(s) for s in (memory, disk) if s]
     except ShoalError:
         raise InvalidInput(f"--worker {text!r}: sizes look like 64G, 512M, 2T (binary) or "
                            "2TB (decimal)") from None
-    return WorkerCapacity(name, budget[0], budget[1] if len(budget) > 1 else None)
+    try:
+        speed = parse_read_speed(read) / 1e9 if read else None
+    except ShoalError as e:
+        raise InvalidInput(f"--worker {text!r}: {e}") from None
+    return WorkerCapacity(name, budget[0], budget[1] if disk else None, speed)
 
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMG])(i?)B/s\s*$", re.IGNORECASE)

@@ -66,3 +66,17 @@ def test_the_planned_members_are_called_what_the_platform_calls_them():
     assert machines(2, platform="darwin") == "2 Macs"
     assert machines(1, platform="linux") == "1 machine"
     assert machines(4, platform="linux") == "4 machines"
+
+
+def test_plan_places_for_streaming_by_each_workers_read_speed(sharded):
+    first = json.loads(plan("--model", str(sharded), "--worker", "a=1G", "--json").stdout)
+    eighth = first["model"]["expert_bytes"] // 8
+    run = plan("--model", str(sharded), "--worker", f"a={eighth}::40MB/s",
+               "--worker", f"b={eighth}::80MB/s", "--json")
+    assert run.returncode == 3, run.stderr
+    report = json.loads(run.stdout)
+    assert report["workers"]["b"]["bytes"] > 1.4 * report["workers"]["a"]["bytes"]
+    (row,) = report["streaming"]["rows"]
+    assert row["drive_busy"]["a"] == pytest.approx(row["drive_busy"]["b"], abs=0.15)
+    bad = plan("--model", str(sharded), "--worker", "a=1G:1T:fast")
+    assert bad.returncode == 2 and "not a read speed" in bad.stderr
