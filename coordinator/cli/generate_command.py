@@ -19,10 +19,11 @@ from coordinator.cli.options import (
     model_options,
     secret_option,
 )
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
 from engine.errors import InvalidInput
+from engine.manifest import read_manifest
 
 if TYPE_CHECKING:
-    from coordinator.decoding.draft_policy import DraftPolicy
     from coordinator.decoding.generate import RemoteModel
     from coordinator.decoding.mtp_draft import MtpDraft
     from coordinator.decoding.speculative import Draft
@@ -62,8 +63,6 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def draft_options(p: argparse.ArgumentParser) -> None:
     """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS
-
     drafts = p.add_mutually_exclusive_group()
     drafts.add_argument("--draft", choices=["mtp"],
                         help="speculative decoding with the model's own multi-token-prediction "
@@ -84,13 +83,12 @@ def draft_options(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
-    from engine.manifest import read_manifest
-
     secret = members_secret(args, read_manifest(args.model))
     report = generate_with_workers(args, secret, policy, StreamedText())
     if args.json:
         print(json.dumps(report))
     else:
+        # lazy: start-up
         from coordinator.decoding.report import summary_lines
 
         print("\n".join(summary_lines(report)), file=sys.stderr)
@@ -99,8 +97,6 @@ def main(args: argparse.Namespace) -> None:
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
     """The drafting policy that --draft or --draft-model and friends ask for, or None without
     a draft."""
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
-
     if not drafting(args):
         if args.num_draft_tokens is not None or args.fixed_draft:
             raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft or "
@@ -120,9 +116,11 @@ def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
                   policy: DraftPolicy) -> Draft | MtpDraft:
     """The draft the options name: the model's own MTP module, or a draft model."""
     if args.draft == "mtp":
+        # lazy: start-up
         from coordinator.decoding.mtp_draft import mtp_draft
 
         return mtp_draft(remote.model, policy)
+    # lazy: start-up
     from coordinator.decoding.speculative import load_draft
 
     return load_draft(args.draft_model, remote.tokenizer, policy)
@@ -169,6 +167,7 @@ def generate_with_workers(
 ) -> dict:
     """Load the model and reach its workers, generate, and let go of everything however the
     run ends, its heat recorded first (connect.remote_model)."""
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
 
     def say(message: str) -> None:
@@ -187,12 +186,14 @@ def decode(
 ) -> dict:
     """The prompt through the remote model (with a draft model proposing tokens when asked),
     and the report of the run; with --stats, the workers' counters are read around it."""
+    # lazy: start-up
     from coordinator.decoding.generate import encode_prompt, generate
     from coordinator.decoding.report import generation_report, generation_stats
     from coordinator.ops.worker_stats import read_stats
 
     options = kv_cache_settings(args)
     if args.prompt_cache_file is not None:
+        # lazy: start-up
         from coordinator.decoding.prompt_cache_file import load, question_tokens
 
         options["prompt_cache"] = load(args.prompt_cache_file, remote.model)

@@ -84,6 +84,7 @@ def transport_options(p: argparse.ArgumentParser) -> None:
 
 def transport_of(args: argparse.Namespace):
     """--transport and --spin-us as a coordinator.dataplane.link.Transport."""
+    # lazy: start-up
     from coordinator.dataplane.link import Transport
 
     return Transport(args.transport, args.spin_us / 1e6)
@@ -105,6 +106,7 @@ def local_store_options(p: argparse.ArgumentParser) -> None:
 
 def check_local_store_args(args: argparse.Namespace) -> None:
     """--memory-budget goes with --local-store and is one of the worker's forms."""
+    # lazy: start-up
     from engine.cache_policy import parse_budget
 
     if args.memory_budget is not None:

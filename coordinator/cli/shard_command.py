@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
+from coordinator.ops.hub import local_model
 from engine.errors import InvalidInput
+from engine.heat import check_heat_matches
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -65,9 +67,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.ops.hub import local_model
+    # lazy: start-up
     from coordinator.ops.planning import member_lines, placement_members, shard_heat
-    from engine.heat import check_heat_matches
     from engine.moe_layers import resolve_model_dir
     from engine.placement import store_placement
     from engine.sharding import shard
