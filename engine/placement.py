@@ -327,6 +327,24 @@ def plan_placement(
                      imbalance(holders, heat, names))
 
 
+def store_placement(
+    members: Sequence[WorkerCapacity],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float] | None,
+    *,
+    top_k: int,
+    spare: float = 0.1,
+) -> dict[ExpertKey, tuple[int, ...]]:
+    """Which members (indices into `members`) hold each expert when `shoal shard` writes a
+    store folder per member, their memory the budget each worker will be given: a model
+    beyond it is placed for streaming where every read speed is known (hot sets in memory
+    less `spare`, as `shoal rebalance` plans, cold reads by drive speed), else as
+    plan_placement places it."""
+    plan = plan_placement(members, sizes, heat, spare=spare, top_k=top_k)
+    index = {w.name: i for i, w in enumerate(members)}
+    return {key: tuple(sorted(index[n] for n in names)) for key, names in plan.holders.items()}
+
+
 @dataclass(frozen=True)
 class SpeedAssumptions:
     """The figures a decode-speed bound rests on; printed with every estimate."""

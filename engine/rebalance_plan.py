@@ -4,8 +4,8 @@ the executor's small decisions between steps, so tests call them without a netwo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from engine.errors import InvalidInput
 from engine.manifest import ExpertKey
@@ -21,9 +21,15 @@ from engine.migration import (
     plan_migration,
 )
 from engine.placement import WorkerCapacity, imbalance, plan_placement
+from engine.stream_placement import read_imbalance
 
 STICKINESS = 0.1  # keep an expert where it is unless that costs 10% of a fair share of load
-MIN_GAIN = 0.01  # a rebalance that lowers the predicted imbalance by less than 1% is not run
+MIN_GAIN = 0.02  # a rebalance that lowers the predicted imbalance by less than 2% is not run
+# Nor one whose gain does not pay for its bytes: the relative drop in imbalance must exceed
+# MIN_GAIN by this times the share of the experts' bytes copied (copying 30% of them needs a
+# 12% drop), so a plan made just after a rebalance, from a little more heat, does not move
+# experts back and forth for noise.
+GAIN_PER_MOVED = 1 / 3
 NO_BUDGET = 1 << 62  # the memory of a worker that reports no budget: ample
 
 
@@ -57,6 +63,36 @@ def state_of(
     return state
 
 
+# A drive's measured rate counts once it has been busy this long (a few reads say little).
+MEASURED_SECONDS = 1.0
+
+
+def drive_rate(drives: Iterable[tuple[int, float]]) -> float | None:
+    """A worker's read speed in GB/s from its drives' counters (bytes read, seconds busy):
+    the sum of each drive's rate while busy; None before MEASURED_SECONDS of reading."""
+    rates = [nbytes / busy for nbytes, busy in drives if busy >= MEASURED_SECONDS]
+    return sum(rates) / 1e9 if rates else None
+
+
+def with_members(
+    workers: Sequence[LiveWorker], members: Sequence[WorkerCapacity],
+    aliases: Mapping[str, str] | None = None,
+) -> list[LiveWorker]:
+    """The live workers with what the user says of them (`--member`, a cluster config's
+    memory_budget and read_speed), matched by name or by an alias (its address): a given
+    memory budget or read speed takes the place of the reported or measured one."""
+    given = {m.name: m for m in members}
+    known = {w.name for w in workers} | set((aliases or {}).values())
+    unknown = sorted(set(given) - known - set(aliases or {}))
+    if unknown:
+        raise InvalidInput(f"no live worker is named {', '.join(unknown)} (members are named "
+                           "by node id or address: `shoal workers` lists them)")
+    by_worker = {(aliases or {}).get(name, name): m for name, m in given.items()}
+    return [replace(w, memory_budget=by_worker[w.name].memory or w.memory_budget,
+                    read_gbps=by_worker[w.name].read_gbps or w.read_gbps)
+            if w.name in by_worker else w for w in workers]
+
+
 def capacities(
     workers: Sequence[LiveWorker], sizes: Mapping[ExpertKey, int]
 ) -> list[WorkerCapacity]:
@@ -77,6 +113,9 @@ class Proposal:
     imbalance_now: float | None  # None: some expert is served by no worker yet (a deploy)
     imbalance_after: float
     resumed: bool  # the target of an interrupted run
+    # What the imbalance measures: "load" (busiest worker's tokens / mean, per layer) or, for a
+    # streamed model, "reads" (busiest drive's time / the ideal's, per layer)
+    measure: str = "load"
 
 
 def propose(
@@ -93,7 +132,8 @@ def propose(
 ) -> Proposal:
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
-    serves every expert as it is; a rebalance leaves it when the gain would be under MIN_GAIN.
+    serves every expert as it is; a rebalance leaves it when the gain is not worth the bytes
+    it copies (`worth_moving`).
     Without heat (or with none counted yet) every expert weighs the same.
 
     Every worker with room for an expert counts, the ones holding nothing too (just added:
@@ -119,16 +159,55 @@ def propose(
         target = dict(placement.holders)
         if max_bytes is not None and placed:
             target = limit_moves(current, target, sizes, weights, max_bytes)
-    now = imbalance(current, weights, counted) if placed else None
-    after = imbalance(target, weights, counted)
-    worth = after <= now * (1 - MIN_GAIN) if now is not None else True
-    if not resumed and now is not None and (deploy or not worth):
+    streamed = streaming_measure(able, sizes, weights, spare=spare, top_k=top_k)
+    measure = streamed or (lambda holders: imbalance(holders, weights, counted))
+    now = measure(current) if placed else None
+    after = measure(target)
+    # A worker just added (holding nothing) was added to be used: its share is worth any bytes.
+    joined = any(not (w.serving | w.draining) for w in workers if w.name in counted)
+    moved = 0 if joined else copied_bytes(current, target, sizes)
+    if not resumed and now is not None and (
+            deploy or not worth_moving(now, after, moved, sum(sizes.values()))):
         target = dict(current)
         after = now
     order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
     room = {w.name: w.free_disk for w in workers}
     plan = plan_migration(state, target, sizes, room=room, order=order)
-    return Proposal(target, plan, now, after, resumed)
+    return Proposal(target, plan, now, after, resumed, "reads" if streamed else "load")
+
+
+def streaming_measure(
+    able: Sequence[WorkerCapacity], sizes: Mapping[ExpertKey, int],
+    weights: Mapping[ExpertKey, float], *, spare: float, top_k: int | None,
+) -> Callable[[Mapping[ExpertKey, Sequence[str]]], float] | None:
+    """How a placement is judged when the model streams (top_k and every read speed known,
+    the experts beyond the workers' memory): by its drives' time per token over the ideal
+    (engine/stream_placement.py: read_imbalance), not by tokens per worker, since a faster
+    drive is meant to carry more. None when the model is resident or a speed is unknown."""
+    if not top_k or not able or not all(c.read_gbps for c in able):
+        return None
+    memory = {c.name: min(int(c.memory * (1 - spare)), c.disk or NO_BUDGET) for c in able}
+    if sum(memory.values()) >= sum(sizes.values()):
+        return None
+    speeds = {c.name: c.read_gbps * 1e9 for c in able}
+    return lambda holders: read_imbalance(holders, memory, speeds, sizes, weights, top_k=top_k)
+
+
+def copied_bytes(
+    current: Mapping[ExpertKey, Sequence[str]], target: Mapping[ExpertKey, Sequence[str]],
+    sizes: Mapping[ExpertKey, int],
+) -> int:
+    """Bytes a move from `current` to `target` copies: each new holder gets the whole file."""
+    return sum(sizes[key] * len(set(names) - set(current.get(key, ())))
+               for key, names in target.items())
+
+
+def worth_moving(now: float, after: float, moved: int, total: int) -> bool:
+    """Whether a rebalance's predicted gain is worth the bytes it copies: the imbalance drops
+    by at least MIN_GAIN + GAIN_PER_MOVED x the share of `total` (the experts' bytes) copied."""
+    if now <= 0:
+        return False
+    return (now - after) / now >= MIN_GAIN + GAIN_PER_MOVED * moved / max(total, 1)
 
 
 # ---------------------------------------------------------------------------------------

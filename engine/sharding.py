@@ -11,7 +11,7 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ from engine.errors import InvalidInput, ShoalError
 from engine.manifest import (
     MANIFEST_NAME,
     ExpertFile,
+    ExpertKey,
     Manifest,
     MoeLayer,
     checksums_file,
@@ -43,6 +44,9 @@ from engine.moe_layers import (
 from engine.mtp import attach_from_files as attach_mtp
 from engine.placement import split_by_bytes
 from engine.store_lock import claim_for_writing, release
+
+# Which stores (indices into the N store folders) hold each expert, given every expert's bytes.
+Place = Callable[[Mapping[ExpertKey, int]], Mapping[ExpertKey, Sequence[int]]]
 
 SHARD_MARKER = ".shoal-shard.json"
 _NEARLY_FULL = 256 << 20  # free bytes below which a failed write is put down to a full drive
@@ -220,6 +224,13 @@ def _write_expert(path: Path, tensors: dict[str, mx.array], layer: int, expert: 
     return path.stat().st_size
 
 
+def _copy_file(source: Path, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial.safetensors")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
+
+
 def _fingerprint(config: dict, dense: Iterable[ExpertFile], experts: Iterable[ExpertFile]) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for f in sorted(dense, key=lambda f: f.file):
@@ -242,12 +253,15 @@ def shard(
     group_size: int = 64,
     progress: bool = True,
     force: bool = False,
+    place: Place | None = None,
 ) -> Manifest:
     """Split a checkpoint into OUT/dense and per-expert files in one or N store folders.
 
     The source may be a Hugging Face cache entry; OUT may be on another drive than the
     source (every file is written to a temporary name beside its final one, then renamed).
-    `force` replaces an earlier finished split in OUT (see _check_out_dir)."""
+    `force` replaces an earlier finished split in OUT (see _check_out_dir). `place` says
+    which of the N stores hold each expert, given every expert's bytes (default: one store
+    each, balanced by bytes); an expert placed in several is written to each."""
     model_dir, out_dir = resolve_model_dir(model_dir), Path(out_dir)
     options = {"quantize_bits": quantize_bits, "group_size": group_size}
     if quantize_bits is not None and quantize_bits not in (2, 3, 4, 5, 6, 8):
@@ -270,14 +284,14 @@ def shard(
     try:
         with _writing(out_dir):
             return _write_split(model, config, layers, model_dir, out_dir, sid, names,
-                                progress)
+                                progress, place)
     finally:
         release(held)
 
 
 def _write_split(
     model: nn.Module, config: dict, layers: list[MoeLayer], model_dir: Path, out_dir: Path,
-    sid: str, names: list[str], progress: bool,
+    sid: str, names: list[str], progress: bool, place: Place | None = None,
 ) -> Manifest:
     """Write the dense part, then every expert into its store, then the manifests (last, so
     that a split cut short is never served)."""
@@ -287,8 +301,14 @@ def _write_split(
         expert_bytes.update(
             {(layer.layer, e): per_expert // layer.num_experts for e in range(layer.num_experts)}
         )
-    groups = split_by_bytes(expert_bytes, len(names))
-    store_of = {key: names[i] for i, group in enumerate(groups) for key in group}
+    if place is None:
+        groups = split_by_bytes(expert_bytes, len(names))
+        stores_of = {key: (names[i],) for i, group in enumerate(groups) for key in group}
+    else:
+        chosen = place(expert_bytes)
+        if set(chosen) != set(expert_bytes) or not all(chosen.values()):
+            raise InvalidInput("the placement must give every expert at least one store")
+        stores_of = {key: tuple(names[i] for i in chosen[key]) for key in expert_bytes}
 
     dense_dir = out_dir / "dense"
     dense_dir.mkdir(parents=True, exist_ok=True)
@@ -307,9 +327,12 @@ def _write_split(
         for layer in layers:
             for expert, tensors in _expert_tensors(model, layer):
                 name = expert_file_name(layer.layer, expert)
-                path = out_dir / store_of[(layer.layer, expert)] / name
+                first, *others = stores_of[(layer.layer, expert)]
+                path = out_dir / first / name
                 size = _write_expert(path, tensors, layer.layer, expert)
                 sha256, crc32 = checksums_file(path)
+                for store in others:  # a replica: the same bytes, renamed into place
+                    _copy_file(path, out_dir / store / name)
                 experts.append(ExpertFile(layer.layer, expert, name, size, sha256, crc32))
                 bar.update(expert_bytes[(layer.layer, expert)])
 

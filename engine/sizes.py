@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.experts import build_skeleton
-from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest
+from engine.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ExpertKey, Manifest, read_manifest
 from engine.moe_layers import find_moe_layers, layer_bytes, resolve_model_dir, weight_files
 
 
@@ -36,7 +36,8 @@ class ModelSizes:
     source_bytes: int = 0
 
 
-def _top_k(config: dict) -> int:
+def top_k_of(config: dict) -> int:
+    """The experts each token picks per MoE layer, as the config names it (1 if it does not)."""
     text = config.get("text_config", {})
     return int(config.get("num_experts_per_tok") or text.get("num_experts_per_tok") or 1)
 
@@ -54,7 +55,7 @@ def sizes_from_manifest(manifest: Manifest) -> ModelSizes:
     experts = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     dense = sum(f.bytes for f in manifest.dense_files)
     # A manifest holds bytes, not parameter counts: bits per weight stay unknown (0).
-    return ModelSizes(manifest.model_type, experts, dense, _top_k(manifest.config), False,
+    return ModelSizes(manifest.model_type, experts, dense, top_k_of(manifest.config), False,
                       _describe_quantization(manifest.config))
 
 
@@ -234,8 +235,18 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
         experts.update({(layer.layer, e): per_expert for e in range(layer.num_experts)})
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     return ModelSizes(config.get("model_type", "?"), experts, total - expert_total,
-                      _top_k(config), True, storage.words,
+                      top_k_of(config), True, storage.words,
                       8 * expert_total / expert_params if expert_params else 0.0, source)
+
+
+def read_sizes_of_manifest(manifest: Manifest, bits: int | None) -> ModelSizes:
+    """A sharded model's real sizes; `bits` is refused (only a config can answer "what if")."""
+    if bits is not None:
+        raise InvalidInput(
+            f"{manifest.model_type} is already sharded, so its sizes are real; --bits applies "
+            "to a config.json (plan the source model's config instead)"
+        )
+    return sizes_from_manifest(manifest)
 
 
 def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
@@ -243,19 +254,23 @@ def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> 
     (`bits`: as if quantized to that many bits, which only a config can answer)."""
     path = Path(path)
     if (path / MANIFEST_NAME).exists():
-        if bits is not None:
-            raise InvalidInput(
-                f"{path} is already sharded, so its sizes are real; --bits applies to a "
-                "config.json (plan the source model's config instead)"
-            )
-        return sizes_from_manifest(read_manifest(path))
+        return read_sizes_of_manifest(read_manifest(path), bits)
     config_path = resolve_model_dir(path) / "config.json" if path.is_dir() else path
     try:
-        config = json.loads(config_path.read_text())
+        text = config_path.read_text()
+        config = json.loads(text)
     except FileNotFoundError:
         raise NotFound(f"{path} is neither a sharded model folder nor a config.json") from None
     except json.JSONDecodeError as e:
         raise CorruptData(f"{config_path} is not valid JSON ({e})") from None
+    if isinstance(config, dict) and config.get("format") == MANIFEST_FORMAT:
+        # A Shoal manifest given as a file (OUT_DIR/manifest.json): its sizes are real.
+        return read_sizes_of_manifest(Manifest.from_json(text, origin=str(config_path)), bits)
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise InvalidInput(
+            f"{config_path} is not a model config: it names no model_type (a Hugging Face "
+            "config.json does, e.g. \"qwen3_moe\"); give a model folder, its config.json, or "
+            "a folder written by `shoal shard`")
     sizes = estimate_sizes(config, bits=bits, group_size=group_size)
     on_disk = sum(f.stat().st_size for f in weight_files(config_path.parent))
     return replace(sizes, source_bytes=on_disk) if on_disk else sizes

@@ -4,7 +4,7 @@ in memory left over."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from engine.errors import InvalidInput
 from engine.manifest import ExpertKey
@@ -83,3 +83,87 @@ def plan_streaming(
                 free_disk[n] -= sizes[key]
     return {key: tuple(sorted(h)) for key, h in sorted(holders.items())}
 
+
+
+# ---------------------------------------------------------------------------------------
+# What a streamed placement does: each member's hot set and cold reads, its drives' balance
+
+
+def member_hot_sets(
+    holders: Mapping[ExpertKey, Sequence[str]],
+    memory: Mapping[str, int],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float],
+    *,
+    top_k: int,
+) -> dict[str, frozenset[ExpertKey]]:
+    """What each member keeps in memory once warm: the experts it holds with the highest
+    selection odds per byte, while they fit its memory (the rule plan_streaming fills memory
+    by, and the steady state of a heat-ranked cache)."""
+    odds = selection_odds({key: heat.get(key, 0.0) for key in sizes}, top_k)
+    held: dict[str, list[ExpertKey]] = {name: [] for name in memory}
+    for key, names in holders.items():
+        for name in names:
+            held.setdefault(name, []).append(key)
+    hot: dict[str, frozenset[ExpertKey]] = {}
+    for name, keys in held.items():
+        room, chosen = memory.get(name, 0), set()
+        for key in sorted(keys, key=lambda k: (-odds[k] / max(sizes[k], 1), k)):
+            if sizes[key] <= room:
+                chosen.add(key)
+                room -= sizes[key]
+        hot[name] = frozenset(chosen)
+    return hot
+
+
+def cold_reads(
+    holders: Mapping[ExpertKey, Sequence[str]],
+    memory: Mapping[str, int],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float],
+    *,
+    top_k: int,
+) -> dict[int, dict[str, float]]:
+    """Expected bytes each member reads from its drive per token, by layer: the selection
+    odds times the size of every expert no holder keeps in memory, split over its holders."""
+    odds = selection_odds({key: heat.get(key, 0.0) for key in sizes}, top_k)
+    hot = member_hot_sets(holders, memory, sizes, heat, top_k=top_k)
+    reads: dict[int, dict[str, float]] = {}
+    for key, names in sorted(holders.items()):
+        layer = reads.setdefault(key[0], dict.fromkeys(memory, 0.0))
+        if not names or any(key in hot.get(n, ()) for n in names):
+            continue
+        for name in names:
+            layer[name] = layer.get(name, 0.0) + odds[key] * sizes[key] / len(names)
+    return reads
+
+
+def read_imbalance(
+    holders: Mapping[ExpertKey, Sequence[str]],
+    memory: Mapping[str, int],
+    read_bps: Mapping[str, float],
+    sizes: Mapping[ExpertKey, int],
+    heat: Mapping[ExpertKey, float],
+    *,
+    top_k: int,
+) -> float:
+    """The drives' time per token of this placement over the ideal one, summed over layers:
+    each layer waits for its busiest drive (expected cold bytes / read speed), where ideally
+    the cluster's memory holds the experts with the highest odds per byte and the rest are
+    read by all drives at once, each in proportion to its speed. 1.0 is the ideal; placements
+    of one model on one cluster compare by it (`shoal rebalance` for a streamed model)."""
+    if any(read_bps.get(n, 0) <= 0 for n in memory):
+        raise InvalidInput("every member needs a drive read speed above 0")
+    odds = selection_odds({key: heat.get(key, 0.0) for key in sizes}, top_k)
+    room = sum(memory.values())
+    ideal: dict[int, float] = {}
+    for key in sorted(sizes, key=lambda k: (-odds[k] / max(sizes[k], 1), k)):
+        if sizes[key] <= room:
+            room -= sizes[key]
+        else:
+            ideal[key[0]] = ideal.get(key[0], 0.0) + odds[key] * sizes[key]
+    best = sum(ideal.values()) / sum(read_bps[n] for n in memory)
+    reads = cold_reads(holders, memory, sizes, heat, top_k=top_k)
+    actual = sum(max((b / read_bps[n] for n, b in layer.items()), default=0.0)
+                 for layer in reads.values())
+    return actual / best if best > 0 else 1.0

@@ -34,6 +34,13 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         if name == "rebalance":
             p.add_argument("--max-bytes", metavar="SIZE",
                            help="copy at most this much (e.g. 2G): the most useful moves first")
+        p.add_argument("--member", action="append", metavar="NAME=[MEMORY]:READ",
+                       help="a worker's drive read speed (and memory budget, else the one it "
+                       "reports), by node id or address, e.g. studio-a=:40MB/s (repeat; also "
+                       "a cluster config's read_speed). Default: as measured from its drive "
+                       "counters once it has read. With every worker's speed known, a model "
+                       "beyond their memory is placed for streaming: hot sets in memory, cold "
+                       "reads in proportion to drive speed")
         p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
                        help="share of each worker's memory budget to leave free (default 10)")
         p.add_argument("--replan", action="store_true",
@@ -58,15 +65,18 @@ def max_bytes(args: argparse.Namespace) -> int | None:
 
 def main(args: argparse.Namespace) -> None:
     # lazy: start-up
+    from coordinator.ops.planning import live_members
     from coordinator.ops.rebalancer import describe, migrate
 
     limit = max_bytes(args)
+    members = live_members(args.member, args.cluster_config)
     manifest = read_manifest(args.model)
     links, close = open_live_workers(args, members_secret(args, manifest), manifest)
     try:
         report = migrate(args.model, links, deploy=args.command == "deploy",
                          dry_run=args.dry_run, max_bytes=limit, spare=args.spare / 100,
-                         replan=args.replan, progress=not (args.json or args.quiet))
+                         replan=args.replan, progress=not (args.json or args.quiet),
+                         members=members)
     finally:
         close()
     if args.json:

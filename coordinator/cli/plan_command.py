@@ -37,8 +37,11 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "(2, 3, 4, 5, 6 or 8) as `shoal shard --quantize BITS` does (config only)")
     p.add_argument("--group-size", type=int, default=64, metavar="G",
                    help="quantization group size for --bits (default 64)")
-    p.add_argument("--worker", action="append", required=True, metavar="NAME=MEMORY[:DISK]",
-                   help="a Mac: memory for experts and free disk, e.g. studio=192G:2TB (repeat). "
+    p.add_argument("--worker", action="append", required=True,
+                   metavar="NAME=MEMORY[:DISK[:READ]]",
+                   help="a Mac: memory for experts, free disk and (for a model that streams) "
+                   "its drive's read speed, e.g. studio=192G:2TB or studio=192G:2TB:5GB/s "
+                   "(repeat; with every READ given, the placement is the streamed one). "
                    "G, T (and GiB, TiB) are binary, 2^30 and 2^40 bytes; GB, TB are decimal, as "
                    "drives are sold: a 2 TB SSD is 2TB (1.82 TiB). The plan prints disks in both")
     p.add_argument("--heat", type=Path, metavar="HEAT.json",
@@ -80,6 +83,8 @@ def main(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")
     workers = [parse_worker_capacity(w) for w in args.worker]
     args.model = local_model(str(args.model))
+    if args.model.name == "manifest.json" and args.model.is_file():
+        args.model = args.model.parent  # OUT_DIR/manifest.json: the folder, its heat too
     sizes = read_sizes(args.model, bits=args.bits, group_size=args.group_size)
     if args.heat and args.uniform:
         raise InvalidInput("give --heat or --uniform, not both")
@@ -145,8 +150,10 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
     (a config not yet quantized), and the disk sizes a streaming verdict needs."""
     # lazy: start-up
     from coordinator.ops.ops_report import plan_report
+    from coordinator.ops.planning import machines
     from engine.sizes import read_sizes
 
+    many = machines(2, word_only=True) + "s"
     out = []
     if report["verdict"] != "fits" and args.bits is None and sizes.estimated and (
             sizes.expert_bits >= 16):
@@ -157,8 +164,16 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
                            f"in memory: experts {sum(smaller.experts.values()) / 2**30:.1f} GiB")
                 break
         else:
-            out.append("even at --bits 2 it would not fit in these Macs' memory: add Macs or "
-                       "memory")
+            out.append(f"even at --bits 2 it would not fit in these {many}' memory: add "
+                       f"{many} or memory")
+    if report["verdict"] == "does not fit" and not sizes.estimated:
+        # A sharded folder's sizes are real: what is left is more room, or a smaller split.
+        out.append(f"streaming needs every expert on some worker's drive: add {many}, or "
+                   "free disk on them (the DISK of NAME=MEMORY:DISK)")
+        if "bit" not in sizes.precision:
+            out.append("or make it smaller: shard the source again with `shoal shard SOURCE "
+                       "OUT --quantize 4` (`shoal plan --model SOURCE --bits 4` tells first "
+                       "whether that fits)")
     if report["verdict"] == "streams" and any(w.disk is None for w in workers):
         out.append("streaming keeps experts on the workers' drives: give each --worker its "
                    "free disk (NAME=MEMORY:DISK, e.g. a=192G:2TB) to check that they fit there")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
 from coordinator.ops.hub import local_model
+from engine.errors import InvalidInput
+from engine.heat import check_heat_matches
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -30,7 +33,25 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "unless --force")
     p.add_argument("--workers", type=int, metavar="N",
                    help="write N store folders OUT_DIR/worker-K balanced by bytes "
-                   "(default: one folder OUT_DIR/experts)")
+                   "(default: one folder OUT_DIR/experts; with --member, one per member)")
+    p.add_argument("--member", action="append", metavar="NAME=MEMORY:READ",
+                   help="a member for worker-K (K in the order given, repeat): its memory "
+                   "budget for experts and its drive's read speed, e.g. a=24G:40MB/s (MB/s, "
+                   "GB/s decimal; MiB/s binary). When the experts outgrow the members' "
+                   "memory they are placed for streaming: each member's hot set fits its "
+                   "budget and the cold reads go to members in proportion to their drive "
+                   "speed. Start each worker with that --memory-budget")
+    p.add_argument("--cluster-config", type=Path, metavar="FILE",
+                   help="the members from a cluster config instead (cluster-configs/*.toml): "
+                   "each [[workers]] table with memory_budget = \"24G\" and read_speed = "
+                   "\"40MB/s\", worker-K for the K-th")
+    p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
+                   help="share of each member's memory budget the plan leaves free, as "
+                   "`shoal rebalance --spare` does (default 10)")
+    p.add_argument("--heat", type=Path, metavar="FILE",
+                   help="place by this heat (with --member or --cluster-config): `shoal heat "
+                   "--json`'s output or a cluster's heat.msgpack (default: OUT_DIR/heat.msgpack "
+                   "of the split --force replaces, if any; else every expert alike)")
     p.add_argument("--quantize", type=int, metavar="BITS",
                    help="quantize with mlx-lm first (2, 3, 4, 5, 6 or 8 bits; affine, as "
                    "mlx_lm.convert -q does)")
@@ -47,16 +68,37 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     # lazy: start-up
+    from coordinator.ops.planning import member_lines, placement_members, shard_heat
+    from engine.moe_layers import resolve_model_dir
+    from engine.placement import store_placement
     from engine.sharding import shard
+    from engine.sizes import top_k_of
+
+    source = local_model(args.model_dir)
+    members = placement_members(args.member, args.cluster_config)
+    workers, place, heat = args.workers, None, None
+    if members:
+        if workers is not None and workers != len(members):
+            raise InvalidInput(f"--workers {workers} but {len(members)} members: give one")
+        workers = len(members)
+        heat = shard_heat(args.heat, args.out_dir)
+        config = json.loads((resolve_model_dir(source) / "config.json").read_text())
+        top_k = top_k_of(config)
+
+        def place(sizes):
+            if heat is not None:
+                check_heat_matches(heat, sizes)
+            return store_placement(members, sizes, heat, top_k=top_k, spare=args.spare / 100)
 
     manifest = shard(
-        local_model(args.model_dir),
+        source,
         args.out_dir,
-        workers=args.workers,
+        workers=workers,
         quantize_bits=args.quantize,
         group_size=args.group_size,
         progress=not args.quiet,
         force=args.force,
+        place=place,
     )
     total = sum(e.bytes for e in manifest.experts)
     print(
@@ -64,3 +106,6 @@ def main(args: argparse.Namespace) -> None:
         f"{len(manifest.layers)} MoE layers ({total / 2**20:.1f} MiB), model "
         f"{manifest.fingerprint[:12]} -> {args.out_dir}"
     )
+    if members:
+        spare = args.spare / 100
+        print("\n".join(member_lines(members, manifest, args.out_dir, heat, spare)))

@@ -47,10 +47,13 @@ class ClusterConfig:
     # [coordinator]: store folders of the coordinator's own Mac, served in its process
     local_stores: tuple[Path, ...] = ()
     memory_budget: str | None = None  # for those, in shoal-worker's forms
+    # [[workers]] memory_budget and read_speed as written, for placement (`shoal shard`,
+    # `shoal rebalance`): (node_id or first address, memory_budget, read_speed)
+    members: tuple[tuple[str, str | None, str | None], ...] = ()
 
 
 _TOP_KEYS = {"name", "interface", "workers", "coordinator"}
-_WORKER_KEYS = {"address", "addresses", "interface", "node_id"}
+_WORKER_KEYS = {"address", "addresses", "interface", "node_id", "memory_budget", "read_speed"}
 _COORDINATOR_KEYS = {"stores", "memory_budget"}
 
 
@@ -70,7 +73,7 @@ def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None)
     if not isinstance(workers, list) or not (workers or stores):
         raise InvalidInput(f'{origin}: list the workers, each as [[workers]] address = "HOST:PORT"'
                            " (or the coordinator's own stores, [coordinator] stores = [...])")
-    candidates = []
+    candidates, members = [], []
     for index, worker in enumerate(workers):
         where = f"{origin}: worker {index + 1}"
         if not isinstance(worker, dict):
@@ -90,11 +93,14 @@ def parse_cluster_config(data: Mapping, origin: str, folder: Path | None = None)
             interface=_optional_str(worker, "interface", where) or interface,
             node_id=check_name(node_id, f"{where}: node_id") if node_id else None,
         ))
+        members.append((node_id or addresses[0], _optional_str(worker, "memory_budget", where),
+                        _optional_str(worker, "read_speed", where)))
     keys = [c.key for c in candidates]
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise InvalidInput(f"{origin}: worker {repeated[0]} is listed twice")
-    return ClusterConfig(name, interface, tuple(candidates), stores, memory_budget)
+    return ClusterConfig(name, interface, tuple(candidates), stores, memory_budget,
+                         tuple(members))
 
 
 def _known_keys(table: Mapping, keys: set[str], where: str) -> None:

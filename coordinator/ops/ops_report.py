@@ -101,7 +101,7 @@ def plan_report(
         "heat": "uniform" if heat is None else heat_origin or "from file",
     }
     try:
-        plan = plan_placement(workers, sizes.experts, heat, spare=spare)
+        plan = plan_placement(workers, sizes.experts, heat, spare=spare, top_k=sizes.top_k)
     except InvalidInput as e:
         return {**report, "fits": False, "verdict": "does not fit", "reason": str(e)}
     per_worker = {w.name: {"memory": w.memory, "disk": w.disk, "experts": 0, "bytes": 0,
@@ -152,6 +152,7 @@ def migration_report(report: Report) -> dict:
         "resumed": p.resumed,
         "imbalance_now": p.imbalance_now,
         "imbalance_after": p.imbalance_after,
+        "imbalance_of": p.measure,
         "copy_bytes": p.plan.copy_bytes,
         "steps": [{"kind": s.kind, "layer": s.key[0], "expert": s.key[1], "worker": s.worker,
                    "source": s.source, "bytes": s.bytes} for s in p.plan.steps],

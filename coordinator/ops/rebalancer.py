@@ -7,16 +7,27 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator.dataplane.link import WorkerLink
 from coordinator.ops.heat_record import fetch_readings, name_workers, record_heat
 from coordinator.ops.migration_executor import QUIET_SECONDS, Event, Execution, Executor
 from engine.cache_policy import format_bytes
-from engine.errors import CorruptData, InvalidInput, NotFound, Unavailable
+from engine.errors import CorruptData, InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest, write_atomic
-from engine.rebalance_plan import MIN_GAIN, LiveWorker, Proposal, propose, state_of
+from engine.placement import WorkerCapacity
+from engine.rebalance_plan import (
+    GAIN_PER_MOVED,
+    MIN_GAIN,
+    LiveWorker,
+    Proposal,
+    drive_rate,
+    propose,
+    state_of,
+    with_members,
+)
+from engine.sizes import top_k_of
 from proto import CHUNK_BYTES, shoal_pb2
 
 # The target is kept in OUT_DIR/migration.json until it is reached, so a run stopped at any
@@ -43,6 +54,23 @@ def _live_worker(name: str, inventory: shoal_pb2.Inventory) -> LiveWorker:
         memory_budget=inventory.memory_budget,
         free_disk=inventory.free_disk,
     )
+
+
+def measured_speeds(workers: Sequence[LiveWorker], by_name: Mapping[str, WorkerLink],
+                    members: Sequence[WorkerCapacity]) -> list[LiveWorker]:
+    """The workers with their drives' read speeds: as the members say (by node id or
+    address), else as measured from their drive counters (GetStats) once they have read."""
+    out = []
+    for w in workers:
+        try:
+            stats = by_name[w.name].fetch_stats()
+        except ShoalError:
+            out.append(w)
+            continue
+        rate = drive_rate((d.bytes_read, d.active_seconds) for d in stats.drives)
+        out.append(replace(w, read_gbps=rate))
+    aliases = {link.address: name for name, link in by_name.items()}
+    return with_members(out, members, aliases)
 
 
 def local_files(model_dir: Path, manifest: Manifest) -> dict[ExpertKey, Path]:
@@ -118,13 +146,17 @@ def migrate(
     on_event: Event | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     quiet: float = QUIET_SECONDS,
+    members: Sequence[WorkerCapacity] = (),
 ) -> Report:
     """`shoal deploy` (deploy=True: place every expert, sending from OUT_DIR's files) or
-    `shoal rebalance` (from the recorded heat, move and replicate experts between workers)."""
+    `shoal rebalance` (from the recorded heat, move and replicate experts between workers).
+    With every worker's read speed known (`members`, or measured), a model beyond their
+    memory is placed for streaming (engine/stream_placement.py)."""
     manifest = read_manifest(Path(model_dir))
     if not links:
         raise Unavailable("no live worker to place experts on")
     workers, by_name = observe(links)
+    workers = measured_speeds(workers, by_name, members)
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     # This machine's copies (if OUT_DIR still has its store folders) are the cheapest source.
     local = local_files(model_dir, manifest)
@@ -139,7 +171,7 @@ def migrate(
     state = state_of(workers, sizes, local)
     stored = None if replan else load_target(model_dir, manifest.fingerprint)
     proposal = propose(state, workers, sizes, heat, stored=stored, spare=spare,
-                       max_bytes=max_bytes, deploy=deploy)
+                       max_bytes=max_bytes, deploy=deploy, top_k=top_k_of(manifest.config))
     if proposal.resumed:
         log(f"finishing the interrupted run's target ({MIGRATION_FILE}; --replan plans afresh)")
     elif stored:
@@ -166,7 +198,9 @@ def describe(report: Report, *, steps: int = 20) -> list[str]:
     if not plan.steps and not plan.blocked:
         why = ("every expert is served by a live worker (`shoal rebalance` moves them)"
                if report.mode == "deploy" else
-               f"no placement found lowers the predicted imbalance by {MIN_GAIN:.0%} or more")
+               f"no placement found lowers the predicted imbalance enough for the bytes it "
+               f"copies (by {MIN_GAIN:.0%}, and 1% more for each {1 / GAIN_PER_MOVED:g}% of "
+               "the experts' bytes copied)")
         lines.append(f"nothing to do: {why}")
     moved: dict[str, list[int]] = {w: [0, 0, 0] for w in report.workers}  # in, bytes in, out
     for s in plan.steps:
@@ -183,7 +217,9 @@ def describe(report: Report, *, steps: int = 20) -> list[str]:
         lines.append(f"  {w:<24} +{n_in} ({format_bytes(b_in)})  -{n_out}  -> {held} experts")
     replicas = sum(len(v) > 1 for v in p.target.values())
     now = "-" if p.imbalance_now is None else f"{p.imbalance_now:.2f}"
-    lines.append(f"  predicted imbalance (busiest worker / mean, per layer): {now} now, "
+    what = ("busiest drive's reads / the ideal's, per layer" if p.measure == "reads" else
+            "busiest worker / mean, per layer")
+    lines.append(f"  predicted imbalance ({what}): {now} now, "
                  f"{p.imbalance_after:.2f} after; {replicas} experts with replicas")
     for key, why in sorted(plan.blocked.items()):
         lines.append(f"  left as is: expert {key[0]}/{key[1]}: {why}")

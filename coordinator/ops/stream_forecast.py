@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from coordinator.ops.planning import forecast_words, machines
 from engine.cache_policy import format_bytes
 from engine.errors import InvalidInput
 from engine.placement import SpeedAssumptions, WorkerCapacity, plan_placement
@@ -68,20 +69,28 @@ def streaming_forecast(
         speed = predict_streaming(plan.holders, members, sizes.experts, heat, top_k=sizes.top_k,
                                   compute_seconds=compute, samples=64,
                                   read_factor=read_factor)
-        rows.append({"macs": n, "fits": True, "resident": plan.resident, **speed})
+        rows.append({"macs": n, "fits": True, "resident": plan.resident, **speed,
+                     "ceiling_tokens_per_second": ceiling(speed)})
     return {"heat": origin, "read_factor": read_factor, "rows": rows}
+
+
+def ceiling(speed: dict) -> float:
+    """The same forecast with no drive reads (every expert in memory): the bound its figure
+    never exceeds, from the one model rather than a second estimate beside it."""
+    return 1.0 / (speed["seconds_per_token"] - speed["read_seconds_per_token"])
 
 
 def print_forecast(forecast: dict, assume: SpeedAssumptions) -> None:
     print(f"streaming forecast (heat {forecast['heat']}; {assume.disk_gbps:g} GB/s SSD unless "
-          f"a Mac gives its own, {assume.memory_gbps:g} GB/s memory, "
+          f"a {machines(1, word_only=True)} gives its own, {assume.memory_gbps:g} GB/s memory, "
           f"{assume.round_trip_ms:g} ms round trip per MoE layer, "
           f"{forecast.get('read_factor', 1.0):g}x the demand misses' bytes read):")
     for row in forecast["rows"]:
         if not row["fits"]:
-            print(f"  {row['macs']} Mac(s): does not fit: {row['reason']}")
+            print(f"  {machines(row['macs'])}: does not fit: {row['reason']}")
             continue
         busy = max(row["drive_busy"].values())
-        print(f"  {row['macs']} Mac(s): ~{row['tokens_per_second']:.2f} tokens/s, hit rate "
+        print(f"  {machines(row['macs'])}: {forecast_words(row)}, hit rate "
               f"{100 * row['hit_rate']:.0f}%, {format_bytes(row['read_bytes_per_token'])} read "
               f"per token, busiest drive {100 * busy:.0f}% of the time")
+

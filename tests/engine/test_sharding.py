@@ -220,3 +220,30 @@ def test_expert_entries_carry_a_crc32_and_manifests_read_both_ways(tiny_checkpoi
     for e in body["experts"]:
         e["added_later"] = 1
     assert Manifest.from_json(json.dumps(body), origin="newer").experts == old.experts
+
+
+def test_shard_writes_each_expert_to_every_store_the_placement_names(tiny_checkpoint, tmp_path):
+    from engine.placement import WorkerCapacity, store_placement
+
+    members = [WorkerCapacity("a", 60_000, None, 0.04), WorkerCapacity("b", 60_000, None, 0.08)]
+    planned = {}
+
+    def place(sizes):
+        planned.update(store_placement(members, sizes, None, top_k=2))
+        planned[(0, 0)] = (0, 1)  # a replica: written to both stores
+        return planned
+
+    out = tmp_path / "out"
+    manifest = shard(tiny_checkpoint("qwen3_moe"), out, workers=2, progress=False, place=place)
+    for index in (0, 1):
+        files = {(e.layer, e.expert) for e in manifest.experts
+                 if (out / f"worker-{index}" / e.file).is_file()}
+        assert files == {key for key, stores in planned.items() if index in stores}
+    replica = next(e for e in manifest.experts if (e.layer, e.expert) == (0, 0))
+    assert all(sha256_file(out / f"worker-{k}" / replica.file) == replica.sha256 for k in (0, 1))
+    # the faster drive holds more of the cold experts
+    held = [sum(1 for stores in planned.values() if k in stores) for k in (0, 1)]
+    assert held[1] > held[0]
+    with pytest.raises(ShoalError, match="every expert at least one store"):
+        shard(tiny_checkpoint("qwen3_moe"), tmp_path / "bad", workers=2, progress=False,
+              place=lambda sizes: {})

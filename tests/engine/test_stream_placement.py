@@ -2,7 +2,13 @@ import pytest
 
 from engine.errors import InvalidInput
 from engine.placement import WorkerCapacity, plan_placement
-from engine.stream_placement import plan_streaming, selection_odds
+from engine.stream_placement import (
+    cold_reads,
+    member_hot_sets,
+    plan_streaming,
+    read_imbalance,
+    selection_odds,
+)
 from engine.stream_speed import StreamingMember, predict_streaming, skewed_heat
 
 LAYERS, EXPERTS, TOP_K, SIZE = 3, 32, 4, 100
@@ -100,3 +106,64 @@ def test_a_deploy_onto_workers_with_measured_read_speeds_places_for_streaming():
               for n in ("fast", "slow")}
     assert set(proposal.target) == set(SIZES)
     assert placed["fast"] > 2 * placed["slow"]
+
+
+MB = 10**6
+DRIVES = {"a": 40 * MB, "b": 80 * MB}  # MB/s, as drives are sold
+
+
+def cold_share(holders: dict, memory: dict) -> dict:
+    reads = cold_reads(holders, memory, SIZES, SKEWED, top_k=TOP_K)
+    total = {n: sum(layer[n] for layer in reads.values()) for n in memory}
+    return {n: total[n] / sum(total.values()) for n in memory}
+
+
+def test_each_members_hot_set_fits_its_budget_and_together_they_are_the_hottest():
+    memory = {"a": 10 * SIZE, "b": 25 * SIZE}
+    holders = plan_streaming(memory, dict.fromkeys(memory, AMPLE), DRIVES, SIZES, SKEWED,
+                             top_k=TOP_K)
+    hot = member_hot_sets(holders, memory, SIZES, SKEWED, top_k=TOP_K)
+    for name in memory:
+        assert sum(SIZES[k] for k in hot[name]) <= memory[name]
+        assert hot[name] <= held(holders, name)
+    odds = selection_odds(SKEWED, TOP_K)
+    hottest = set(sorted(SIZES, key=lambda k: (-odds[k], k))[:35])
+    assert hot["a"] | hot["b"] == hottest and not hot["a"] & hot["b"]
+
+
+def test_cold_bytes_go_to_40_and_80_mb_s_drives_in_proportion_to_their_speed():
+    memory = {"a": 8 * SIZE, "b": 8 * SIZE}
+    holders = plan_streaming(memory, dict.fromkeys(memory, AMPLE), DRIVES, SIZES, SKEWED,
+                             top_k=TOP_K)
+    share = cold_share(holders, memory)
+    assert share["b"] == pytest.approx(2 / 3, abs=0.05)
+    assert read_imbalance(holders, memory, DRIVES, SIZES, SKEWED, top_k=TOP_K) < 1.15
+    # an even split by bytes leaves the fast drive idle a third of the time
+    even = {key: ("a" if key[1] % 2 else "b",) for key in SIZES}
+    assert cold_share(even, memory)["b"] == pytest.approx(1 / 2, abs=0.05)
+    assert read_imbalance(even, memory, DRIVES, SIZES, SKEWED, top_k=TOP_K) > 1.25
+
+
+def test_a_rebalance_of_a_streamed_model_reaches_and_then_keeps_the_streamed_placement():
+    from engine.migration import check_steps
+    from engine.rebalance_plan import LiveWorker, propose, state_of
+
+    even = {key: ("a" if key[1] % 2 else "b",) for key in SIZES}
+
+    def cluster(holders):
+        return [LiveWorker(n, frozenset(k for k, h in holders.items() if n in h),
+                           memory_budget=8 * SIZE, free_disk=AMPLE, read_gbps=DRIVES[n] / 1e9)
+                for n in DRIVES]
+
+    state = state_of(cluster(even), SIZES, ())
+    p = propose(state, cluster(even), SIZES, SKEWED, spare=0.0, top_k=TOP_K)
+    assert p.measure == "reads" and p.imbalance_now > 1.25 and p.imbalance_after < 1.15
+    check_steps(state, p.plan.steps)  # raises at the first unsafe step
+    memory = dict.fromkeys(DRIVES, 8 * SIZE)
+    hot = member_hot_sets(p.target, memory, SIZES, SKEWED, top_k=TOP_K)
+    assert all(sum(SIZES[k] for k in hot[n]) <= memory[n] for n in DRIVES)
+    assert cold_share(p.target, memory)["b"] == pytest.approx(2 / 3, abs=0.05)
+    # right after it, from the same heat, nothing moves
+    again = propose(state_of(cluster(p.target), SIZES, ()), cluster(p.target), SIZES, SKEWED,
+                    spare=0.0, top_k=TOP_K)
+    assert again.plan.steps == ()

@@ -295,6 +295,14 @@ def test_the_page_shows_the_rebalance_plan_and_runs_it_live_with_its_progress(pa
     answer = client(server).completions.create(model="tiny", prompt="after the move",
                                                max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length")
+    # after it and a little more traffic, the offer beside "Rebalance now" is to do nothing
+    # (issue 53 item 3)
+    for prompt in ("one more", "and another"):
+        client(server).completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                          temperature=0)
+    again = httpx.get(server.url + "/api/rebalance/plan", headers=auth(), timeout=60).json()
+    assert again["plan"]["steps"] == [], again
+    assert any(line.startswith("nothing to do") for line in again["lines"]), again
 
 
 def test_a_killed_worker_turns_unhealthy_within_10_s_and_healthy_after_its_restart(

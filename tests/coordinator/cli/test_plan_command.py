@@ -82,6 +82,25 @@ def test_plan_refuses_bits_for_a_sharded_folder(sharded):
     assert run.returncode == 2 and "already sharded" in run.stderr
 
 
+def test_plan_reads_a_shoal_manifest_given_as_a_file_as_its_folder(sharded):
+    folder = json.loads(plan("--model", str(sharded), "--worker", "a=8G:10G", "--json").stdout)
+    for manifest in (sharded / "manifest.json", sharded / "experts" / "manifest.json"):
+        run = plan("--model", str(manifest), "--worker", "a=8G:10G", "--json")
+        assert run.returncode == 0, run.stderr
+        model = json.loads(run.stdout)["model"]
+        assert model == folder["model"] and not model["estimated_from_config"]
+
+
+def test_a_config_that_is_not_a_model_config_gets_an_error_that_names_it(tmp_path):
+    for body, words in (("{}", "names no model_type"), ("[1]", "names no model_type"),
+                        ('{"model_type": "qwen3_moe"}', "lacks what mlx-lm's qwen3_moe needs")):
+        config = tmp_path / "config.json"
+        config.write_text(body)
+        run = plan("--model", str(config), "--worker", "a=8G:10G")
+        assert run.returncode == 2 and words in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+
+
 def test_plan_estimates_from_a_config_and_refuses_bad_input(tiny_checkpoint, tmp_path):
     config = tiny_checkpoint("mixtral") / "config.json"
     run = plan("--model", str(config), "--worker", "a=1G", "--json")

@@ -30,7 +30,8 @@ def test_a_plan_is_told_worker_by_worker_with_what_is_left_as_is():
 def test_nothing_to_do_says_why():
     lines = describe(report((), blocked=False))
     assert lines[1] == ("nothing to do: no placement found lowers the predicted imbalance "
-                        "by 1% or more")
+                        "enough for the bytes it copies (by 2%, and 1% more for each 3% of "
+                        "the experts' bytes copied)")
 
 
 def test_a_run_says_what_it_sent():
