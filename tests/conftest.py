@@ -1,8 +1,11 @@
-"""Fixtures shared by the whole test suite: tiny random checkpoints built once per session,
-the cluster secret, and real shoal-worker processes that are killed by PID at teardown."""
+"""Fixtures shared by the whole test suite: tiny random checkpoints and the demo's models built
+once per session, the cluster secret, and real shoal-worker processes stopped at teardown.
+Reuse them (the list at the end of this file says which to take when) to keep the suite fast."""
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from coordinator.ops.local_processes import LocalWorker
 from coordinator.ops.local_processes import start_worker as launch_worker
 from engine.auth import create_secret
 from engine.sharding import shard
+from tests.demo_runs import DemoRun, demo_workers_running
 
 TinyCheckpoint = Callable[..., Path]
 
@@ -73,12 +77,14 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_worker(
     secret_file: Path, tmp_path: Path
 ) -> Iterator[Callable[..., LocalWorker]]:
-    """A factory: start_worker([store, ...], *extra_args, forked=False) -> LocalWorker; all
-    are stopped. forked=True forks the worker from one that has imported it already (~0.2 s
-    instead of ~2 s a start), for tests that start many."""
+    """A factory: start_worker([store, ...], *extra_args, forked=True) -> LocalWorker; all
+    are stopped. Forked from a process that has imported shoal-worker once: the daemon's own
+    main() in a process of its own, started in ~0.2 s instead of ~2 s of imports (more on a
+    busy machine). It sees the environment of the first fork, so a test that gives the worker
+    environment of its own, or checks the command itself, passes forked=False."""
     started: list[LocalWorker] = []
 
-    def start(stores: list[Path], *extra: str, forked: bool = False) -> LocalWorker:
+    def start(stores: list[Path], *extra: str, forked: bool = True) -> LocalWorker:
         log = tmp_path / f"worker-{len(started)}.log"
         worker = launch_worker(stores, secret_file, log, extra, forked=forked)
         started.append(worker)
@@ -87,6 +93,33 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def demo_first_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """`shoal demo` as a newcomer's first run: it builds the demo's models from SmolLM2's
+    weights (a few GB written, most of a minute) into a fresh cache, once per session.
+    test_demo checks the run; the others take its models through `demo_cache`."""
+    cache = tmp_path_factory.mktemp("demo-cache")
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+        env={**os.environ, "SHOAL_CACHE": str(cache)})
+    return DemoRun(cache, run, demo_workers_running(cache))
+
+
+@pytest.fixture(scope="session")
+def demo_cache(demo_first_run: DemoRun) -> Path:
+    """A $SHOAL_CACHE holding the demo's models as `shoal demo` built them (the dense
+    SmolLM2, its 16-expert top-4 MoE, that MoE sharded for two workers, the demo's secret).
+    Point SHOAL_CACHE at it (monkeypatch.setenv, or a subprocess's env) to use them without
+    building; add models under names of your own, never change the ones in it."""
+    if demo_first_run.run.returncode != 0:
+        pytest.fail(f"shoal demo failed: {demo_first_run.run.stderr[-3000:]}", pytrace=False)
+    return demo_first_run.cache
 
 
 @pytest.fixture(scope="session")
@@ -110,3 +143,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.processes)
+
+
+# Which shared fixture to take (each saves a build or a process start per test):
+# - tiny_checkpoint(family, bits, layout): a tiny random checkpoint, built once per session;
+#   read-only (copy it before changing it). Sharding it (engine.sharding.shard) takes ~0.2 s.
+# - replicated_stores: qwen3_moe over two stores where the first holds every expert.
+# - start_worker([store], *args): a real worker, forked (~0.2 s a start), stopped after the
+#   test; forked=False for a worker that needs its own environment or the command itself.
+#   Module fixtures that start a cluster: coordinator.ops.local_processes.start_workers(...,
+#   forked=True), then stop_workers. A worker a test kills or restarts is the test's own.
+# - demo_cache: the demo's real SmolLM2 models, built once (a minute and a few GB); point
+#   SHOAL_CACHE at it. demo_first_run: the `shoal demo` run that built them.
+# - secret_file, config_home (autouse), chromium: as their docstrings say.
+# Wait for a condition with a bound (poll it), never for a fixed time; assert bounds that
+# hold on a busy machine, and leave speed ratios to benchmarks/.

@@ -180,11 +180,13 @@ def start_workers(
     places: Sequence[tuple[Sequence[str], str]] = (),
     on_ready: Callable[[int, LocalWorker, float], None] | None = None,
     extra: Sequence[str] = (),
+    *,
+    forked: bool = False,
 ) -> list[LocalWorker]:
     """Start one worker per group of stores; if any fails, stop those already started.
     `places` gives each worker a (command prefix, host) other than loopback; `on_ready` hears
     of each as it serves (index, worker, seconds since the start), for progress; `extra`
-    are more shoal-worker arguments for each."""
+    are more shoal-worker arguments for each; `forked` as for start_worker."""
     workers: list[LocalWorker] = []
     started = time.monotonic()
     try:
@@ -194,7 +196,7 @@ def start_workers(
             # workers that share this machine's node id.
             workers.append(start_worker(stores, secret_file, log_dir / f"worker-{index}.log",
                                         ("--no-advertise", *extra), host=host,
-                                        prefix=prefix))
+                                        prefix=prefix, forked=forked))
             if on_ready is not None:
                 on_ready(index, workers[-1], time.monotonic() - started)
     except BaseException:

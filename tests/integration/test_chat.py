@@ -33,7 +33,7 @@ def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
     source = tiny_checkpoint("qwen3_moe")
     shard(source, root / "sharded", workers=2, progress=False)
     workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
-                            secret_file, root / "logs")
+                            secret_file, root / "logs", forked=True)
     yield source, root / "sharded", workers
     stop_workers(workers)
 
@@ -78,7 +78,7 @@ def wide_heads(secret_file, tmp_path_factory):
         source = build_checkpoint(root / "source", "qwen3_moe")
     shard(source, root / "sharded", workers=2, progress=False)
     workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
-                            secret_file, root / "logs")
+                            secret_file, root / "logs", forked=True)
     yield source, root / "sharded", workers
     stop_workers(workers)
 
@@ -204,6 +204,17 @@ class Terminal:
         shown, _, self.seen = self.seen.partition(text.encode())
         return shown.decode(errors="replace") + text
 
+    def shows_more(self, count: int, seconds: float = 120) -> None:
+        """Wait until `count` bytes are shown beyond what expect() consumed (bounded)."""
+        import select
+
+        deadline = time.monotonic() + seconds
+        while len(self.seen) < count:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{count} bytes not shown; the terminal shows: {self.seen!r}"
+            if select.select([self.fd], [], [], min(left, 1.0))[0]:
+                self.seen += os.read(self.fd, 65536)
+
     def close(self) -> int:
         for _ in range(300):
             done, status = os.waitpid(self.pid, os.WNOHANG)
@@ -232,7 +243,9 @@ def test_ctrl_c_stops_the_reply_not_the_session_and_the_line_edits(cluster, secr
     try:
         chat.expect(">> ")
         chat.send(b"Tell me everything\r")
-        time.sleep(3)  # the random tiny model writes on and on; stop it mid-way
+        # the line's echo, then the reply: the random tiny model writes on and on; stop it
+        # once it has written some
+        chat.shows_more(250)
         chat.send(b"\x03")
         assert "[stopped: " in chat.expect("from the cache]")
         chat.expect(">> ")
@@ -241,7 +254,7 @@ def test_ctrl_c_stops_the_reply_not_the_session_and_the_line_edits(cluster, secr
         chat.send(b"\x1b[A\r")  # Up: the line before, /help, again
         chat.expect("earlier messages")
         chat.send(b'"""\rfirst line\rsecond line\r"""\r')
-        time.sleep(3)
+        chat.shows_more(300)  # the lines' echo, then some of the reply
         chat.send(b"\x03")
         turn = chat.expect("from the cache]")
         assert "... " in turn and turn.count("tokens at") == 1  # one message, one reply

@@ -46,7 +46,8 @@ def start_node(sharded: Path, index: int, secret_file: Path, logs: Path,
                port: str = "0") -> LocalWorker:
     return start_worker([sharded / f"worker-{index}"], secret_file,
                         logs / f"{NODES[index]}-{time.monotonic_ns()}.log",
-                        ("--no-advertise", "--node-id", NODES[index], "--port", port))
+                        ("--no-advertise", "--node-id", NODES[index], "--port", port),
+                        forked=True)
 
 
 @pytest.fixture(scope="module")

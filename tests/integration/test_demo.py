@@ -11,35 +11,38 @@ from pathlib import Path
 
 import pytest
 
+from tests.demo_runs import demo_workers_running
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def worker_processes(cache: Path) -> list[str]:
-    run = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, timeout=30)
-    return [line for line in run.stdout.splitlines()
-            if "worker.daemon" in line and str(cache) in line]
-
-
 @pytest.mark.slow
-def test_demo_answers_paris_and_stops_its_workers(tmp_path):
-    cache = tmp_path / "cache"
+def test_demo_answers_paris_and_stops_its_workers(demo_first_run):
+    """The first run (conftest's demo_first_run, on an empty cache) builds the model, the
+    second reuses it; each answers and leaves no worker running."""
+    cache = demo_first_run.cache
+    first = demo_first_run.run
+    assert first.returncode == 0, f"first run: {first.stderr[-3000:]}"
+    assert "building" in first.stderr, "the first run built nothing"
+    assert not demo_first_run.left_running, "first run"
     env = {**os.environ, "SHOAL_CACHE": str(cache)}
-    for attempt in ("first run builds the model", "second run reuses the cache"):
-        run = subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "24"],
-            capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
-        )
-        assert run.returncode == 0, f"{attempt}: {run.stderr[-3000:]}"
+    second = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
+    )
+    assert second.returncode == 0, f"second run: {second.stderr[-3000:]}"
+    assert not demo_workers_running(cache), "second run"
+    for attempt, run in (("first run builds the model", first),
+                         ("second run reuses the cache", second)):
         assert "Paris" in run.stdout, f"{attempt}: {run.stdout}"
         assert "tok/s" in run.stderr
         assert "16 experts per layer, top-4" in run.stderr  # sparse: each token runs a quarter
-        assert not worker_processes(cache), attempt
-    assert "building" not in run.stderr  # the second run built nothing
+    assert "building" not in second.stderr  # the second run built nothing
     assert (cache / "demo" / "sharded-e16-k4-copies-w2" / "manifest.json").exists()
 
 
 @pytest.mark.slow
-def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_worker,
+def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(demo_cache, start_worker,
                                                                 secret_file, monkeypatch):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -49,8 +52,8 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(tmp_path, start_
     from coordinator.decoding.generate import encode_prompt, open_remote_model
     from engine.auth import load_secret
 
-    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
-    sharded = prepare(16, 4, 2, progress=False)
+    monkeypatch.setenv("SHOAL_CACHE", str(demo_cache))
+    sharded = prepare(16, 4, 2, progress=False)  # built already
     reference, tokenizer = load(str(moe_folder(16, 4)))
     prompt = encode_prompt(tokenizer, "What is the capital of France?", chat=True)
     expected = [int(t) for t, _ in generate_step(mx.array(prompt), reference, max_tokens=12)]
@@ -110,13 +113,13 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_the_commands_the_demo_prints_work_as_printed(tmp_path):
+def test_the_commands_the_demo_prints_work_as_printed(demo_cache):
     """A chat, the OpenAI API through the official client, and a worker of its own, each on
     the demo's model, typed as the demo printed them (ports made free where the printed one
     is taken on this shared machine, the only change)."""
     from openai import OpenAI
 
-    env = {**os.environ, "SHOAL_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "SHOAL_CACHE": str(demo_cache)}  # the models built already
     demo = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "12"],
         capture_output=True, text=True, timeout=900, cwd=REPO, env=env,

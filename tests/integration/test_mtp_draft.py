@@ -68,7 +68,8 @@ def test_mtp_drafting_gives_mlx_lm_greedy_ids(family, bits, layout, tmp_path, se
     manifest = shard(source, sharded, workers=2, progress=False)
     assert manifest.layers[-1].path == "mtp.block.mlp.switch_mlp"
     stores = [sharded / "worker-0", sharded / "worker-1"]
-    local = start_workers([[store] for store in stores], secret_file, tmp_path / "logs")
+    local = start_workers([[store] for store in stores], secret_file, tmp_path / "logs",
+                          forked=True)
     try:
         remote = open_remote_model(sharded, [w.address for w in local], load_secret(secret_file))
         try:

@@ -19,7 +19,7 @@ PROMPT = [5, 17, 42, 99, 7, 250, 33, 64, 128, 12, 3, 77]
 def test_a_worker_lost_between_the_pieces_of_a_prompt_pass_is_routed_around(
         replicated_stores, secret_file, tmp_path):
     sharded, stores = replicated_stores
-    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs")
+    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs", forked=True)
     remote = None
     try:
         remote = open_remote_model(sharded, [w.address for w in workers],

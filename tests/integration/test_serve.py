@@ -58,7 +58,7 @@ def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
     sharded = root / "sharded"
     shard(source, sharded, workers=2, progress=False)
     workers = start_workers([[sharded / "worker-0"], [sharded / "worker-1"]], secret_file,
-                            root / "logs")
+                            root / "logs", forked=True)
     yield source, sharded, workers, root
     stop_workers(workers)
 
@@ -358,7 +358,7 @@ def test_a_lost_worker_ends_requests_with_its_experts_named_and_serving_resumes(
     port = lost.address.rpartition(":")[2]
     back: LocalWorker = start_worker([sharded / "worker-1"], secret_file,
                                      root / "logs" / "worker-1-again.log",
-                                     ("--no-advertise", "--port", port))
+                                     ("--no-advertise", "--port", port), forked=True)
     workers[1] = back  # stopped with the others at the end of the module
     deadline = time.monotonic() + 30
     while server.health().status_code != 200:

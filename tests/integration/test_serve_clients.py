@@ -109,7 +109,7 @@ def workers(source, secret_file):
     root = source.parent
     shard(source, root / "sharded", workers=2, progress=False)
     started = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
-                            secret_file, root / "logs")
+                            secret_file, root / "logs", forked=True)
     yield started
     stop_workers(started)
 

@@ -34,7 +34,7 @@ def served(tiny_checkpoint, secret_file, tmp_path_factory):
                            cwd=REPO)
     assert again.returncode == 2 and "already exists" in again.stderr  # never overwritten
     workers = start_workers([[root / "sharded" / "worker-0"], [root / "sharded" / "worker-1"]],
-                            secret_file, root / "logs")
+                            secret_file, root / "logs", forked=True)
     server = start_server(root / "sharded", [w.address for w in workers], secret_file,
                           root / "serve.log", ("--api-key-file", str(root / "key"),
                                                "--model-id", "tiny"))

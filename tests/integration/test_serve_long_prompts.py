@@ -26,7 +26,7 @@ def cluster(tiny_checkpoint, secret_file, tmp_path_factory):
     sharded = root / "sharded"
     shard(source, sharded, workers=2, progress=False)
     workers = start_workers([[sharded / "worker-0"], [sharded / "worker-1"]], secret_file,
-                            root / "logs")
+                            root / "logs", forked=True)
     yield source, sharded, workers, root
     stop_workers(workers)
 

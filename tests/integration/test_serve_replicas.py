@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_a_lost_worker_with_copies_elsewhere_is_routed_around(replicated_stores, secret_file,
                                                                tmp_path):
     sharded, stores = replicated_stores
-    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs")
+    workers = start_workers([[s] for s in stores], secret_file, tmp_path / "logs", forked=True)
     server = None
     try:
         server = start_server(sharded, [w.address for w in workers], secret_file,

@@ -37,7 +37,7 @@ def clusters(tiny_checkpoint, tmp_path_factory, secret_file) -> Iterator[dict]:
             root = tmp_path_factory.mktemp(f"spec-{family}")
             shard(source, root / "sharded", workers=workers, progress=False)
             local = start_workers([[root / "sharded" / f"worker-{k}"] for k in range(workers)],
-                                  secret_file, root / "logs")
+                                  secret_file, root / "logs", forked=True)
             running += local
             remote = open_remote_model(root / "sharded", [w.address for w in local],
                                        load_secret(secret_file))
@@ -111,15 +111,17 @@ def test_sampling_with_a_draft_is_seeded_like_plain_sampling(clusters):
 
 
 @pytest.mark.slow
-def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, monkeypatch):
-    """The demo's 16-expert MoE on 2 workers; its dense float32 source agrees always."""
+def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, monkeypatch,
+                                                      demo_cache):
+    """The demo's 16-expert MoE (top-4: each token runs one copy of every slice, so it
+    computes the dense model) on 2 workers; its dense float32 source agrees always."""
     from builders.demo_models import prepare, prepare_dense
 
-    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
-    sharded = prepare(16, 16, 2, progress=False)
+    monkeypatch.setenv("SHOAL_CACHE", str(demo_cache))  # the demo's models, built already
+    sharded = prepare(16, 4, 2, progress=False)
     dense = prepare_dense(progress=False)
     local = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret_file,
-                          tmp_path / "logs")
+                          tmp_path / "logs", forked=True)
     try:
         remote = open_remote_model(sharded, [w.address for w in local], load_secret(secret_file))
         try:
