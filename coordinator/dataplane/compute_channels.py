@@ -55,6 +55,22 @@ class ChannelOwner(Protocol):
 class LaneRefused(Unavailable):
     """An expert lane could not be opened (its port refused, unreachable, or the worker
     answered the HELLO with a refusal): the link may still reach the worker over gRPC."""
+
+
+# TLS alerts by which a peer refuses this cluster's certificate (another cluster's, or none);
+# any other failure of a handshake (cut, reset, timed out) says nothing about identity.
+_IDENTITY_ALERTS = ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "DECRYPT_ERROR",
+                    "CERTIFICATE_UNKNOWN", "ACCESS_DENIED", "UNSUPPORTED_CERTIFICATE")
+
+
+def refused_identity(error: ssl.SSLError) -> bool:
+    """Whether a failed TLS handshake is one side refusing the other's certificate."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return True
+    reason = error.reason or ""
+    return "ALERT" in reason and any(alert in reason for alert in _IDENTITY_ALERTS)
+
+
 _HELLO_REPLIES = {lane_wire.READY: 0, lane_wire.ERROR: 1 << 16}
 _REPLIES = {lane_wire.MESSAGE: MESSAGE_LIMIT, lane_wire.ERROR: 1 << 16}
 
@@ -198,8 +214,11 @@ class LaneChannel:
             lane_wire.write_frame(sock, lane_wire.HELLO, credential.encode())
             kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)
         except ssl.SSLError as e:
-            raise Unauthenticated(OTHER_IDENTITY.format(address=link.address)
-                                  + f" (expert lane: {e.reason or e})") from None
+            if refused_identity(e):
+                raise Unauthenticated(OTHER_IDENTITY.format(address=link.address)
+                                      + f" (expert lane: {e.reason or e})") from None
+            raise LaneRefused(f"worker {link.address}: its expert lane on port {port} was cut "
+                              f"during the TLS handshake ({e.reason or e})") from None
         except (OSError, ShoalError) as e:
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise LaneRefused(f"worker {link.address}: cannot open its expert lane on port "
