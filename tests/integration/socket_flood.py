@@ -18,6 +18,7 @@ import json
 import re
 import resource
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -29,14 +30,18 @@ HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start(address: str, *, sockets: int, hosts: int, seconds: float,
-          mode: str = "idle") -> subprocess.Popen:
-    """The helper flooding `address` (host:port), once it holds its first round."""
+def start(address: str, *, sockets: int, hosts: int = 1, seconds: float,
+          mode: str = "idle", source: str | None = None,
+          rate: int = RECONNECTS_PER_SECOND) -> subprocess.Popen:
+    """The helper flooding `address` (host:port), once it holds its first round: from
+    `hosts` loopback addresses, or from `source` alone; `rate` reconnects a second at most
+    (0: as fast as it can)."""
     host, port = address.rsplit(":", 1)
+    where = ["--source", source] if source else ["--hosts", str(hosts)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.socket_flood", host, port, "--sockets",
-         str(sockets), "--hosts", str(hosts), "--mode", mode, "--seconds", str(seconds)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
+         str(sockets), *where, "--mode", mode, "--seconds", str(seconds), "--rate",
+         str(rate)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     first = proc.stdout.readline()
     if not first.startswith("holding"):
         proc.kill()
@@ -74,7 +79,7 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=100, help="source addresses 127.0.0.2...")
     p.add_argument("--source", help="one source address for every socket (instead of --hosts)")
     p.add_argument("--rate", type=int, default=RECONNECTS_PER_SECOND,
-                   help="reconnects a second at most")
+                   help="reconnects a second at most (0: as fast as it can)")
     p.add_argument("--mode", choices=("idle", "slowloris"), default="idle")
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
@@ -111,12 +116,14 @@ def main() -> None:
         open_one(i)
     print(f"holding {len(opened_at)}", flush=True)
 
-    deadline = time.monotonic() + args.seconds
+    deadline = [time.monotonic() + args.seconds]  # SIGINT ends it early, with its report
+    signal.signal(signal.SIGINT, lambda *_: deadline.__setitem__(0, 0.0))
     pending: list[int] = []  # closed by the server, to open again
     next_drip = time.monotonic() + 1.0
-    budget, budget_at = args.rate, time.monotonic()
-    while (now := time.monotonic()) < deadline:
-        for key, _ in selector.select(timeout=0.05):
+    rate = args.rate or 1 << 62
+    budget, budget_at = rate, time.monotonic()
+    while (now := time.monotonic()) < deadline[0]:
+        for key, _ in selector.select(timeout=0.05 if args.rate else 0.001):
             sock = key.fileobj
             try:
                 data = sock.recv(65536)
@@ -130,7 +137,7 @@ def main() -> None:
             sock.close()
             pending.append(key.data)
         if now - budget_at >= 1.0:
-            budget, budget_at = args.rate, now
+            budget, budget_at = rate, now
         while pending and budget > 0:
             open_one(pending.pop())
             budget -= 1

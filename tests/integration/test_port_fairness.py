@@ -5,6 +5,7 @@ one after another; nearly all of the latter must succeed, and the worker's memor
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.dataplane.link import WorkerLink
 from coordinator.ops.local_processes import LocalWorker
+from engine.auth import load_secret
+from engine.errors import ShoalError
 from engine.sharding import shard
+from tests.integration import socket_flood
+from tests.integration.test_lane import ready_lane
 from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     _READY,
     PORT,
@@ -97,3 +103,83 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
     assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
     assert handshakes["succeeded"] >= 0.9 * HANDSHAKES, handshakes
     assert rss_flooded - rss_before < 64  # the flood costs the worker little memory
+
+
+SAME_HOST_RUNS = 15
+SAME_HOST_SOCKETS = 2000  # per port: more than the worker holds of one host's silent ones
+SAME_HOST_SECONDS = 420  # the floods' own end, beyond the runs (killed when they are done)
+LANE_OPENS = 40
+
+
+def generate(sharded: Path, worker: LocalWorker, secret_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "generate", "--model", str(sharded),
+         "--workers", worker.address, "--secret-file", str(secret_file), "--max-tokens", "4",
+         "--json", "hello"], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def lane_opens(worker: LocalWorker, secret_file: Path, count: int) -> int:
+    """Fresh expert lanes opened to `worker` (TLS, HELLO, READY within 5 s), of `count`."""
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        port, node = link.fetch_inventory().lane_port, link.node_id
+    finally:
+        link.close()
+    opened = 0
+    for _ in range(count):
+        try:
+            ready_lane("127.0.0.1", port, load_secret(secret_file), node).close()
+            opened += 1
+        except (OSError, ShoalError, AssertionError):
+            pass
+        time.sleep(0.1)
+    return opened
+
+
+@pytest.mark.slow
+def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
+    start_worker, tiny_checkpoint, secret_file, tmp_path
+):
+    """Any local process can flood both of a worker's ports from the coordinator's own
+    address (127.0.0.1 here) with idle sockets, reconnecting each as fast as it can: fresh
+    `shoal generate` runs from that address all succeed, on their expert lanes, and fresh
+    lanes open. Silent connections are held apart from those in a TLS handshake and closed
+    first (worker/lobby.py), so sockets that send nothing cannot push a handshake out."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        lane = f"127.0.0.1:{link.fetch_inventory().lane_port}"
+    finally:
+        link.close()
+    floods = [socket_flood.start(address, sockets=SAME_HOST_SOCKETS, source="127.0.0.1",
+                                 rate=0, seconds=SAME_HOST_SECONDS)
+              for address in (worker.address, lane)]
+    try:
+        runs = [generate(sharded, worker, secret_file) for _ in range(SAME_HOST_RUNS)]
+        opened = lane_opens(worker, secret_file, LANE_OPENS)
+        flooding = [flood.poll() is None for flood in floods]
+    finally:
+        for flood in floods:
+            flood.send_signal(signal.SIGINT)
+    reports = []
+    for flood in floods:
+        try:
+            out, _ = flood.communicate(timeout=30)
+            reports.append(json.loads(out.strip().splitlines()[-1]) if out.strip() else {})
+        except (subprocess.TimeoutExpired, json.JSONDecodeError):
+            flood.kill()
+            flood.wait(10)
+            reports.append({})
+    failed = [run.stderr[-500:] for run in runs if run.returncode != 0]
+    fell_back = [run.stderr for run in runs if "using gRPC" in run.stderr]
+    print(json.dumps({"runs": len(runs), "failed": len(failed), "lane_fallbacks": len(fell_back),
+                      "lane_opens": [opened, LANE_OPENS], "floods": reports}))
+    assert not failed, failed
+    assert len({tuple(json.loads(run.stdout)["token_ids"]) for run in runs}) == 1
+    assert not fell_back, fell_back[0]
+    assert opened >= 0.95 * LANE_OPENS, opened
+    assert all(flooding)  # the floods outlasted the runs
+    for report in reports:  # closed, reopened, closed...: the flood went on throughout
+        assert report.get("closed_by_server", 0) > SAME_HOST_SOCKETS, reports
