@@ -22,6 +22,7 @@ from coordinator.dataplane.link_errors import (
     STREAM,
     error_for,
     error_for_code,
+    refused_certificate,
 )
 from engine.auth import Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
@@ -55,20 +56,6 @@ class ChannelOwner(Protocol):
 class LaneRefused(Unavailable):
     """An expert lane could not be opened (its port refused, unreachable, or the worker
     answered the HELLO with a refusal): the link may still reach the worker over gRPC."""
-
-
-# TLS alerts by which a peer refuses this cluster's certificate (another cluster's, or none);
-# any other failure of a handshake (cut, reset, timed out) says nothing about identity.
-_IDENTITY_ALERTS = ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "DECRYPT_ERROR",
-                    "CERTIFICATE_UNKNOWN", "ACCESS_DENIED", "UNSUPPORTED_CERTIFICATE")
-
-
-def refused_identity(error: ssl.SSLError) -> bool:
-    """Whether a failed TLS handshake is one side refusing the other's certificate."""
-    if isinstance(error, ssl.SSLCertVerificationError):
-        return True
-    reason = error.reason or ""
-    return "ALERT" in reason and any(alert in reason for alert in _IDENTITY_ALERTS)
 
 
 _HELLO_REPLIES = {lane_wire.READY: 0, lane_wire.ERROR: 1 << 16}
@@ -214,7 +201,7 @@ class LaneChannel:
             lane_wire.write_frame(sock, lane_wire.HELLO, credential.encode())
             kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)
         except ssl.SSLError as e:
-            if refused_identity(e):
+            if refused_certificate(e.reason or str(e)):
                 raise Unauthenticated(OTHER_IDENTITY.format(address=link.address)
                                       + f" (expert lane: {e.reason or e})") from None
             raise LaneRefused(f"worker {link.address}: its expert lane on port {port} was cut "
