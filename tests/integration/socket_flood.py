@@ -1,9 +1,10 @@
 """A helper process for the hardening tests: holds thousands of TCP connections to a server
 (from many loopback addresses, 127.0.0.2 and up), reconnecting each one the server closes, and
-either never sends a byte (`idle`) or dribbles an endless request header one byte a second
-(`slowloris`). Prints `holding N` once the first round is open, and at the end one JSON line:
-what it opened, what the server closed and after how long. `start` and `report` run it from
-a test; `open_files` and `soft_file_limit` watch the server flooded (Linux's /proc).
+either never sends a byte (`idle`), dribbles an endless request header one byte a second
+(`slowloris`), or sends the start of a TLS ClientHello and stalls (`hello`). Prints
+`holding N` once the first round is open, and at the end one JSON line: what it opened, what
+the server closed and after how long. `start` and `report` run it from a test; `open_files`
+and `soft_file_limit` watch the server flooded (Linux's /proc).
 
     python -m tests.integration.socket_flood 127.0.0.1 8080 --sockets 3000 --hosts 100 \
         --mode idle --seconds 10
@@ -27,6 +28,9 @@ from pathlib import Path
 
 RECONNECTS_PER_SECOND = 400  # enough pressure; more only burns this machine's two cores
 HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+# a TLS record header announcing a 512-byte handshake message, and its first bytes only
+HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+FIRST_BYTES = {"idle": b"", "slowloris": HEADER, "hello": HELLO}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -80,7 +84,7 @@ def main() -> None:
     p.add_argument("--source", help="one source address for every socket (instead of --hosts)")
     p.add_argument("--rate", type=int, default=RECONNECTS_PER_SECOND,
                    help="reconnects a second at most (0: as fast as it can)")
-    p.add_argument("--mode", choices=("idle", "slowloris"), default="idle")
+    p.add_argument("--mode", choices=tuple(FIRST_BYTES), default="idle")
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -108,9 +112,9 @@ def main() -> None:
         opened_at[sock] = time.monotonic()
         selector.register(sock, selectors.EVENT_READ, index)
         stats["opened"] += 1
-        if args.mode == "slowloris":
+        if FIRST_BYTES[args.mode]:
             with contextlib.suppress(OSError):
-                sock.send(HEADER)
+                sock.send(FIRST_BYTES[args.mode])
 
     for i in range(args.sockets):
         open_one(i)

@@ -183,3 +183,55 @@ def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
     assert all(flooding)  # the floods outlasted the runs
     for report in reports:  # closed, reopened, closed...: the flood went on throughout
         assert report.get("closed_by_server", 0) > SAME_HOST_SOCKETS, reports
+
+
+LANE_FLOOD_SOCKETS = 64
+STREAM_SECONDS = 12
+LONGEST_PAUSE = 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "hello"])  # never a byte; a ClientHello begun
+def test_one_hosts_lane_flood_never_pauses_another_hosts_stream(
+    mode, hosts, processes, tiny_checkpoint, secret_file, tmp_path  # noqa: F811
+):
+    """64 sockets from one host reconnecting to a worker's lane as fast as they can, idle
+    (held without a thread) or stalled in a TLS ClientHello (a thread each, a few per host):
+    another host's layer calls on its lane are each answered within LONGEST_PAUSE."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker_host, flooder, client = hosts
+    worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
+                                  tmp_path / "worker.log", processes)
+    flood = subprocess.Popen(
+        [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
+         worker_host.address, str(PORT + 1), "--sockets", str(LANE_FLOOD_SOCKETS), "--source",
+         flooder.address, "--mode", mode, "--seconds", str(STREAM_SECONDS + 30), "--rate",
+         "0"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        first = flood.stdout.readline()
+        assert first.startswith("holding"), first
+        probe = subprocess.run(
+            [*client.prefix(), sys.executable, "-m", "tests.integration.handshake_probe",
+             worker.address, str(secret_file), "--stream", str(STREAM_SECONDS), "--model",
+             str(sharded)], capture_output=True, text=True, timeout=STREAM_SECONDS + 60,
+            cwd=REPO)
+        flooding = flood.poll() is None
+    finally:
+        flood.send_signal(signal.SIGINT)
+        try:
+            out, _ = flood.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            flood.kill()
+            out, _ = flood.communicate(timeout=10)
+    assert probe.returncode == 0, probe.stderr
+    streamed, flood_report = json.loads(probe.stdout), json.loads(out.strip().splitlines()[-1])
+    threads = int(next(line.split()[1] for line in Path(
+        f"/proc/{worker.proc.pid}/status").read_text().splitlines()
+        if line.startswith("Threads:")))
+    print(json.dumps({"mode": mode, "stream": streamed, "flood": flood_report,
+                      "worker_threads": threads}))
+    assert flooding and streamed["lane"]
+    assert flood_report["closed_by_server"] > LANE_FLOOD_SOCKETS or mode == "idle"
+    assert streamed["answered"] > 0 and streamed["seconds"] >= STREAM_SECONDS
+    assert streamed["longest_gap"] < LONGEST_PAUSE, streamed
