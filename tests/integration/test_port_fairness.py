@@ -29,12 +29,19 @@ from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     hosts,
     processes,
 )
+from worker.lane_server import THREADS_PER_HOST
 
 FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
 FLOOD_SECONDS = 30
 FLOOD_SOCKETS = 4000  # more than the worker's connection cap
 FLOOD_RATE = 5000  # reconnects a second asked of the flooding host (it reports what it made)
 HANDSHAKES = 40
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("Threads:")))
 
 
 def rss_mb(pid: int) -> float:
@@ -197,12 +204,14 @@ def test_one_hosts_lane_flood_never_pauses_another_hosts_stream(
 ):
     """64 sockets from one host reconnecting to a worker's lane as fast as they can, idle
     (held without a thread) or stalled in a TLS ClientHello (a thread each, a few per host):
-    another host's layer calls on its lane are each answered within LONGEST_PAUSE."""
+    another host's layer calls on its lane are each answered within LONGEST_PAUSE, and the
+    flooding host's connections add no more lane threads than its share."""
     sharded = tmp_path / "sharded"
     shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     worker_host, flooder, client = hosts
     worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
                                   tmp_path / "worker.log", processes)
+    before = threads_of(worker.proc.pid)
     flood = subprocess.Popen(
         [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
          worker_host.address, str(PORT + 1), "--sockets", str(LANE_FLOOD_SOCKETS), "--source",
@@ -217,6 +226,7 @@ def test_one_hosts_lane_flood_never_pauses_another_hosts_stream(
              str(sharded)], capture_output=True, text=True, timeout=STREAM_SECONDS + 60,
             cwd=REPO)
         flooding = flood.poll() is None
+        threads = threads_of(worker.proc.pid)
     finally:
         flood.send_signal(signal.SIGINT)
         try:
@@ -226,12 +236,12 @@ def test_one_hosts_lane_flood_never_pauses_another_hosts_stream(
             out, _ = flood.communicate(timeout=10)
     assert probe.returncode == 0, probe.stderr
     streamed, flood_report = json.loads(probe.stdout), json.loads(out.strip().splitlines()[-1])
-    threads = int(next(line.split()[1] for line in Path(
-        f"/proc/{worker.proc.pid}/status").read_text().splitlines()
-        if line.startswith("Threads:")))
     print(json.dumps({"mode": mode, "stream": streamed, "flood": flood_report,
-                      "worker_threads": threads}))
+                      "worker_threads": [before, threads]}))
     assert flooding and streamed["lane"]
     assert flood_report["closed_by_server"] > LANE_FLOOD_SOCKETS or mode == "idle"
     assert streamed["answered"] > 0 and streamed["seconds"] >= STREAM_SECONDS
     assert streamed["longest_gap"] < LONGEST_PAUSE, streamed
+    # the flooding host's share of the lane threads at most, besides the client's lane (its
+    # thread, and the one MLX starts on a thread's first compute) and a little to spare
+    assert threads - before <= THREADS_PER_HOST + 4, (before, threads)
