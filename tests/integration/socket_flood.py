@@ -120,7 +120,8 @@ def main() -> None:
         open_one(i)
     print(f"holding {len(opened_at)}", flush=True)
 
-    deadline = [time.monotonic() + args.seconds]  # SIGINT ends it early, with its report
+    started = time.monotonic()
+    deadline = [started + args.seconds]  # SIGINT ends it early, with its report
     signal.signal(signal.SIGINT, lambda *_: deadline.__setitem__(0, 0.0))
     pending: list[int] = []  # closed by the server, to open again
     next_drip = time.monotonic() + 1.0
@@ -150,6 +151,7 @@ def main() -> None:
             for sock in list(opened_at):
                 with contextlib.suppress(OSError):
                     sock.send(b"a")
+    stats["seconds"] = round(time.monotonic() - started, 3)
     ages = sorted(stats.pop("ages"))
     stats["held_at_end"] = len(opened_at)
     stats["median_age_closed"] = ages[len(ages) // 2] if ages else None

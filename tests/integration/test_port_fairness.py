@@ -32,7 +32,8 @@ from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
 from worker.lane_server import THREADS_PER_HOST
 
 FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
-FLOOD_SECONDS = 30
+FLOOD_SECONDS = 90  # its own end, well beyond the handshakes even on a busy machine (it is
+# ended as soon as they are done)
 FLOOD_SOCKETS = 4000  # more than the worker's connection cap
 FLOOD_RATE = 5000  # reconnects a second asked of the flooding host (it reports what it made)
 HANDSHAKES = 40
@@ -96,15 +97,14 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
         assert probe.returncode == 0, probe.stderr
         flooding = flood.poll() is None  # the flood outlasted the handshakes
         rss_flooded = rss_mb(worker.proc.pid)
-        out, _ = flood.communicate(timeout=FLOOD_SECONDS + 30)
+        flood.send_signal(signal.SIGINT)  # ends it, with its report
+        out, _ = flood.communicate(timeout=30)
     finally:
         if flood.poll() is None:
             flood.kill()
             flood.wait(10)
     handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
     print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
-                      "flood_reconnects_per_second":
-                          flood_report["opened"] / FLOOD_SECONDS,
                       "worker_rss_mb": [rss_before, rss_flooded]}))
     assert flooding
     assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
