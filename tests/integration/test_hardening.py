@@ -404,4 +404,3 @@ def test_links_are_tls_and_only_this_clusters_identity_gets_through(
         for link in (ours, theirs):
             link.close()
         plain.close()
-
