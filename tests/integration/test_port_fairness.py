@@ -1,7 +1,7 @@
-"""Per-peer fairness on a worker's gRPC port, between hosts made of network namespaces (as in
-test_multihost.py): one host floods the port with connections that never prove themselves,
-reopening each one the worker closes, while another host opens new authenticated connections
-one after another; nearly all of the latter must succeed, and the worker's memory stays put."""
+"""Fairness on a worker's ports under floods of sockets reopened as fast as they are closed:
+between hosts made of network namespaces (as in test_multihost.py), another host's new
+connections succeed and its lane's replies keep coming; from the coordinator's own address
+(any local process can flood from it), fresh `shoal generate` runs and lanes still succeed."""
 
 import json
 import os
