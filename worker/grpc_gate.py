@@ -1,6 +1,6 @@
 """The gRPC port's front door: accepts each connection itself and relays its bytes to the gRPC
-server on a loopback port, keeping few unproven connections per source address (the oldest
-closed for a newer one), which grpcio cannot, so that one host's flood starves no other's."""
+server on a loopback port, keeping silent connections apart from those in a TLS handshake and
+few of either per source address, which grpcio cannot: no flood of sockets starves a peer."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from collections.abc import Callable
 
 from engine.errors import ShoalError
 from engine.interfaces import busy_port
+from worker.lobby import Lobby, begins_tls, first_bytes
 
-OPENING_PER_HOST = 8  # connections younger than the proving time, from one host
+SILENT_PER_HOST = 128  # connections that have sent no byte yet, from one host
+SILENT = 512  # ... from every host together (beyond either, the oldest silent is closed)
+OPENING_PER_HOST = 8  # connections in their TLS handshake, younger than the proving time
 OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
 _CHUNK = 1 << 18
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
@@ -41,11 +44,13 @@ class _Pipe:
 
 class Gate:
     """Listens on `host:port` and relays every connection to the gRPC server at
-    `upstream` (loopback). A connection is unproven until a call comes on it (`called`), or
+    `upstream` (loopback). A connection is silent until its first bytes, which must open a
+    TLS handshake (else it is closed); then unproven until a call comes on it (`called`), or
     for its first `proving` seconds (the gRPC server closes one whose TLS handshake with the
-    cluster's certificate has not ended by then); each host may have OPENING_PER_HOST
-    unproven, OPENING all hosts together, and `max_connections` in all (beyond it a new
-    connection is closed)."""
+    cluster's certificate has not ended by then). Silent ones are held by the door alone
+    (a `Lobby`) and closed first: each host may have SILENT_PER_HOST, all SILENT; unproven
+    ones OPENING_PER_HOST and OPENING; and `max_connections` in all (beyond it a silent one
+    makes room, or a new connection is closed)."""
 
     def __init__(self, host: str, port: int, proving: float, max_connections: int = 0,
                  log: Callable[[str], None] | None = None) -> None:
@@ -61,6 +66,7 @@ class Gate:
         self._log = log or (lambda message: None)
         self._selector = selectors.DefaultSelector()
         self._pipes: set[_Pipe] = set()
+        self._silent: Lobby[_Pipe] = Lobby(SILENT_PER_HOST, SILENT)
         self._opening: dict[str, list[_Pipe]] = {}  # by host, oldest first
         self._relays: dict[int, _Pipe] = {}  # by the relay's local port
         self._called: queue.SimpleQueue[int] = queue.SimpleQueue()  # relays that made a call
@@ -123,7 +129,8 @@ class Gate:
                 self._say("accept", f"gRPC port: cannot accept a connection: {e.strerror}")
                 return
             host = peer[0]
-            if self.max_connections and len(self._pipes) >= self.max_connections:
+            full = self.max_connections and len(self._pipes) >= self.max_connections
+            if full and not self._silent:
                 self._say("full", f"gRPC port: {len(self._pipes)} connections open, the "
                           f"most taken; closing a new one from {host}")
                 client.close()
@@ -132,13 +139,42 @@ class Gate:
             pipe = _Pipe(client, host)
             self._pipes.add(pipe)
             self._selector.register(client, selectors.EVENT_READ, pipe)
-            opening = self._opening.setdefault(host, [])
-            opening.append(pipe)
-            if len(opening) > OPENING_PER_HOST:
-                self._evict(opening[0])
-            elif sum(map(len, self._opening.values())) > OPENING:
-                busiest = max(self._opening, key=lambda h: len(self._opening[h]))
-                self._evict(self._opening[busiest][0])
+            self._silent.add(pipe, host, pipe.opened)
+            self._spoke(pipe)  # its ClientHello may be here already
+            excess = len(self._pipes) - self.max_connections if self.max_connections else 0
+            room = self._silent.total - len(self._silent) + excess if excess > 0 else 0
+            closing = self._silent.overflow(host, self._spoke, room=room)
+            if closing:
+                # silent ones only, oldest first: a peer that began its handshake is never
+                # closed for a socket that sent nothing
+                self._say("silent", "gRPC port: many connections that send nothing (the "
+                          f"latest from {host}); closing the oldest of them")
+            for victim in closing:
+                self._close(victim)
+
+    def _spoke(self, pipe: _Pipe) -> bool:
+        """Whether a silent connection sent bytes by now (read and relayed, if so)."""
+        if first_bytes(pipe.client) is not None:
+            self._relay(pipe, pipe.client, selectors.EVENT_READ)
+        return pipe.server is not None or pipe not in self._pipes
+
+    def _begun(self, pipe: _Pipe, data: bytes) -> bool:
+        """A silent connection's first bytes came: on to the unproven ones if they open a
+        TLS handshake (the oldest unproven closed beyond their caps), else closed."""
+        self._silent.remove(pipe)
+        if not begins_tls(data):
+            self._say("garbage", f"gRPC port: closing a connection from {pipe.host} that "
+                      "does not begin with TLS")
+            self._close(pipe)
+            return False
+        opening = self._opening.setdefault(pipe.host, [])
+        opening.append(pipe)
+        if len(opening) > OPENING_PER_HOST:
+            self._evict(opening[0])
+        elif sum(map(len, self._opening.values())) > OPENING:
+            busiest = max(self._opening, key=lambda h: len(self._opening[h]))
+            self._evict(self._opening[busiest][0])
+        return pipe in self._pipes
 
     def _evict(self, pipe: _Pipe) -> None:
         # the oldest, not the newest: a client slow to prove itself gives way, so that
@@ -150,23 +186,20 @@ class Gate:
     def _prove(self) -> None:
         """Connections older than the proving time are no longer counted as unproven; one
         that has not sent a byte by then is closed (gRPC never saw it, to close it)."""
+        for pipe in self._silent.older_than(time.monotonic() - self.proving):
+            self._close(pipe)
         while not self._called.empty():
             pipe = self._relays.get(self._called.get())
             opening = self._opening.get(pipe.host, []) if pipe is not None else []
             if pipe in opening:
                 opening.remove(pipe)
         proven = time.monotonic() - self.proving
-        silent = []
         for host in list(self._opening):
             opening = self._opening[host]
             while opening and opening[0].opened <= proven:
-                pipe = opening.pop(0)
-                if pipe.server is None:
-                    silent.append(pipe)
+                opening.pop(0)
             if not opening:
                 del self._opening[host]
-        for pipe in silent:
-            self._close(pipe)
 
     def _connect(self, pipe: _Pipe) -> None:
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -192,6 +225,8 @@ class Gate:
                 if data:
                     pipe.pending[sock] = memoryview(data)
                     if pipe.server is None:
+                        if not self._begun(pipe, data):
+                            return
                         self._connect(pipe)
                 else:
                     pipe.ended.add(sock)
@@ -251,6 +286,7 @@ class Gate:
         if pipe not in self._pipes:
             return
         self._pipes.discard(pipe)
+        self._silent.remove(pipe)
         opening = self._opening.get(pipe.host, [])
         if pipe in opening:
             opening.remove(pipe)

@@ -1,10 +1,10 @@
 """The worker's end of the expert lane (proto/lane.py): its listener, its caps per host and
-in all, and threads that read a request, compute it and write its reply; and `ComputeAnswers`,
-what a Compute message gets whichever transport brought it (worker/service.py uses it too).
-"""
+in all, and threads that read a request, have it answered (worker/compute_answers.py) and
+write its reply."""
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import ssl
 import threading
@@ -16,8 +16,7 @@ import grpc
 
 from engine.auth import CredentialChecker
 from engine.errors import ShoalError, Unauthenticated
-from engine.tensors import dtype_name, to_numpy
-from proto import EXPERT_REPLY, EXPERT_REQUEST, REQUEST_LIMIT, shoal_pb2, status_for
+from proto import REQUEST_LIMIT
 from proto.lane import (
     HELLO,
     HELLO_LIMIT,
@@ -33,91 +32,26 @@ from proto.lane import (
     write_error,
     write_frame,
 )
-from proto.wire import WireView, decode
-from worker.residency import Request, Residency, Timing
+from worker.compute_answers import ComputeAnswers, Refused
+from worker.lobby import Lobby, begins_tls, first_bytes
 from worker.threads import ThreadPool
 
 HELLO_SECONDS = 5.0  # from accept to a checked credential
-MAX_OPENING_PER_HOST = 8  # connections not yet past their credential, from one host
+MAX_SILENT_PER_HOST = 128  # connections that have sent no byte yet (no thread), from one host
+MAX_SILENT = 512  # ... from every host together (beyond either, the oldest silent is closed)
+MAX_OPENING_PER_HOST = 8  # connections in their TLS handshake or HELLO, from one host
 MAX_OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
 MAX_LANES_PER_HOST = 16  # a coordinator opens one per worker, four in a prompt pass
 MAX_LANES = 64
+# threads one host's connections may hold at once: its opening ones and lanes, and a few
+# on their way out, so that one host's churn cannot take the pool from the others
+THREADS_PER_HOST = MAX_OPENING_PER_HOST + MAX_LANES_PER_HOST + 4
 IDLE_SECONDS = 300.0  # a lane with no request for this long is closed (--lane-idle-seconds),
 # unless it is one of the host's KEEP_IDLE lanes used last: a coordinator holds one a worker
 # (four in a prompt pass) and would see its idle lane closed only at its next request
 KEEP_IDLE = 4
 MESSAGE_SECONDS = 30.0  # a request, once begun, must be in within this (--lane-message-seconds)
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
-
-
-ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def decode_request(message: shoal_pb2.ExpertRequest, tensors: dict[str, WireView]) -> Request:
-    """A Compute request (EXPERT_REQUEST.read) as checked numpy views of its bytes."""
-    hidden = decode(tensors.get("hidden", WireView()), what="hidden", dtypes=ACTIVATION_DTYPES,
-                    ndim=2)
-    rows = decode(tensors.get("rows", WireView()), what="rows", dtypes=("int32",), ndim=1)
-    experts = decode(tensors.get("experts", WireView()), what="experts", dtypes=("int32",),
-                     ndim=1)
-    return Request(message.layer, hidden, tensors["hidden"].dtype, rows, experts,
-                   message.call_pairs)
-
-
-class Refused(ShoalError):
-    """A Compute message refused: the status code and message both transports answer with
-    (the gRPC stream aborts with them, the expert lane sends them in an ERROR frame)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class ComputeAnswers:
-    """What a worker does with each Compute message, whichever transport brought it: the
-    request's bytes in, its reply's bytes out (None for a prefetch hint alone)."""
-
-    def __init__(self, residency: Residency) -> None:
-        self.residency = residency
-
-    def answer(self, data: bytes | bytearray) -> bytes | None:
-        """Raises Refused with the code and message to answer a bad request with."""
-        started = time.perf_counter()
-        try:
-            message, tensors = EXPERT_REQUEST.read(data, "request")
-        except ShoalError as e:
-            raise Refused(status_for(e), str(e)) from None
-        if message.HasField("prefetch"):
-            self.residency.prefetch(message.prefetch.layer, message.prefetch.experts)
-        if "hidden" not in tensors:
-            return None
-        timing = Timing()
-        try:
-            request = decode_request(message, tensors)
-            parsed = time.perf_counter()
-            out = self.residency.compute(request, timing)
-        except ShoalError as e:
-            raise Refused(status_for(e), f"request {message.seq}: {e}") from None
-        computed = time.perf_counter()
-        output = to_numpy(out)
-        done = time.perf_counter()  # the copy into the reply's bytes follows: in the wire
-        return EXPERT_REPLY.write(
-            shoal_pb2.ExpertReply(
-                seq=message.seq,
-                compute_seconds=done - started - timing.waited,
-                inventory_version=self.residency.holdings.version,
-                timing=shoal_pb2.WorkerTiming(
-                    parse=parsed - started, matrix=timing.matrix,
-                    bookkeeping=computed - parsed - timing.matrix - timing.waited
-                    - timing.reads,
-                    reply=done - computed, waited=timing.waited, reads=timing.reads),
-            ),
-            output=(output, dtype_name(out.dtype)),
-        )
-
-    def sent(self) -> None:
-        """A reply was sent: its tokens count as served now (Holdings.asked)."""
-        self.residency.holdings.settle()
 
 
 class _Held:
@@ -141,12 +75,15 @@ class LaneServer:
     """The expert lane's listener on `host:port` (0: a free port; see `port`).
 
     Nothing is read from a connection before its TLS handshake proved the cluster's
-    certificate and its HELLO frame a fresh credential, both within HELLO_SECONDS.
-    Connections still in that state are few per host (the oldest is closed for a newer one),
-    lanes past it a bounded number per host and in all, each served by a thread of a bounded
-    pool, so that nobody can hold the worker's threads or file descriptors by opening
-    connections. A lane that sends nothing for `idle_seconds` is closed, and so is one whose
-    message, once begun, is not in within `message_seconds`."""
+    certificate and its HELLO frame a fresh credential, both within HELLO_SECONDS. One that
+    has sent no byte yet waits in the accept thread (a `Lobby`: no thread of its own, the
+    first closed when room is short); one whose first bytes open a TLS handshake gets a
+    thread. Connections in their handshake are few per host (the oldest is closed for a newer
+    one), lanes past it a bounded number per host and in all, each served by a thread of a
+    bounded pool of which a host holds at most THREADS_PER_HOST, so that nobody can hold the
+    worker's threads or file descriptors, or another host's share, by opening connections.
+    A lane that sends nothing for `idle_seconds` is closed, and so is one whose message, once
+    begun, is not in within `message_seconds`."""
 
     def __init__(
         self, host: str, port: int, context: ssl.SSLContext, checker: CredentialChecker,
@@ -155,7 +92,7 @@ class LaneServer:
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._listener = socket.create_server((host, port), family=family, backlog=128)
+            self._listener = socket.create_server((host, port), family=family, backlog=1024)
         except OSError as e:
             raise ShoalError(f"cannot listen for the expert lane on {host}:{port}: {e.strerror}"
                              " (give another --lane-port, or --no-lane)") from None
@@ -165,8 +102,10 @@ class LaneServer:
         self.idle_seconds, self.message_seconds = idle_seconds, message_seconds
         self._answers: ComputeAnswers | None = None
         self._log = log or (lambda message: None)
+        self._silent: Lobby[socket.socket] = Lobby(MAX_SILENT_PER_HOST, MAX_SILENT)
         self._opening: dict[str, list[_Held]] = {}  # by host, oldest first
         self._lanes: Counter[str] = Counter()
+        self._threads: Counter[str] = Counter()  # pool threads each host's connections hold
         self._lock = threading.Lock()
         self._connections: set[_Held] = set()
         self._said: dict[str, float] = {}
@@ -219,23 +158,78 @@ class LaneServer:
             self._log(message)
 
     def _accept(self) -> None:
+        """Accept connections, hold the silent ones, and give each that begins a TLS
+        handshake to `_admit`; silent ones older than HELLO_SECONDS are closed."""
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        hosts: dict[socket.socket, str] = {}
+
+        def spoke(sock: socket.socket) -> bool:  # sent bytes by now: handed on, or closed
+            data = first_bytes(sock)
+            if data is None:
+                return False
+            selector.unregister(sock)
+            host = hosts.pop(sock)
+            if begins_tls(data):
+                self._begin(sock, host)
+            else:
+                sock.close()
+            return True
+
         while not self._closed:
             try:
-                connection, peer = self._listener.accept()
-            except OSError as e:
-                if self._closed:
-                    return
-                # out of file descriptors (or another passing failure): keep serving the
-                # lanes open, try again shortly
-                self._say("accept", f"expert lane: cannot accept a connection: {e.strerror}")
-                time.sleep(0.05)
-                continue
-            try:
-                self._admit(_Held(connection), peer[0])
+                for key, _ in selector.select(timeout=0.5):
+                    if key.fileobj is not self._listener:
+                        self._silent.remove(key.fileobj)
+                        spoke(key.fileobj)
+                        continue
+                    for host, connection in self._accepted():
+                        connection.setblocking(False)
+                        hosts[connection] = host
+                        selector.register(connection, selectors.EVENT_READ)
+                        self._silent.add(connection, host, time.monotonic())
+                        for victim in self._silent.overflow(host, spoke):
+                            selector.unregister(victim)
+                            hosts.pop(victim)
+                            victim.close()
+                for sock in self._silent.older_than(time.monotonic() - HELLO_SECONDS):
+                    selector.unregister(sock)
+                    hosts.pop(sock)
+                    sock.close()
             except Exception as e:  # whatever it was, the next connection is accepted
+                if self._closed:
+                    break
                 self._say("admit", f"expert lane: a connection failed: {type(e).__name__}: {e}")
-                with contextlib.suppress(OSError):
-                    connection.close()
+                time.sleep(0.05)
+        for sock in hosts:
+            sock.close()
+        selector.close()
+
+    def _accepted(self) -> list[tuple[str, socket.socket]]:
+        """The connections waiting to be accepted (64 at most at a time)."""
+        accepted = []
+        for _ in range(64):
+            try:
+                connection, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                if not self._closed:  # out of file descriptors, say: the lanes open go on
+                    self._say("accept", f"expert lane: cannot accept a connection: "
+                              f"{e.strerror}")
+                break
+            accepted.append((peer[0], connection))
+        return accepted
+
+    def _begin(self, connection: socket.socket, host: str) -> None:
+        connection.setblocking(True)
+        try:
+            self._admit(_Held(connection), host)
+        except Exception as e:  # whatever it was, the next connection is accepted
+            self._say("admit", f"expert lane: a connection failed: {type(e).__name__}: {e}")
+            with contextlib.suppress(OSError):
+                connection.close()
 
     def _admit(self, held: _Held, host: str) -> None:
         """Count `held` as opening (closing the oldest beyond the caps) and give it a thread;
@@ -254,15 +248,28 @@ class LaneServer:
             evicted.shutdown()
             self._say(f"opening {host}", "expert lane: too many connections opening at "
                       f"once (the latest from {host}); closing the oldest")
+        with self._lock:
+            shared = self._threads[host] < THREADS_PER_HOST
+            if shared:
+                self._threads[host] += 1
         try:
-            given = self._pool.submit(lambda: self._serve(held, host))
-            why = f"all {self._pool.size} lane threads are busy"
+            given = shared and self._pool.submit(lambda: self._serve(held, host))
+            why = (f"all {self._pool.size} lane threads are busy" if shared else
+                   f"{host} holds its share of lane threads ({THREADS_PER_HOST})")
         except RuntimeError as e:
             given, why = False, f"no thread can be started ({e}: the process's thread limit?)"
         if not given:
-            self._say("threads", f"expert lane: refusing connections: {why}; coordinators "
-                      "use the gRPC port meanwhile")
+            self._say(f"threads {shared}", f"expert lane: refusing connections: {why}; "
+                      "coordinators use the gRPC port meanwhile")
+            if shared:
+                self._thread_done(host)
             self._forget(held, host)
+
+    def _thread_done(self, host: str) -> None:
+        with self._lock:
+            self._threads[host] -= 1
+            if not self._threads[host]:
+                del self._threads[host]
 
     def _opened(self, held: _Held, host: str) -> None:
         """`held` is past its credential, or gone: no longer counted as opening."""
@@ -321,6 +328,7 @@ class LaneServer:
             pass  # a handshake that failed, a peer that left: nothing to answer
         finally:
             self._forget(held, host)
+            self._thread_done(host)
 
     def _answer(self, held: _Held, lane: ssl.SSLSocket, host: str) -> None:
         """Requests in, replies out, in order, until the coordinator closes the lane, it idles

@@ -1,7 +1,6 @@
 """The gRPC servicer of the expert service: validate, delegate, map errors. Compute's messages
-are answered by the same `ComputeAnswers` as the expert lane's (worker/lane_server.py); no expert
-logic lives here (`Residency` owns it), and the interceptors are worker/interceptors.py's.
-"""
+are answered by the same `ComputeAnswers` as the lane's (worker/compute_answers.py); no expert
+logic lives here (`Residency` owns it), and the interceptors are worker/interceptors.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import grpc
 
 from engine.errors import ShoalError
 from proto import PROTOCOL_VERSION, shoal_pb2, shoal_pb2_grpc, status_for
-from worker.lane_server import ComputeAnswers, Refused
+from worker.compute_answers import ComputeAnswers, Refused
 from worker.residency import Residency
 from worker.store import free_disk
 from worker.transfer import ExpertFiles, FileState, TransferChunk

@@ -22,6 +22,7 @@ from coordinator.dataplane.link_errors import (
     STREAM,
     error_for,
     error_for_code,
+    refused_certificate,
 )
 from engine.auth import Secret, make_credential
 from engine.errors import ShoalError, Unauthenticated, Unavailable
@@ -55,6 +56,8 @@ class ChannelOwner(Protocol):
 class LaneRefused(Unavailable):
     """An expert lane could not be opened (its port refused, unreachable, or the worker
     answered the HELLO with a refusal): the link may still reach the worker over gRPC."""
+
+
 _HELLO_REPLIES = {lane_wire.READY: 0, lane_wire.ERROR: 1 << 16}
 _REPLIES = {lane_wire.MESSAGE: MESSAGE_LIMIT, lane_wire.ERROR: 1 << 16}
 
@@ -198,8 +201,11 @@ class LaneChannel:
             lane_wire.write_frame(sock, lane_wire.HELLO, credential.encode())
             kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)
         except ssl.SSLError as e:
-            raise Unauthenticated(OTHER_IDENTITY.format(address=link.address)
-                                  + f" (expert lane: {e.reason or e})") from None
+            if refused_certificate(e.reason or str(e)):
+                raise Unauthenticated(OTHER_IDENTITY.format(address=link.address)
+                                      + f" (expert lane: {e.reason or e})") from None
+            raise LaneRefused(f"worker {link.address}: its expert lane on port {port} was cut "
+                              f"during the TLS handshake ({e.reason or e})") from None
         except (OSError, ShoalError) as e:
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise LaneRefused(f"worker {link.address}: cannot open its expert lane on port "

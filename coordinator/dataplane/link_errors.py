@@ -67,6 +67,22 @@ STREAM = ErrorWording(frozenset({grpc.StatusCode.ABORTED}),
                  failed="worker {address} failed: {code}: {details}")
 
 
+# What a TLS handshake's failure names when one side refused the other's certificate (grpcio
+# says "Tls handshake failed ... certificate signature failure", the ssl module names the
+# check or the peer's alert); a handshake cut, reset or timed out names none of them.
+_CERTIFICATE_WORDS = ("CERTIFICATE", "SIGNATURE", "UNKNOWN_CA", "DECRYPT_ERROR",
+                      "ACCESS_DENIED")
+_HANDSHAKE_WORDS = ("HANDSHAKE FAILED", "ALERT", "VERIFY_FAILED")
+
+
+def refused_certificate(details: str) -> bool:
+    """Whether a failed TLS handshake (grpcio's details, or an ssl error's reason) was one
+    side refusing the other's certificate: another cluster's identity."""
+    upper = details.upper()
+    return any(word in upper for word in _HANDSHAKE_WORDS) and any(
+        word in upper for word in _CERTIFICATE_WORDS)
+
+
 def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) -> ShoalError:
     """A failed call to the worker at `address` as the ShoalError the user is shown."""
     return error_for_code(error.code(), error.details() or error.code().name, address, wording)
@@ -77,7 +93,7 @@ def error_for_code(code: grpc.StatusCode, details: str, address: str,
     """The same, from a status code and its details (an expert lane's ERROR frame)."""
     if code in wording.refusals:
         return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
-    if wording.identity and "handshake failed" in details.lower():
+    if wording.identity and refused_certificate(details):
         return Unauthenticated(OTHER_IDENTITY.format(address=address))
     refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
     kind = Unauthenticated if refused else Unavailable

@@ -57,9 +57,15 @@ def test_a_failed_call_reads_as_the_workers_refusal_or_names_what_did_not_get_th
     clock = error_for(_Failed(grpc.StatusCode.UNAUTHENTICATED, "stale"), "h:1", INVENTORY)
     assert isinstance(clock, Unauthenticated)
     assert str(clock) == "worker h:1: UNAUTHENTICATED: stale"
-    tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "SSL handshake failed"), "h:1",
-                    INVENTORY)
+    tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "Tls handshake failed "
+                            "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: BAD_SIGNATURE: certificate "
+                            "signature failure"), "h:1", INVENTORY)
     assert isinstance(tls, Unauthenticated) and "TLS identity" in str(tls)
+    # a handshake cut on the way says nothing about identity: the worker is unreachable
+    cut = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "Tls handshake failed "
+                            "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SYSCALL: Socket closed"), "h:1",
+                    INVENTORY)
+    assert type(cut) is Unavailable and "TLS identity" not in str(cut)
 
 
 def _inventory(*experts: int) -> shoal_pb2.Inventory:

@@ -1,9 +1,10 @@
 """A helper process for the hardening tests: holds thousands of TCP connections to a server
 (from many loopback addresses, 127.0.0.2 and up), reconnecting each one the server closes, and
-either never sends a byte (`idle`) or dribbles an endless request header one byte a second
-(`slowloris`). Prints `holding N` once the first round is open, and at the end one JSON line:
-what it opened, what the server closed and after how long. `start` and `report` run it from
-a test; `open_files` and `soft_file_limit` watch the server flooded (Linux's /proc).
+either never sends a byte (`idle`), dribbles an endless request header one byte a second
+(`slowloris`), or sends the start of a TLS ClientHello and stalls (`hello`). Prints
+`holding N` once the first round is open, and at the end one JSON line: what it opened, what
+the server closed and after how long. `start` and `report` run it from a test; `open_files`
+and `soft_file_limit` watch the server flooded (Linux's /proc).
 
     python -m tests.integration.socket_flood 127.0.0.1 8080 --sockets 3000 --hosts 100 \
         --mode idle --seconds 10
@@ -18,6 +19,7 @@ import json
 import re
 import resource
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -26,17 +28,24 @@ from pathlib import Path
 
 RECONNECTS_PER_SECOND = 400  # enough pressure; more only burns this machine's two cores
 HEADER = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+# a TLS record header announcing a 512-byte handshake message, and its first bytes only
+HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+FIRST_BYTES = {"idle": b"", "slowloris": HEADER, "hello": HELLO}
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start(address: str, *, sockets: int, hosts: int, seconds: float,
-          mode: str = "idle") -> subprocess.Popen:
-    """The helper flooding `address` (host:port), once it holds its first round."""
+def start(address: str, *, sockets: int, hosts: int = 1, seconds: float,
+          mode: str = "idle", source: str | None = None,
+          rate: int = RECONNECTS_PER_SECOND) -> subprocess.Popen:
+    """The helper flooding `address` (host:port), once it holds its first round: from
+    `hosts` loopback addresses, or from `source` alone; `rate` reconnects a second at most
+    (0: as fast as it can)."""
     host, port = address.rsplit(":", 1)
+    where = ["--source", source] if source else ["--hosts", str(hosts)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.socket_flood", host, port, "--sockets",
-         str(sockets), "--hosts", str(hosts), "--mode", mode, "--seconds", str(seconds)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
+         str(sockets), *where, "--mode", mode, "--seconds", str(seconds), "--rate",
+         str(rate)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     first = proc.stdout.readline()
     if not first.startswith("holding"):
         proc.kill()
@@ -74,8 +83,8 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=100, help="source addresses 127.0.0.2...")
     p.add_argument("--source", help="one source address for every socket (instead of --hosts)")
     p.add_argument("--rate", type=int, default=RECONNECTS_PER_SECOND,
-                   help="reconnects a second at most")
-    p.add_argument("--mode", choices=("idle", "slowloris"), default="idle")
+                   help="reconnects a second at most (0: as fast as it can)")
+    p.add_argument("--mode", choices=tuple(FIRST_BYTES), default="idle")
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -103,20 +112,23 @@ def main() -> None:
         opened_at[sock] = time.monotonic()
         selector.register(sock, selectors.EVENT_READ, index)
         stats["opened"] += 1
-        if args.mode == "slowloris":
+        if FIRST_BYTES[args.mode]:
             with contextlib.suppress(OSError):
-                sock.send(HEADER)
+                sock.send(FIRST_BYTES[args.mode])
 
     for i in range(args.sockets):
         open_one(i)
     print(f"holding {len(opened_at)}", flush=True)
 
-    deadline = time.monotonic() + args.seconds
+    started = time.monotonic()
+    deadline = [started + args.seconds]  # SIGINT ends it early, with its report
+    signal.signal(signal.SIGINT, lambda *_: deadline.__setitem__(0, 0.0))
     pending: list[int] = []  # closed by the server, to open again
     next_drip = time.monotonic() + 1.0
-    budget, budget_at = args.rate, time.monotonic()
-    while (now := time.monotonic()) < deadline:
-        for key, _ in selector.select(timeout=0.05):
+    rate = args.rate or 1 << 62
+    budget, budget_at = rate, time.monotonic()
+    while (now := time.monotonic()) < deadline[0]:
+        for key, _ in selector.select(timeout=0.05 if args.rate else 0.001):
             sock = key.fileobj
             try:
                 data = sock.recv(65536)
@@ -130,7 +142,7 @@ def main() -> None:
             sock.close()
             pending.append(key.data)
         if now - budget_at >= 1.0:
-            budget, budget_at = args.rate, now
+            budget, budget_at = rate, now
         while pending and budget > 0:
             open_one(pending.pop())
             budget -= 1
@@ -139,6 +151,7 @@ def main() -> None:
             for sock in list(opened_at):
                 with contextlib.suppress(OSError):
                     sock.send(b"a")
+    stats["seconds"] = round(time.monotonic() - started, 3)
     ages = sorted(stats.pop("ages"))
     stats["held_at_end"] = len(opened_at)
     stats["median_age_closed"] = ages[len(ages) // 2] if ages else None

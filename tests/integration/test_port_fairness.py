@@ -1,10 +1,11 @@
-"""Per-peer fairness on a worker's gRPC port, between hosts made of network namespaces (as in
-test_multihost.py): one host floods the port with connections that never prove themselves,
-reopening each one the worker closes, while another host opens new authenticated connections
-one after another; nearly all of the latter must succeed, and the worker's memory stays put."""
+"""Fairness on a worker's ports under floods of sockets reopened as fast as they are closed:
+between hosts made of network namespaces (as in test_multihost.py), another host's new
+connections succeed and its lane's replies keep coming; from the coordinator's own address
+(any local process can flood from it), fresh `shoal generate` runs and lanes still succeed."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.dataplane.link import WorkerLink
 from coordinator.ops.local_processes import LocalWorker
+from engine.auth import load_secret
+from engine.errors import ShoalError
 from engine.sharding import shard
+from tests.integration import socket_flood
+from tests.integration.test_lane import ready_lane
 from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     _READY,
     PORT,
@@ -23,12 +29,20 @@ from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     hosts,
     processes,
 )
+from worker.lane_server import THREADS_PER_HOST
 
 FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
-FLOOD_SECONDS = 30
+FLOOD_SECONDS = 90  # its own end, well beyond the handshakes even on a busy machine (it is
+# ended as soon as they are done)
 FLOOD_SOCKETS = 4000  # more than the worker's connection cap
 FLOOD_RATE = 5000  # reconnects a second asked of the flooding host (it reports what it made)
 HANDSHAKES = 40
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("Threads:")))
 
 
 def rss_mb(pid: int) -> float:
@@ -83,17 +97,151 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
         assert probe.returncode == 0, probe.stderr
         flooding = flood.poll() is None  # the flood outlasted the handshakes
         rss_flooded = rss_mb(worker.proc.pid)
-        out, _ = flood.communicate(timeout=FLOOD_SECONDS + 30)
+        flood.send_signal(signal.SIGINT)  # ends it, with its report
+        out, _ = flood.communicate(timeout=30)
     finally:
         if flood.poll() is None:
             flood.kill()
             flood.wait(10)
     handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
     print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
-                      "flood_reconnects_per_second":
-                          flood_report["opened"] / FLOOD_SECONDS,
                       "worker_rss_mb": [rss_before, rss_flooded]}))
     assert flooding
     assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
     assert handshakes["succeeded"] >= 0.9 * HANDSHAKES, handshakes
     assert rss_flooded - rss_before < 64  # the flood costs the worker little memory
+
+
+SAME_HOST_RUNS = 15
+SAME_HOST_SOCKETS = 2000  # per port: more than the worker holds of one host's silent ones
+SAME_HOST_SECONDS = 420  # the floods' own end, beyond the runs (killed when they are done)
+LANE_OPENS = 40
+
+
+def generate(sharded: Path, worker: LocalWorker, secret_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "generate", "--model", str(sharded),
+         "--workers", worker.address, "--secret-file", str(secret_file), "--max-tokens", "4",
+         "--json", "hello"], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def lane_opens(worker: LocalWorker, secret_file: Path, count: int) -> int:
+    """Fresh expert lanes opened to `worker` (TLS, HELLO, READY within 5 s), of `count`."""
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        port, node = link.fetch_inventory().lane_port, link.node_id
+    finally:
+        link.close()
+    opened = 0
+    for _ in range(count):
+        try:
+            ready_lane("127.0.0.1", port, load_secret(secret_file), node).close()
+            opened += 1
+        except (OSError, ShoalError, AssertionError):
+            pass
+        time.sleep(0.1)
+    return opened
+
+
+@pytest.mark.slow
+def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
+    start_worker, tiny_checkpoint, secret_file, tmp_path
+):
+    """Any local process can flood both of a worker's ports from the coordinator's own
+    address (127.0.0.1 here) with idle sockets, reconnecting each as fast as it can: fresh
+    `shoal generate` runs from that address all succeed, on their expert lanes, and fresh
+    lanes open. Silent connections are held apart from those in a TLS handshake and closed
+    first (worker/lobby.py), so sockets that send nothing cannot push a handshake out."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    link = WorkerLink(worker.address, load_secret(secret_file))
+    try:
+        lane = f"127.0.0.1:{link.fetch_inventory().lane_port}"
+    finally:
+        link.close()
+    floods = [socket_flood.start(address, sockets=SAME_HOST_SOCKETS, source="127.0.0.1",
+                                 rate=0, seconds=SAME_HOST_SECONDS)
+              for address in (worker.address, lane)]
+    try:
+        runs = [generate(sharded, worker, secret_file) for _ in range(SAME_HOST_RUNS)]
+        opened = lane_opens(worker, secret_file, LANE_OPENS)
+        flooding = [flood.poll() is None for flood in floods]
+    finally:
+        for flood in floods:
+            flood.send_signal(signal.SIGINT)
+    reports = []
+    for flood in floods:
+        try:
+            out, _ = flood.communicate(timeout=30)
+            reports.append(json.loads(out.strip().splitlines()[-1]) if out.strip() else {})
+        except (subprocess.TimeoutExpired, json.JSONDecodeError):
+            flood.kill()
+            flood.wait(10)
+            reports.append({})
+    failed = [run.stderr[-500:] for run in runs if run.returncode != 0]
+    fell_back = [run.stderr for run in runs if "using gRPC" in run.stderr]
+    print(json.dumps({"runs": len(runs), "failed": len(failed), "lane_fallbacks": len(fell_back),
+                      "lane_opens": [opened, LANE_OPENS], "floods": reports}))
+    assert not failed, failed
+    assert len({tuple(json.loads(run.stdout)["token_ids"]) for run in runs}) == 1
+    assert not fell_back, fell_back[0]
+    assert opened >= 0.95 * LANE_OPENS, opened
+    assert all(flooding)  # the floods outlasted the runs
+    for report in reports:  # closed, reopened, closed...: the flood went on throughout
+        assert report.get("closed_by_server", 0) > SAME_HOST_SOCKETS, reports
+
+
+LANE_FLOOD_SOCKETS = 64
+STREAM_SECONDS = 12
+LONGEST_PAUSE = 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "hello"])  # never a byte; a ClientHello begun
+def test_one_hosts_lane_flood_never_pauses_another_hosts_stream(
+    mode, hosts, processes, tiny_checkpoint, secret_file, tmp_path  # noqa: F811
+):
+    """64 sockets from one host reconnecting to a worker's lane as fast as they can, idle
+    (held without a thread) or stalled in a TLS ClientHello (a thread each, a few per host):
+    another host's layer calls on its lane are each answered within LONGEST_PAUSE, and the
+    flooding host's connections add no more lane threads than its share."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker_host, flooder, client = hosts
+    worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
+                                  tmp_path / "worker.log", processes)
+    before = threads_of(worker.proc.pid)
+    flood = subprocess.Popen(
+        [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
+         worker_host.address, str(PORT + 1), "--sockets", str(LANE_FLOOD_SOCKETS), "--source",
+         flooder.address, "--mode", mode, "--seconds", str(STREAM_SECONDS + 30), "--rate",
+         "0"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        first = flood.stdout.readline()
+        assert first.startswith("holding"), first
+        probe = subprocess.run(
+            [*client.prefix(), sys.executable, "-m", "tests.integration.handshake_probe",
+             worker.address, str(secret_file), "--stream", str(STREAM_SECONDS), "--model",
+             str(sharded)], capture_output=True, text=True, timeout=STREAM_SECONDS + 60,
+            cwd=REPO)
+        flooding = flood.poll() is None
+        threads = threads_of(worker.proc.pid)
+    finally:
+        flood.send_signal(signal.SIGINT)
+        try:
+            out, _ = flood.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            flood.kill()
+            out, _ = flood.communicate(timeout=10)
+    assert probe.returncode == 0, probe.stderr
+    streamed, flood_report = json.loads(probe.stdout), json.loads(out.strip().splitlines()[-1])
+    print(json.dumps({"mode": mode, "stream": streamed, "flood": flood_report,
+                      "worker_threads": [before, threads]}))
+    assert flooding and streamed["lane"]
+    assert flood_report["closed_by_server"] > LANE_FLOOD_SOCKETS or mode == "idle"
+    assert streamed["answered"] > 0 and streamed["seconds"] >= STREAM_SECONDS
+    assert streamed["longest_gap"] < LONGEST_PAUSE, streamed
+    # the flooding host's share of the lane threads at most, besides the client's lane (its
+    # thread, and the one MLX starts on a thread's first compute) and a little to spare
+    assert threads - before <= THREADS_PER_HOST + 4, (before, threads)

@@ -6,7 +6,7 @@ bytes arrive, idle lanes are closed, and a stop answers the request being comput
 import json
 import os
 import signal
-import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -17,11 +17,12 @@ import pytest
 
 from coordinator.decoding.generate import open_remote_model
 from engine.auth import load_secret
+from engine.errors import Unavailable
 from engine.manifest import read_manifest
 from engine.sharding import shard
 from proto import EXPERT_REPLY, REQUEST_LIMIT
 from proto import lane as wire
-from tests.integration.test_equivalence import PROMPT, greedy_tokens
+from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 from tests.integration.test_lane import (
     REPLIES,
     answer_of,
@@ -41,6 +42,13 @@ GENERATE_RUNS = 10  # `shoal generate` processes, each opening its own lanes
 def sharded(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("limits") / "out"
     shard(tiny_checkpoint("qwen3_moe"), out, progress=False, workers=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_store(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("limits-one") / "out"
+    shard(tiny_checkpoint("qwen3_moe"), out, progress=False)  # every expert in out/experts
     return out
 
 
@@ -142,8 +150,8 @@ def test_a_worker_at_its_thread_limit_refuses_lanes_serves_on_recovers_and_stops
     try:
         limit.hold()
         for _ in range(3):  # no thread for it: closed, said in the log, the worker serves on
-            with socket.create_connection((host, port), timeout=10) as sock:
-                assert answer_of(sock) == b""
+            with pytest.raises((ssl.SSLError, OSError)):
+                wire.connect(host, port, wire.client_context(secret.identity), 10).close()
         assert "no thread can be started" in worker.output()
         assert link.fetch_inventory(timeout=5).experts  # the gRPC port still answers
         assert link.check_health(timeout=5) < 5
@@ -278,3 +286,58 @@ def test_a_coordinator_whose_idle_lanes_were_closed_generates_again(
             sock.close()
     finally:
         remote.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicated", [True, False])
+def test_a_worker_at_its_thread_limit_is_passed_over_like_a_busy_one(
+    replicated, one_store, start_worker, secret_file, tmp_path
+):
+    """Held at its thread limit before its first compute (MLX starts a thread on a thread's
+    first one), a worker's lane refuses and its gRPC Compute answers "busy" (UNAVAILABLE),
+    never a raw errno: a copy elsewhere takes its experts and the tokens are the same, or,
+    with no copy, generate fails within 5 s, and `shoal generate` says so in one line."""
+    sharded = one_store
+    manifest = read_manifest(sharded)
+    keys = sorted((e.layer, e.expert) for e in manifest.experts)
+    shares = [keys, keys] if replicated else [keys[::2], keys[1::2]]
+    stores = make_stores(sharded, tmp_path, shares)
+    workers = [start_worker([store], "--no-advertise") for store in stores]
+    secret = load_secret(secret_file)
+    limit = ThreadLimit(workers[1].proc.pid)
+    try:
+        limit.hold()
+        remote = open_remote_model(sharded, [w.address for w in workers], secret)
+        try:
+            started = time.monotonic()
+            if replicated:
+                tokens = greedy_tokens(remote.model, PROMPT, 6)
+            else:
+                with pytest.raises(Unavailable, match="busy") as failed:
+                    greedy_tokens(remote.model, PROMPT, 6)
+            took = time.monotonic() - started
+        finally:
+            remote.close()
+        run = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "generate", "--model", str(sharded),
+             "--workers", ",".join(w.address for w in workers), "--secret-file",
+             str(secret_file), "--max-tokens", "4", "--json", "hello"],
+            capture_output=True, text=True, timeout=180, cwd=REPO)
+    finally:
+        limit.lift()
+        limit.remove()
+    print(json.dumps({"replicated": replicated, "seconds": took, "stderr": run.stderr}))
+    assert "Resource temporarily unavailable" not in run.stderr
+    if replicated:
+        alone = open_remote_model(sharded, [workers[0].address], secret)
+        try:
+            assert tokens == greedy_tokens(alone.model, PROMPT, 6)
+        finally:
+            alone.close()
+        assert run.returncode == 0, run.stderr
+    else:
+        assert took < 5, took
+        assert "thread limit" in str(failed.value)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+        assert len([line for line in lines if "busy" in line]) == 1, run.stderr
