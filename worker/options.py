@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from engine.advert import DEFAULT_CLUSTER, check_name
 from engine.cache_policy import DEFAULT_MEMORY_SHARE, parse_budget
+from engine.command_line import CommandParser
 from engine.errors import ShoalError
 from proto import PROTOCOL_VERSION
 from worker.lane_server import IDLE_SECONDS as LANE_IDLE_SECONDS
@@ -22,7 +23,7 @@ DRAIN_SECONDS = 5.0  # on a stop, for the requests being computed (--drain-secon
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shoal-worker",
         description=(
             "Serve the MoE experts held in one or more store folders to a Shoal coordinator "

@@ -279,3 +279,21 @@ def test_a_cluster_config_names_the_coordinators_own_store_beside_its_worker(
     local = report["stats"]["streaming"]["workers"]["local"]
     assert local["memory_budget"] < local["expert_bytes"]  # the config's 10%
     assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}
+
+
+@pytest.mark.processes
+def test_a_misspelt_option_or_command_is_named_with_the_near_one():
+    run = shoal("generate", "--modle", "out", "hi")
+    assert run.returncode == 2 and "unknown option --modle; did you mean --model?" in run.stderr
+    assert "required" not in run.stderr
+    run = shoal("genrate")
+    assert run.returncode == 2 and "did you mean 'generate'?" in run.stderr
+    run = shoal("--stroe", "x", module="worker.daemon")
+    assert run.returncode == 2 and "unknown option --stroe; did you mean --store?" in run.stderr
+
+
+@pytest.mark.processes
+def test_a_bare_shoal_lists_the_commands():
+    run = shoal()
+    assert run.returncode == 0, run.stderr
+    assert all(name in run.stdout for name in ("generate", "serve", "chat", "doctor"))
