@@ -4,7 +4,6 @@ it (`whole`), over the stack or, under a budget, the slots; the rest as shares o
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 import time
@@ -19,10 +18,10 @@ from coordinator.dataplane.hosts import IN_PROCESS, Answer, Share
 from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
+from engine.store_lock import COORDINATOR, hold_for_serving
 from proto import error_class_for, shoal_pb2
 from worker.residency import Request, Residency, Timing
 
-LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
 ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
 PASSES_KEPT = 2  # `whole` calls' picks left uncounted until evaluated (LocalExperts._count)
 
@@ -205,7 +204,7 @@ def open_local_experts(
         if not (Path(store) / "manifest.json").is_file():
             raise InvalidInput(f"--local-store {store} is not a store folder written by "
                                "`shoal shard` (it has no manifest.json)")
-    locks = [lock_store(Path(store)) for store in stores]
+    locks = hold_for_serving(stores, COORDINATOR)  # a worker's lock: one server per store
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
                                    out=sys.stderr, warm=warm)  # stdout is the generated text's
@@ -228,22 +227,6 @@ def open_local_experts(
         for fd in locks:
             os.close(fd)
         raise
-
-
-def lock_store(store: Path) -> int:
-    """Hold the store's lock for this process: two coordinators serving one store would each
-    move and count its experts without the other knowing (a `shoal rebalance --local-store`
-    beside a `shoal serve` of the same folder). Released when the process ends, however."""
-    fd = os.open(store / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise InvalidInput(
-            f"--local-store {store} is served by another shoal process on this machine; stop it "
-            "first (a store's experts are moved and counted by the one process serving it)"
-        ) from None
-    return fd
 
 
 class WithLocal:

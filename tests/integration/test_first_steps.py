@@ -134,8 +134,36 @@ def test_a_second_worker_on_a_served_store_is_refused_naming_both_pids(
     assert second.returncode != 0
     assert second.stderr.startswith("shoal-worker: error:"), second.stderr
     assert f"already served by shoal-worker PID {first.proc.pid}" in second.stderr
-    assert re.search(r"this worker \(PID \d+\) stops", second.stderr)
+    assert re.search(r"this shoal-worker \(PID \d+\) stops", second.stderr)
     assert "serving" not in second.stdout
+    # nor does a coordinator serve it as its --local-store, and it names the worker's PID
+    local = shoal("generate", "--model", str(sharded), "--local-store",
+                  str(sharded / "worker-1"), "--workers", first.address, "--secret-file",
+                  str(secret_file), "hello")
+    assert local.returncode == 2 and "Traceback" not in local.stderr
+    assert f"already served by shoal-worker PID {first.proc.pid}" in local.stderr
+
+
+def test_a_worker_on_a_store_a_serve_local_store_holds_is_refused_naming_its_pid(
+    sharded, secret_file
+):
+    store = sharded / "worker-0"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(sharded),
+         "--local-store", str(store), "--workers", f"{LOOPBACK}:1", "--port", "0",
+         "--secret-file", str(secret_file)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pid_file, deadline = store / ".shoal-serving.pid", time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().startswith(f"{serve.pid} ")):
+            assert serve.poll() is None and time.monotonic() < deadline, "serve never held it"
+            time.sleep(0.1)
+        run = worker_run(store, secret_file, "--port", "0")
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+    assert run.returncode == 2 and run.stderr.startswith("shoal-worker: error:"), run.stderr
+    assert f"already served by shoal --local-store PID {serve.pid}" in run.stderr
 
 
 def run_worker_until_advertised(store: Path, secret_file: Path, log: Path,

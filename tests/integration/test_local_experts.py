@@ -75,13 +75,13 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
 
 def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint, tmp_path):
     from coordinator.dataplane.local_experts import open_local_experts
-    from engine.errors import InvalidInput
+    from engine.errors import ShoalError
 
     sharded = tmp_path / "sharded"
     manifest = shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     first = open_local_experts([sharded / "experts"], manifest, warm=False)
     try:
-        with pytest.raises(InvalidInput, match="served by another shoal process on this machine"):
+        with pytest.raises(ShoalError, match=f"served by shoal --local-store PID {os.getpid()}"):
             open_local_experts([sharded / "experts"], manifest, warm=False)
     finally:
         first.close()
