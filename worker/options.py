@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--lane-port", type=int, default=None, metavar="PORT",
         help="TCP port of the expert lane, where each MoE layer's requests arrive on a bare "
-        "TLS socket (docs/protocol.md; default: --port + 1, or a free port with --port 0)",
+        "TLS socket (docs/protocol.md; default: --port + 1, or a free port where that one is taken "
+        "or with --port 0; coordinators learn it from the worker's inventory)",
     )
     parser.add_argument(
         "--spin-us", type=float, default=0.0, metavar="US",
