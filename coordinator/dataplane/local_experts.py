@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -71,6 +72,8 @@ class LocalExperts:
         self._servicer = ExpertServicer(residency, node_id, residency.budget)
         self._answers: deque[Answer] = deque()
         self._noted: list[tuple[int, mx.array]] = []
+        self._noted_lock = threading.Lock()
+        self._computer: threading.Thread | None = None  # the thread whose graph the picks are
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
         # the router lookahead (coordinator/dataplane/lookahead.py) for the layers run by `whole`,
         # which the dispatcher does not see; set by whoever builds the model's dispatcher
@@ -91,9 +94,12 @@ class LocalExperts:
                 [ahead[1]] if ahead is not None else [])
         out = self.residency.whole(layer, x, inds)
         if out is not None:
-            self._noted.append((layer, inds))
-            if len(self._noted) >= 2 * self._kept:  # counted in batches, not a call at a time
-                self._count(len(self._noted) - self._kept)
+            self._computer = threading.current_thread()
+            with self._noted_lock:
+                self._noted.append((layer, inds))
+                noted = len(self._noted)
+            if noted >= 2 * self._kept:  # counted in batches, not a call at a time
+                self._count(noted - self._kept)
         return out
 
     def _prefetch(self, ahead: tuple[int, mx.array] | None) -> None:
@@ -140,16 +146,28 @@ class LocalExperts:
         """Count the heat of the oldest `count` picks noted, a layer at a time: a pick is
         read once evaluated, and mlx-lm builds one forward pass while the one before it runs,
         so picks `PASSES_KEPT` passes old are done."""
+        with self._noted_lock:
+            picks = self._noted[:count]
+            del self._noted[:count]
         by_layer: dict[int, list[np.ndarray]] = {}
-        for layer, inds in self._noted[:count]:
+        for layer, inds in picks:
             by_layer.setdefault(layer, []).append(np.asarray(inds).reshape(-1))
-        del self._noted[:count]
         for layer, picks in by_layer.items():
             self.residency.counted(layer, np.concatenate(picks).astype(np.int64))
 
     def settle(self) -> None:
-        """Count every pick noted (read before the heat or the counters are)."""
-        self._count(len(self._noted))
+        """Count the picks noted (read before the heat or the counters are): every one from
+        the thread that computes them (or once it has ended); from another thread (the
+        dashboard's, while `shoal serve` decodes) only those `PASSES_KEPT` passes old, which
+        are evaluated: reading a newer one would run MLX in two threads at once."""
+        computer = self._computer
+        with self._noted_lock:
+            noted = len(self._noted)
+        if computer is None or computer is threading.current_thread() or \
+                not computer.is_alive():
+            self._count(noted)
+        else:
+            self._count(noted - self._kept)
 
     # -- what a link answers ---------------------------------------------------------------
 
