@@ -314,6 +314,8 @@ def run(
     # wake every second to let the handler run.
     while not stop.wait(1.0):
         pass
+    print(f"shoal-worker {node_id}: stopping: the calls in flight get up to "
+          f"{args.drain_seconds:g} s to finish", file=sys.stderr, flush=True)
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         _quietly(advertiser.close)
@@ -322,6 +324,7 @@ def run(
     if lane is not None:  # a layer call being computed is answered first
         _quietly(lambda: lane.close(drain=args.drain_seconds))
     _quietly(lambda: server.stop(grace=args.drain_seconds).wait(args.drain_seconds + 3))
+    servicer.files.burst.flush()  # the drains and drops not said yet
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ShoalError, OSError) as e:
         print(f"shoal-worker: error: {worded(e)}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before it served (while loading the experts)
+        print("\nshoal-worker: interrupted", file=sys.stderr)
         code = 130
     except Exception as e:  # said in a line, and the process still ends
         print(f"shoal-worker: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -275,20 +275,35 @@ def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_pat
     workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
                for store in stores]
     links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
-    try:
-        key = (1, 5)
+
+    def rebalance(keys: list[tuple[int, int]]) -> str:
+        """Drain and drop `keys` on the second worker; its log once the burst is said."""
         _, by_name = observe(links)
-        plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
+        plan = MigrationPlan(tuple(Step(kind, key, "drop") for key in keys
+                                   for kind in ("drain", "delete")), {})
         Executor(read_manifest(out), by_name, {}, log=lambda m: None, quiet=0.2,
                  progress=False).run(plan, "rebalance")
+        deadline = time.monotonic() + 10  # the burst is said 2 s after its last drop
+        while "shoal-worker: dropped" not in (log := workers[1].output()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.2)
+        return log
+
+    try:
+        log = rebalance([(1, 5)])
+        assert "draining expert 1/5: no longer offered" in log
+        assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
+        assert "expert 1/5" not in workers[0].output()
+        assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+        # a rebalance that drops many: one line for them all, not one each
+        workers[1].log.write_text("")
+        log = rebalance([(1, 6), (2, 0), (2, 1)])
     finally:
         for link in links:
             link.close()
-    log = workers[1].output()
-    assert "draining expert 1/5: no longer offered" in log
-    assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
-    assert "expert 1/5" not in workers[0].output()
-    assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+    assert log.count("shoal-worker: dropped") == 1
+    assert "shoal-worker: dropped 3 experts (1/6, 2/0, 2/1): their files deleted" in log
+    assert "draining 3 experts (1/6, 2/0, 2/1)" in log
 
 
 def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
@@ -316,3 +331,17 @@ def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
         proc.kill()
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_a_worker_stopped_with_ctrl_c_says_it_stops_then_that_it_stopped(
+    sharded, start_worker
+):
+    import signal
+
+    worker = start_worker([sharded / "worker-0"], "--no-advertise", "--node-id", "calm",
+                          "--drain-seconds", "1")
+    worker.proc.send_signal(signal.SIGINT)
+    assert worker.proc.wait(30) == 0
+    log = worker.output()
+    assert "shoal-worker calm: stopping: the calls in flight get up to 1 s to finish" in log
+    assert log.rstrip().endswith("shoal-worker calm: stopped") and "Traceback" not in log
