@@ -18,7 +18,7 @@ import numpy as np
 from coordinator.dataplane.hosts import IN_PROCESS, Answer, Share
 from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
-from engine.manifest import ExpertKey, Manifest
+from engine.manifest import ExpertKey, Manifest, not_written_by_shard
 from engine.store_lock import COORDINATOR, hold_for_serving
 from proto import error_class_for, shoal_pb2
 from worker.residency import Request, Residency, Timing
@@ -219,9 +219,8 @@ def open_local_experts(
     from worker.daemon import open_residency
 
     for store in stores:
-        if not (Path(store) / "manifest.json").is_file():
-            raise InvalidInput(f"--local-store {store} is not a store folder written by "
-                               "`shoal shard` (it has no manifest.json)")
+        if problem := not_written_by_shard(store):
+            raise InvalidInput(f"--local-store: {problem}")
     locks = hold_for_serving(stores, COORDINATOR)  # a worker's lock: one server per store
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",

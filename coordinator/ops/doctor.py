@@ -179,13 +179,13 @@ def check_memory() -> Check:
 def check_stores(stores: Sequence[Path]) -> list[Check]:
     """Each store folder: written by `shoal shard` (its manifest), experts, free disk."""
     from engine.cache_policy import format_bytes
-    from engine.manifest import MANIFEST_NAME, read_manifest
+    from engine.manifest import not_written_by_shard, read_manifest
 
     checks = []
     for store in stores:
-        if not (store / MANIFEST_NAME).exists():
-            checks.append(Check("store", "fail", f"{store} has no {MANIFEST_NAME}: give a store "
-                                "folder written by `shoal shard` (OUT_DIR/worker-K)"))
+        if problem := not_written_by_shard(store):
+            checks.append(Check("store", "fail", f"{problem} (give a store folder written by "
+                                "`shoal shard`, OUT_DIR/worker-K)"))
             continue
         try:
             manifest = read_manifest(store)

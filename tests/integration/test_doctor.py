@@ -56,7 +56,7 @@ def test_doctor_checks_this_mac_and_each_worker(sharded, start_worker, secret_fi
     assert "127.0.0.1" in by_area(report, "network")[-1]["detail"]
     stores = by_area(report, "store")
     assert stores[0]["verdict"] == "ok" and "12 expert files" in stores[0]["detail"]
-    assert stores[1]["verdict"] == "fail" and "no manifest.json" in stores[1]["detail"]
+    assert stores[1]["verdict"] == "fail" and "nowhere does not exist" in stores[1]["detail"]
     workers = by_area(report, "worker")
     assert len(workers) == 4
 
