@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
@@ -63,3 +64,17 @@ def main(args: argparse.Namespace) -> None:
         f"{len(manifest.layers)} MoE layers ({total / 2**20:.1f} MiB), model "
         f"{manifest.fingerprint[:12]} -> {args.out_dir}"
     )
+    print(next_step(args.out_dir, args.workers))
+
+
+def next_step(out: Path, workers: int | None) -> str:
+    """What to run with the split just written, as `shoal demo` ends with its next commands."""
+    model = shlex.quote(str(out))
+    if not workers:
+        return (f"next: shoal generate --model {model} --local-store "
+                f"{shlex.quote(str(out / 'experts'))} --chat \"Hello\" (this machine "
+                "serves every expert itself; `shoal serve` takes the same options)")
+    stores = shlex.quote(str(out / "worker-K"))
+    return (f"next: on each machine K (0-{workers - 1}), with its folder {stores} copied "
+            f"there: shoal-worker --store {stores}; then here: shoal generate --model {model} "
+            "--chat \"Hello\" (finds the workers with Bonjour; or --workers HOST:PORT,...)")
