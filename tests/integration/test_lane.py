@@ -348,3 +348,20 @@ def test_a_taken_default_lane_port_moves_the_lane_and_the_inventory_says_where(
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert refused.returncode == 2
     assert f"cannot listen for the expert lane on 127.0.0.1:{port + 1}" in refused.stderr
+
+
+def test_a_worker_of_another_cluster_is_refused_at_once_not_after_the_connect_timeout(
+    sharded, start_worker, tmp_path
+):
+    from coordinator.dataplane.link import CONNECT_TIMEOUT
+
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    stranger = WorkerLink(worker.address, load_secret(create_secret(tmp_path / "other")))
+    started = time.monotonic()
+    try:
+        with pytest.raises(Unauthenticated, match="TLS identity"):
+            stranger.fetch_inventory(timeout=CONNECT_TIMEOUT)
+    finally:
+        stranger.close()
+    # the wait for a worker that is not up yet is CONNECT_TIMEOUT; this one answered
+    assert time.monotonic() - started < CONNECT_TIMEOUT * 0.8
