@@ -522,6 +522,9 @@ def test_the_chat_is_greedy_by_default_and_stop_ends_an_answer_mid_way(page, ser
     page.click("#chat-stop")
     page.wait_for_selector(".message.assistant[data-done='true']", timeout=30_000)
     assert page.get_attribute(".message.assistant", "data-stopped") == "true"
+    mark = page.evaluate("getComputedStyle(document.querySelector('.message.assistant'), "
+                         "'::after').content")
+    assert "[stopped]" in mark  # seen on the page, not only in an attribute
     assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
     wait_for(lambda: httpx.get(server.url + "/health", headers=auth(), timeout=10)
              .json()["requests_in_flight"] == 0, 15, "the stopped request dropped")
