@@ -6,6 +6,7 @@ prompt cache files against mlx-lm's."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -194,8 +195,6 @@ class Terminal:
 
     def expect(self, text: str, seconds: float = 120) -> str:
         """Everything shown until `text` appears (after what earlier calls consumed)."""
-        import select
-
         deadline = time.monotonic() + seconds
         while text.encode() not in self.seen:
             left = deadline - time.monotonic()
@@ -214,11 +213,11 @@ class Terminal:
             if done:
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
-            try:
-                os.read(self.fd, 65536)
+            try:  # never blocks: a command that did not end must not hang the test
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    os.read(self.fd, 65536)
             except OSError:
-                pass
-            time.sleep(0.1)
+                time.sleep(0.1)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         raise AssertionError("the chat did not end")
