@@ -32,13 +32,8 @@ def build_skeleton(config: dict) -> nn.Module:
     except ValueError as e:
         kind = config.get("model_type")
         raise ShoalError(f"this mlx-lm cannot build model type {kind}: {e}") from None
-    try:
-        args = args_class.from_dict(config)
-    except TypeError as e:  # mlx-lm's ModelArgs: "missing 3 required positional arguments: ..."
-        kind = config.get("model_type")
-        raise ShoalError(f"the config lacks what mlx-lm's {kind} needs: {e}") from None
     with contextlib.redirect_stdout(io.StringIO()):
-        model = model_class(args)
+        model = model_class(args_class.from_dict(config))
     attach_mtp_skeleton(model, config)  # its experts are served like any other layer's
     return model
 

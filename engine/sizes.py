@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.experts import build_skeleton
-from engine.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ExpertKey, Manifest, read_manifest
+from engine.manifest import MANIFEST_NAME, ExpertKey, Manifest, read_manifest
 from engine.moe_layers import find_moe_layers, layer_bytes, resolve_model_dir, weight_files
 
 
@@ -238,38 +238,24 @@ def estimate_sizes(config: dict, *, bits: int | None = None, group_size: int = 6
                       8 * expert_total / expert_params if expert_params else 0.0, source)
 
 
-def read_sizes_of_manifest(manifest: Manifest, bits: int | None) -> ModelSizes:
-    """A sharded model's real sizes; `bits` is refused (only a config can answer "what if")."""
-    if bits is not None:
-        raise InvalidInput(
-            f"{manifest.model_type} is already sharded, so its sizes are real; --bits applies "
-            "to a config.json (plan the source model's config instead)"
-        )
-    return sizes_from_manifest(manifest)
-
-
 def read_sizes(path: Path, *, bits: int | None = None, group_size: int = 64) -> ModelSizes:
     """Sizes of a sharded model folder (its manifest), or estimated from a config.json
     (`bits`: as if quantized to that many bits, which only a config can answer)."""
     path = Path(path)
     if (path / MANIFEST_NAME).exists():
-        return read_sizes_of_manifest(read_manifest(path), bits)
+        if bits is not None:
+            raise InvalidInput(
+                f"{path} is already sharded, so its sizes are real; --bits applies to a "
+                "config.json (plan the source model's config instead)"
+            )
+        return sizes_from_manifest(read_manifest(path))
     config_path = resolve_model_dir(path) / "config.json" if path.is_dir() else path
     try:
-        text = config_path.read_text()
-        config = json.loads(text)
+        config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise NotFound(f"{path} is neither a sharded model folder nor a config.json") from None
     except json.JSONDecodeError as e:
         raise CorruptData(f"{config_path} is not valid JSON ({e})") from None
-    if isinstance(config, dict) and config.get("format") == MANIFEST_FORMAT:
-        # A Shoal manifest given as a file (OUT_DIR/manifest.json): its sizes are real.
-        return read_sizes_of_manifest(Manifest.from_json(text, origin=str(config_path)), bits)
-    if not isinstance(config, dict) or not config.get("model_type"):
-        raise InvalidInput(
-            f"{config_path} is not a model config: it names no model_type (a Hugging Face "
-            "config.json does, e.g. \"qwen3_moe\"); give a model folder, its config.json, or "
-            "a folder written by `shoal shard`")
     sizes = estimate_sizes(config, bits=bits, group_size=group_size)
     on_disk = sum(f.stat().st_size for f in weight_files(config_path.parent))
     return replace(sizes, source_bytes=on_disk) if on_disk else sizes

@@ -74,8 +74,6 @@ def main(args: argparse.Namespace) -> None:
         raise InvalidInput(f"--bits takes {', '.join(map(str, QUANTIZE_BITS))}, not {args.bits}")
     workers = [parse_worker_capacity(w) for w in args.worker]
     args.model = local_model(str(args.model))
-    if args.model.name == "manifest.json" and args.model.is_file():
-        args.model = args.model.parent  # OUT_DIR/manifest.json: the folder, its heat too
     sizes = read_sizes(args.model, bits=args.bits, group_size=args.group_size)
     if args.heat and args.uniform:
         raise InvalidInput("give --heat or --uniform, not both")
