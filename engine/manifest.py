@@ -110,14 +110,25 @@ def _expert_file(entry: dict) -> ExpertFile:
     return ExpertFile(**{k: v for k, v in entry.items() if k in known})
 
 
+def not_written_by_shard(folder: Path) -> str | None:
+    """Why `folder` is not one `shoal shard` wrote (it does not exist, is a file, or has no
+    manifest), or None: one wording for every command that takes such a folder."""
+    folder = Path(folder)
+    if not folder.exists():
+        return f"{folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not (folder / MANIFEST_NAME).is_file():
+        return f"{folder} holds no {MANIFEST_NAME}: is it a folder written by `shoal shard`?"
+    return None
+
+
 def read_manifest(folder: Path) -> Manifest:
     path = Path(folder) / MANIFEST_NAME
     try:
         text = path.read_text()
-    except FileNotFoundError:
-        raise NotFound(
-            f"{folder} holds no {MANIFEST_NAME}: is it a folder written by `shoal shard`?"
-        ) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFound(not_written_by_shard(folder) or f"{path} is gone") from None
     return Manifest.from_json(text, origin=str(path))
 
 

@@ -1,6 +1,6 @@
-"""Who is using a store folder: a serving worker holds a shared lock on its lock file and the
-folder's serving lock alone, with its PID in it; `shoal shard` writing it an exclusive one. The
-locks are the kernel's (flock), so a process that ends, even by kill -9, lets go of them."""
+"""Who is using a store folder: a process serving it (a worker, or a coordinator's --local-store)
+holds a shared lock on its lock file and the serving lock alone, with its PID in it; `shoal
+shard` writing it an exclusive one. flock's locks go with the process, even on kill -9."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 from engine.errors import ShoalError
 
 LOCK_NAME = ".shoal-lock"
-SERVING_NAME = ".shoal-worker.pid"
+SERVING_NAME = ".shoal-serving.pid"  # "PID ROLE" of the one process serving the store
+WORKER = "shoal-worker"
+COORDINATOR = "shoal --local-store"
 
 
 def _try_lock(folder: Path, mode: int, name: str = LOCK_NAME) -> int | None:
@@ -27,9 +29,10 @@ def _try_lock(folder: Path, mode: int, name: str = LOCK_NAME) -> int | None:
     return fd
 
 
-def hold_for_serving(folders: Iterable[Path]) -> list[int]:
-    """Shared locks on the store folders a worker serves, held until the worker exits (the
-    descriptors are kept open on purpose). Refused while `shoal shard` writes one of them."""
+def hold_for_serving(folders: Iterable[Path], role: str = WORKER) -> list[int]:
+    """Shared locks on the store folders a process serves (`role`: WORKER or COORDINATOR), held
+    until it exits (the descriptors are kept open on purpose). Refused while `shoal shard`
+    writes one of them, or while another process, of either role, serves one."""
     held = []
     for folder in folders:
         try:
@@ -38,21 +41,22 @@ def hold_for_serving(folders: Iterable[Path]) -> list[int]:
             continue  # a read-only drive, or no folder (the scan says so): nobody writes it
         if fd is None:
             release(held)
-            raise ShoalError(f"`shoal shard` is writing {folder} now; start the worker when "
+            raise ShoalError(f"`shoal shard` is writing {folder} now; start the {role} when "
                              "it has finished")
         held.append(fd)
         alone = _try_lock(Path(folder), fcntl.LOCK_EX, SERVING_NAME)
         if alone is None:
             release(held)
-            other = (Path(folder) / SERVING_NAME).read_text().strip() or "unknown"
+            pid, _, other = (Path(folder) / SERVING_NAME).read_text().strip().partition(" ")
+            pid = pid or "unknown"
             raise ShoalError(
-                f"{folder} is already served by shoal-worker PID {other}; this worker (PID "
-                f"{os.getpid()}) stops: two workers on one store would each move and count "
-                "its experts without the other knowing. Stop PID "
-                f"{other} first, or give this worker another store"
+                f"{folder} is already served by {other or 'a Shoal process'} PID {pid}; this "
+                f"{role} (PID {os.getpid()}) stops: two processes serving one store would each "
+                f"move and count its experts without the other knowing. Stop PID {pid} "
+                f"first, or give this {role} another store"
             )
         os.ftruncate(alone, 0)
-        os.write(alone, f"{os.getpid()}\n".encode())
+        os.write(alone, f"{os.getpid()} {role}\n".encode())
         held.append(alone)
     return held
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -130,13 +131,11 @@ def serve(args: argparse.Namespace) -> None:
     residency = None
     try:
         if not args.no_lane:
-            lane_port = args.lane_port if args.lane_port is not None else \
-                port + 1 if args.port else 0
-            lane = LaneServer(args.host, lane_port, server_context(identity), checker,
-                              log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr,
-                                                  flush=True), spin=args.spin_us / 1e6,
-                              idle_seconds=args.lane_idle_seconds,
-                              message_seconds=args.lane_message_seconds)
+            lane = open_lane(args, port, lambda lane_port: LaneServer(
+                args.host, lane_port, server_context(identity), checker,
+                log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr, flush=True),
+                spin=args.spin_us / 1e6, idle_seconds=args.lane_idle_seconds,
+                message_seconds=args.lane_message_seconds))
         residency = load(args)
         run(args, server, port, residency, addresses, checker, lane)
     finally:
@@ -148,6 +147,25 @@ def serve(args: argparse.Namespace) -> None:
         _quietly(lambda: _bounded(lambda: executor.shutdown(cancel_futures=True), 5))
         if residency is not None:
             _quietly(residency.close)
+
+
+def open_lane(args: argparse.Namespace, port: int,
+              listen: Callable[[int], LaneServer]) -> LaneServer:
+    """The expert lane on --lane-port, which must be free; without it on the gRPC port + 1,
+    or, where another process has that one, on any free port: coordinators learn the lane's
+    port from the inventory, so only a port the user asked for is worth refusing to start."""
+    if args.lane_port is not None or not args.port:
+        return listen(args.lane_port or 0)
+    if port + 1 < 65536:
+        try:
+            return listen(port + 1)
+        except ShoalError:
+            pass
+    lane = listen(0)
+    print(f"shoal-worker: port {port + 1} (the gRPC port + 1) is taken: the expert lane "
+          f"listens on port {lane.port}, announced to coordinators in the inventory",
+          file=sys.stderr, flush=True)
+    return lane
 
 
 def _quietly(step) -> None:
@@ -233,6 +251,8 @@ def run(
     # wake every second to let the handler run.
     while not stop.wait(1.0):
         pass
+    print(f"shoal-worker {node_id}: stopping: the calls in flight get up to "
+          f"{args.drain_seconds:g} s to finish", file=sys.stderr, flush=True)
     liveness.enter_graceful_shutdown()  # coordinators see NOT_SERVING while we drain
     if advertiser is not None:
         _quietly(advertiser.close)
@@ -241,6 +261,7 @@ def run(
     if lane is not None:  # a layer call being computed is answered first
         _quietly(lambda: lane.close(drain=args.drain_seconds))
     _quietly(lambda: server.stop(grace=args.drain_seconds).wait(args.drain_seconds + 3))
+    servicer.files.burst.flush()  # the drains and drops not said yet
     print(f"shoal-worker {node_id}: stopped", flush=True)
 
 
@@ -254,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ShoalError, OSError) as e:
         print(f"shoal-worker: error: {worded(e)}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before it served (while loading the experts)
+        print("\nshoal-worker: interrupted", file=sys.stderr)
         code = 130
     except Exception as e:  # said in a line, and the process still ends
         print(f"shoal-worker: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from engine.advert import DEFAULT_CLUSTER, check_name
 from engine.cache_policy import DEFAULT_MEMORY_SHARE, parse_budget
+from engine.command_line import CommandParser
 from engine.errors import ShoalError
 from proto import PROTOCOL_VERSION
 from worker.lane_server import IDLE_SECONDS as LANE_IDLE_SECONDS
@@ -22,7 +23,7 @@ DRAIN_SECONDS = 5.0  # on a stop, for the requests being computed (--drain-secon
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shoal-worker",
         description=(
             "Serve the MoE experts held in one or more store folders to a Shoal coordinator "
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--lane-port", type=int, default=None, metavar="PORT",
         help="TCP port of the expert lane, where each MoE layer's requests arrive on a bare "
-        "TLS socket (docs/protocol.md; default: --port + 1, or a free port with --port 0)",
+        "TLS socket (docs/protocol.md; default: --port + 1, or a free port where that one is taken "
+        "or with --port 0; coordinators learn it from the worker's inventory)",
     )
     parser.add_argument(
         "--spin-us", type=float, default=0.0, metavar="US",

@@ -90,6 +90,8 @@ def _check_file(path: Path, size: int, sha256: str | None) -> str | None:
 def check_store_folder(folder: Path) -> None:
     """Refuse a folder above the stores: the folder `shoal shard` wrote (OUT), given for one
     of its stores (OUT/worker-K), or the folder holding OUT; either would serve nothing."""
+    if not folder.exists():
+        raise ShoalError(f"--store {folder} does not exist")
     if any(folder.glob("L*/E*.safetensors")):
         return
     stores = store_folders_under(folder)

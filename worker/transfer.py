@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,10 @@ from worker.uncached import file_problem
 
 DEFAULT_QUIET = 1.0  # seconds a drained copy must go unasked before it may be deleted
 MAX_QUIET = 24 * 3600.0  # longer than any migration waits: a bigger value is a mistake
+BURST_QUIET = 2.0  # seconds without a drain or drop that end a burst of them (one log line)
+SHOWN = 8  # experts named in a burst's line
+BURST_DETAIL = {"draining": "no longer offered, still computed until they are dropped",
+                "dropped": "their files deleted"}
 ABSENT, PARTIAL = "absent", "partial"
 
 
@@ -65,6 +70,52 @@ def log_to_stderr(message: str) -> None:
     print(f"shoal-worker: {message}", file=sys.stderr, flush=True)
 
 
+class Burst:
+    """Lines of one kind that come in a burst (a rebalance drains and drops hundreds of
+    experts, one call each), said in one line once none has come for `quiet` seconds; a
+    lone one as it is. `flush` says what is pending now (the worker stopping)."""
+
+    def __init__(self, log: Callable[[str], None], quiet: float = BURST_QUIET) -> None:
+        self.log, self.quiet = log, quiet
+        self._pending: dict[str, list[tuple[ExpertKey, str]]] = {}
+        self._last = 0.0
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, key: ExpertKey, detail: str) -> None:
+        with self._lock:
+            self._pending.setdefault(kind, []).append((key, detail))
+            self._last = time.monotonic()
+            if self._timer is None:
+                self._arm(self.quiet)
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            left = self._last + self.quiet - time.monotonic()
+            if left > 0:
+                self._arm(left)
+                return
+            self._timer = None
+        self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for kind, events in pending.items():
+            if len(events) == 1:
+                (layer, expert), detail = events[0]
+                self.log(f"{kind} expert {layer}/{expert}: {detail}")
+                continue
+            shown = ", ".join(f"{layer}/{expert}" for (layer, expert), _ in events[:SHOWN])
+            more = f" and {len(events) - SHOWN} more" if len(events) > SHOWN else ""
+            self.log(f"{kind} {len(events)} experts ({shown}{more}): {BURST_DETAIL[kind]}")
+
+
 # A pushed file is written to a hidden partial name beside its final place; an interrupted push
 # leaves it, and its size is where the next push resumes. Once every byte has arrived it is
 # flushed, checked against the manifest's checksum on disk, and only then renamed into place
@@ -83,6 +134,7 @@ class ExpertFiles:
     ) -> None:
         self.residency = residency
         self.log = log
+        self.burst = Burst(log)  # a rebalance's drains and drops, a line each burst
         self.folders = tuple(Path(f) for f in folders)
         self.manifest = manifest
         self._files = {(e.layer, e.expert): e for e in manifest.experts}
@@ -241,8 +293,8 @@ class ExpertFiles:
     def drain(self, key: ExpertKey) -> FileState:
         self._held(key)
         if self.residency.holdings.state(key) != DRAINING:
-            self.log(f"draining expert {key[0]}/{key[1]}: no longer offered, still computed "
-                     "until it is dropped")
+            self.burst.add("draining", key, "no longer offered, still computed until it is "
+                           "dropped")
         self.residency.holdings.drain(key)
         return self.status(key)
 
@@ -285,7 +337,7 @@ class ExpertFiles:
         for path in removed:
             path.unlink(missing_ok=True)
             _fsync_folder(path.parent)
-        self.log(f"dropped expert {key[0]}/{key[1]}: deleted {', '.join(map(str, removed))}")
+        self.burst.add("dropped", key, f"deleted {', '.join(map(str, removed))}")
         return self.status(key)
 
     def _held(self, key: ExpertKey) -> None:

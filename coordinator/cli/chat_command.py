@@ -22,7 +22,7 @@ from coordinator.cli.options import (
     secret_option,
 )
 from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
-from engine.errors import InvalidInput
+from engine.errors import InvalidInput, ShoalError, worded
 from engine.manifest import read_manifest
 
 if TYPE_CHECKING:
@@ -132,7 +132,9 @@ def converse(conversation) -> None:
     while True:
         try:
             line = read_message(prompt)
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt on a line of its own
+            if prompt:
+                print(flush=True)
             break
         except KeyboardInterrupt:
             print("^C", file=sys.stderr, flush=True)
@@ -152,9 +154,16 @@ def converse(conversation) -> None:
             print(f"shoal chat: no command {line.split()[0]}; /help lists them",
                   file=sys.stderr, flush=True)
             continue
-        with ctrl_c_stops() as stopped:
-            turn = conversation.say(line, lambda text: print(text, end="", flush=True),
-                                    stop=stopped.is_set)
+        try:
+            with ctrl_c_stops() as stopped, typing_not_shown():
+                turn = conversation.say(line, lambda text: print(text, end="", flush=True),
+                                        stop=stopped.is_set)
+        except (ShoalError, OSError) as e:  # a worker lost mid-reply: this reply only
+            print(flush=True)
+            print(f"shoal chat: error: {worded(e)}. This reply is dropped; the conversation "
+                  "before it is kept (/reset starts over, /quit ends)", file=sys.stderr,
+                  flush=True)
+            continue
         print(flush=True)
         spec = turn.speculative
         drafted = "" if spec is None else (
@@ -174,6 +183,26 @@ def read_message(prompt: str) -> str | None:
     while (more := input("... " if prompt else "")).strip() != MULTI_LINE:
         lines.append(more)
     return "\n".join(lines).strip() or None
+
+
+@contextlib.contextmanager
+def typing_not_shown() -> Iterator[None]:
+    """While a reply is written to a terminal, what is typed is not echoed into it (Ctrl-C
+    still stops the reply)."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    before = termios.tcgetattr(fd)
+    quiet = list(before)
+    quiet[3] &= ~termios.ECHO  # the local modes
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
 
 
 @contextlib.contextmanager

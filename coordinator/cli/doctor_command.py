@@ -33,8 +33,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "device. With --workers, --cluster or --cluster-config, also each worker: reachable "
         "(a refused connection is told apart from a silent host), the path and round trip, "
         "its protocol version and model fingerprint; with none of them, the workers of the "
-        "default cluster found with Bonjour (unless --no-mdns). Exit status 1 when something "
-        "is wrong.",
+        "default cluster found with Bonjour (unless --no-mdns). Bonjour is checked only "
+        "where it is used: not with --workers or --cluster-config. Exit status 1 when "
+        "something is wrong.",
     )
     p.add_argument("--workers", metavar="HOST:PORT[,HOST:PORT...]",
                    help="check these workers (by address)")
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> None:
     checks = [check_secret(path)]
     network, announced = check_network(args.interface)
     checks += network
-    if not args.no_mdns:
+    if not (args.no_mdns or addresses or args.cluster_config):  # Bonjour only finds workers
         checks.append(check_mdns(announced))
     checks += [check_memory(), *check_stores(args.store or []), check_mlx()]
     # With no workers named, the cluster `shoal generate` would use: Bonjour's default one.

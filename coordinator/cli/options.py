@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.auth import load_secret, secret_path
 from engine.errors import InvalidInput
+from engine.manifest import not_written_by_shard
 
 # How long to listen for Bonjour answers at least. A responder that multicast an answer in the
 # last second (to another browser: every worker runs one) sends it again only after a second
@@ -115,9 +116,8 @@ def check_local_store_args(args: argparse.Namespace) -> None:
                                "--local-store DIR too")
         parse_budget(args.memory_budget)
     for store in args.local_store or ():
-        if not (store / "manifest.json").is_file():
-            raise InvalidInput(f"--local-store {store} is not a store folder written by "
-                               "`shoal shard` (it has no manifest.json)")
+        if problem := not_written_by_shard(store):
+            raise InvalidInput(f"--local-store: {problem}")
 
 
 def model_options(p: argparse.ArgumentParser, *, wait: float,
@@ -151,6 +151,8 @@ def check_model_folder(model: Path) -> None:
         raise InvalidInput(f"--model {model} is a worker's store folder (for shoal-worker "
                            f"--store, or --local-store); --model takes the folder `shoal "
                            f"shard` wrote, with the dense part: --model {model.parent}")
+    if not model.exists():
+        raise InvalidInput(f"--model {model} does not exist")
     if not (model / "manifest.json").exists():
         below = sorted(p.parent for p in model.glob("*/dense/config.json"))
         hint = f"; did you mean --model {below[0].parent}?" if below else ""

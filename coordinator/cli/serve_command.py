@@ -188,6 +188,13 @@ def prompt_cache_disk(args: argparse.Namespace, model, manifest) -> DiskTier | N
         raise InvalidInput(f"--prompt-cache-dir {root}: {e.strerror}") from None
 
 
+def plain_log_names(record: logging.LogRecord) -> bool:
+    """uvicorn logs its start and stop as "uvicorn.error", which reads as an error: "uvicorn"."""
+    if record.name == "uvicorn.error":
+        record.name = "uvicorn"
+    return True
+
+
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     # lazy: start-up
@@ -202,6 +209,8 @@ def main(args: argparse.Namespace) -> None:
     limits = serve_limits(args, raise_file_limit())  # after mlx-lm's import, which sets one
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="shoal serve: %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(plain_log_names)
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     manifest = read_manifest(args.model)
     stores, memory_budget = local_stores(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
@@ -109,3 +110,18 @@ def main(args: argparse.Namespace) -> None:
     if members:
         spare = args.spare / 100
         print("\n".join(member_lines(members, manifest, args.out_dir, heat, spare)))
+    else:
+        print(next_step(args.out_dir, args.workers))
+
+
+def next_step(out: Path, workers: int | None) -> str:
+    """What to run with the split just written, as `shoal demo` ends with its next commands."""
+    model = shlex.quote(str(out))
+    if not workers:
+        return (f"next: shoal generate --model {model} --local-store "
+                f"{shlex.quote(str(out / 'experts'))} --chat \"Hello\" (this machine "
+                "serves every expert itself; `shoal serve` takes the same options)")
+    stores = shlex.quote(str(out / "worker-K"))
+    return (f"next: on each machine K (0-{workers - 1}), with its folder {stores} copied "
+            f"there: shoal-worker --store {stores}; then here: shoal generate --model {model} "
+            "--chat \"Hello\" (finds the workers with Bonjour; or --workers HOST:PORT,...)")

@@ -25,6 +25,7 @@ from coordinator.cli import (
     workers_command,
 )
 from coordinator.ops.hub import hub_may_be_reached
+from engine.command_line import CommandParser
 from engine.errors import ShoalError, worded
 from engine.pipes import guard_standard_streams
 
@@ -52,7 +53,7 @@ def version_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shoal",
         description=(
             "Run a Mixture-of-Experts model whose routed experts are spread over several "
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=version_text())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.setup_arg_parser(sub.add_parser)
     return parser
@@ -70,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     guard_standard_streams()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `shoal` lists the commands, as a bare `ollama` does
+        parser.print_help()
+        return
     hub_may_be_reached(args.command)
     try:
         args.main(args)

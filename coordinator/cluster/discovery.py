@@ -129,10 +129,15 @@ def _coordinator_table(
 
 
 def parse_endpoint(text: str, where: str) -> tuple[str, int]:
-    host, _, port = text.strip().rpartition(":")
+    """HOST:PORT (an IPv6 host in brackets) as (host, port); refused naming what is wrong."""
+    host, colon, port = text.strip().rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"{where}: address {text!r} is not HOST:PORT")
+    if port.isdigit() and not 0 < int(port) < 65536:
+        raise InvalidInput(f"{where}: address {text!r}: port {int(port)} is out of range "
+                           "(1-65535)")
+    if not colon or not host or not port.isdigit():
+        raise InvalidInput(f"{where}: address {text!r} is not HOST:PORT (e.g. "
+                           "mac-a.local:50551)")
     return host, int(port)
 
 

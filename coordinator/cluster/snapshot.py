@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.cluster.discovery import parse_endpoint
 from coordinator.dataplane.hosts import ExpertHost
 from coordinator.dataplane.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
 from coordinator.dataplane.link_errors import held
@@ -276,9 +277,7 @@ def parse_addresses(text: str) -> list[str]:
     if not addresses:
         raise InvalidInput("--workers needs at least one HOST:PORT")
     for address in addresses:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidInput(f"worker address {address!r} is not HOST:PORT")
+        parse_endpoint(address, "--workers")
     return addresses
 
 

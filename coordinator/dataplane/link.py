@@ -36,6 +36,7 @@ from proto import (
 from proto.wire import WireView, decode
 
 CONNECT_TIMEOUT = 10.0
+IDENTITY_CHECK_TIMEOUT = 2.0  # the health check before an inventory (TLS identity refused?)
 # Until a link has measured its round trips, a reply may take this long (a first prefill
 # chunk on a slow CPU worker, compiling its kernels); afterwards see dispatch.py's `Pace`.
 FIRST_REPLY_TIMEOUT = 120.0
@@ -170,9 +171,15 @@ class WorkerLink:
     def fetch_inventory(self, timeout: float = CONNECT_TIMEOUT) -> shoal_pb2.Inventory:
         """What the worker holds now; its expert lane, if it has one, is tried again."""
         self.lane_refused = ""
+        started = time.monotonic()
+        try:  # a worker of another cluster fails now, not at the end of a wait for it
+            self.check_health(min(timeout, IDENTITY_CHECK_TIMEOUT))
+        except Unavailable:
+            pass  # not up yet, or stopping: GetInventory waits for it
         try:
             self.inventory = self._stub.GetInventory(
-                shoal_pb2.InventoryRequest(), timeout=timeout,
+                shoal_pb2.InventoryRequest(),
+                timeout=max(timeout - (time.monotonic() - started), 0.1),
                 metadata=self.metadata("GetInventory"), wait_for_ready=True,
             )
         except grpc.RpcError as e:

@@ -4,9 +4,9 @@ it (`whole`), over the stack or, under a budget, the slots; the rest as shares o
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -18,14 +18,14 @@ import numpy as np
 from coordinator.dataplane.hosts import IN_PROCESS, Answer, Share
 from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
-from engine.manifest import ExpertKey, Manifest
+from engine.manifest import ExpertKey, Manifest, not_written_by_shard
+from engine.store_lock import COORDINATOR, hold_for_serving
 from proto import error_class_for, shoal_pb2
 from worker.advertise import load_node_id, node_id_path
 from worker.open_stores import open_residency
 from worker.residency import Request, Residency, Timing
 from worker.service import ExpertServicer
 
-LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
 ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
 PASSES_KEPT = 2  # `whole` calls' picks left uncounted until evaluated (LocalExperts._count)
 
@@ -73,6 +73,8 @@ class LocalExperts:
         self._servicer = ExpertServicer(residency, node_id, residency.budget)
         self._answers: deque[Answer] = deque()
         self._noted: list[tuple[int, mx.array]] = []
+        self._noted_lock = threading.Lock()
+        self._computer: threading.Thread | None = None  # the thread whose graph the picks are
         self._kept = PASSES_KEPT * max(len(residency.scan.manifest.layers), 1)
         # the router lookahead (coordinator/dataplane/lookahead.py) for the layers run by `whole`,
         # which the dispatcher does not see; set by whoever builds the model's dispatcher
@@ -93,9 +95,12 @@ class LocalExperts:
                 [ahead[1]] if ahead is not None else [])
         out = self.residency.whole(layer, x, inds)
         if out is not None:
-            self._noted.append((layer, inds))
-            if len(self._noted) >= 2 * self._kept:  # counted in batches, not a call at a time
-                self._count(len(self._noted) - self._kept)
+            self._computer = threading.current_thread()
+            with self._noted_lock:
+                self._noted.append((layer, inds))
+                noted = len(self._noted)
+            if noted >= 2 * self._kept:  # counted in batches, not a call at a time
+                self._count(noted - self._kept)
         return out
 
     def _prefetch(self, ahead: tuple[int, mx.array] | None) -> None:
@@ -142,16 +147,28 @@ class LocalExperts:
         """Count the heat of the oldest `count` picks noted, a layer at a time: a pick is
         read once evaluated, and mlx-lm builds one forward pass while the one before it runs,
         so picks `PASSES_KEPT` passes old are done."""
+        with self._noted_lock:
+            picks = self._noted[:count]
+            del self._noted[:count]
         by_layer: dict[int, list[np.ndarray]] = {}
-        for layer, inds in self._noted[:count]:
+        for layer, inds in picks:
             by_layer.setdefault(layer, []).append(np.asarray(inds).reshape(-1))
-        del self._noted[:count]
         for layer, picks in by_layer.items():
             self.residency.counted(layer, np.concatenate(picks).astype(np.int64))
 
     def settle(self) -> None:
-        """Count every pick noted (read before the heat or the counters are)."""
-        self._count(len(self._noted))
+        """Count the picks noted (read before the heat or the counters are): every one from
+        the thread that computes them (or once it has ended); from another thread (the
+        dashboard's, while `shoal serve` decodes) only those `PASSES_KEPT` passes old, which
+        are evaluated: reading a newer one would run MLX in two threads at once."""
+        computer = self._computer
+        with self._noted_lock:
+            noted = len(self._noted)
+        if computer is None or computer is threading.current_thread() or \
+                not computer.is_alive():
+            self._count(noted)
+        else:
+            self._count(noted - self._kept)
 
     # -- what a link answers ---------------------------------------------------------------
 
@@ -200,10 +217,9 @@ def open_local_experts(
     memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
     False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
     for store in stores:
-        if not (Path(store) / "manifest.json").is_file():
-            raise InvalidInput(f"--local-store {store} is not a store folder written by "
-                               "`shoal shard` (it has no manifest.json)")
-    locks = [lock_store(Path(store)) for store in stores]
+        if problem := not_written_by_shard(store):
+            raise InvalidInput(f"--local-store: {problem}")
+    locks = hold_for_serving(stores, COORDINATOR)  # a worker's lock: one server per store
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
                                    out=sys.stderr, warm=warm)  # stdout is the generated text's
@@ -226,22 +242,6 @@ def open_local_experts(
         for fd in locks:
             os.close(fd)
         raise
-
-
-def lock_store(store: Path) -> int:
-    """Hold the store's lock for this process: two coordinators serving one store would each
-    move and count its experts without the other knowing (a `shoal rebalance --local-store`
-    beside a `shoal serve` of the same folder). Released when the process ends, however."""
-    fd = os.open(store / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise InvalidInput(
-            f"--local-store {store} is served by another shoal process on this machine; stop it "
-            "first (a store's experts are moved and counted by the one process serving it)"
-        ) from None
-    return fd
 
 
 class WithLocal:

@@ -67,8 +67,18 @@ class Conversation:
     def say(self, text: str, on_text: Callable[[str], None],
             stop: Callable[[], bool] = lambda: False) -> Turn:
         """The reply to the user's `text`, streamed to `on_text` as it comes; cut short, and
-        kept so far, once `stop()` says so (checked between tokens, never inside a layer call,
-        so no worker is left with a request half read)."""
+        kept so far, once `stop()` says so (checked before each token is shown, never inside
+        a layer call, so no worker is left with a request half read). When the reply fails (a
+        worker lost), the conversation stays as it was before `text` and the cache starts
+        again: a turn cut inside a forward pass may have left some layers' KV a token ahead."""
+        try:
+            return self._say(text, on_text, stop)
+        except BaseException:
+            self.cache, self.cached = make_prompt_cache(self.model), []
+            raise
+
+    def _say(self, text: str, on_text: Callable[[str], None],
+             stop: Callable[[], bool]) -> Turn:
         messages = [*self.messages, {"role": "user", "content": text}]
         prompt = encode_messages(self.tokenizer, messages)
         keep = shared_prefix(self.cached, prompt)
@@ -93,14 +103,14 @@ class Conversation:
                                            sampler=self.sampler, stats=speculative,
                                            prompt_cache=self.cache)
         for r in responses:
-            tokens.append(int(r.token))
+            tokens.append(int(r.token))  # in the cache either way: see self.cached below
+            if stop():  # Ctrl-C came while this token was computed: it is not shown
+                stopped = True
+                break
             speed = r.generation_tps
             if r.text:
                 reply += r.text
                 on_text(r.text)
-            if stop():
-                stopped = True
-                break
         # the cache holds every token fed to the model, which (mlx-lm computes a step
         # ahead) may or may not include the reply's last: ask it
         self.cached = tokens[:max(c.offset for c in self.cache)]

@@ -307,7 +307,9 @@ def streaming_lines(report: dict) -> list[str]:
     lines = ["workers (this run):"]
     for address, summary in report["workers"].items():
         lines += worker_stats_lines(address, summary)
-    if hints := report.get("hints"):
+    if (hints := report.get("hints")) and not hints["predictions"]:
+        lines.append("router lookahead: -")  # nothing predicted: no recall to speak of
+    elif hints:
         lines.append(
             f"router lookahead: {hints['predictions']} predictions, recall "
             f"{_percent(hints['recall'])}, precision {_percent(hints['precision'])}, "

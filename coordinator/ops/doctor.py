@@ -27,7 +27,7 @@ from engine.interfaces import (
     local_interfaces,
     rank,
 )
-from engine.manifest import MANIFEST_NAME, read_manifest
+from engine.manifest import not_written_by_shard, read_manifest
 from proto import PROTOCOL_VERSION
 from worker.open_stores import physical_memory
 
@@ -180,9 +180,9 @@ def check_stores(stores: Sequence[Path]) -> list[Check]:
     """Each store folder: written by `shoal shard` (its manifest), experts, free disk."""
     checks = []
     for store in stores:
-        if not (store / MANIFEST_NAME).exists():
-            checks.append(Check("store", "fail", f"{store} has no {MANIFEST_NAME}: give a store "
-                                "folder written by `shoal shard` (OUT_DIR/worker-K)"))
+        if problem := not_written_by_shard(store):
+            checks.append(Check("store", "fail", f"{problem} (give a store folder written by "
+                                "`shoal shard`, OUT_DIR/worker-K)"))
             continue
         try:
             manifest = read_manifest(store)

@@ -10,7 +10,7 @@ import fcntl
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +60,11 @@ def fetch_readings(links: Sequence[WorkerLink], timeout: float = HEAT_TIMEOUT) -
         except ShoalError as e:
             return e
 
+    # the coordinator's own experts are asked in this thread, whose graph their picks are
+    # (coordinator/dataplane/local_experts.py: LocalExperts.settle)
     with ThreadPoolExecutor(max(len(links), 1)) as pool:
-        answers = list(pool.map(ask, links))
+        answers = [ask(link) if link.in_process else pool.submit(ask, link) for link in links]
+        answers = [a if not isinstance(a, Future) else a.result() for a in answers]
     replies = []
     for link, answer in zip(links, answers, strict=True):
         if isinstance(answer, ShoalError):

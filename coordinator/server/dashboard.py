@@ -245,15 +245,17 @@ class Dashboard:
             if self._heat is not None and time.monotonic() - self._heat[0] < HEAT_SECONDS:
                 return self._heat[1]
             s = self.service
-            members = s.membership.snapshot()
-            links = [self._link(m.address) for m in members if m.state == "healthy"]
+            # the live members, the coordinator's own experts (--local-store) among them
+            _, links, holdings = s.membership.live()
             try:
                 record = record_heat(self.model_dir, s.manifest, fetch_readings(links))
             except Unavailable:  # a worker lost while it was read: the last view stands
                 if self._heat is None:
                     raise
                 return self._heat[1]
-            view = heat_view(record, s.manifest, members)
+            view = heat_view(record, s.manifest, [
+                (link.node_id, link.address, held)
+                for link, held in zip(links, holdings, strict=True)])
             self._heat = (time.monotonic(), view)
             return view
 

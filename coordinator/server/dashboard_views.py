@@ -17,6 +17,8 @@ from engine.heat import HeatRecord
 from engine.manifest import ExpertKey, Manifest
 from proto import shoal_pb2
 
+Holder = tuple[str, str, frozenset[ExpertKey]]  # (node id, address, experts) of a live member
+
 # ---------------------------------------------------------------------------------------
 # Speed: one sample a second, from the difference of two readings of the counters
 
@@ -135,15 +137,19 @@ def coordinator_card(*, model: str, manifest: Manifest, context: int, max_batch:
 # Heat
 
 
-def heat_view(record: HeatRecord, manifest: Manifest, members: Sequence[Member]) -> dict:
+def healthy_holders(members: Sequence[Member]) -> list[Holder]:
+    """The healthy members as heat_view takes them."""
+    return [(m.node_id, m.address, m.experts) for m in members if m.state == "healthy"]
+
+
+def heat_view(record: HeatRecord, manifest: Manifest, holders: Sequence[Holder]) -> dict:
     """The heat map's data: per MoE layer (rows, in order) the tokens of each expert, the
-    healthy worker that serves it first (an index into `workers`, -1: none) and how many
-    serve it; with `shoal heat`'s summary (skew per layer, load per worker)."""
-    healthy = [m for m in members if m.state == "healthy"]
-    names = name_workers([(m.node_id, m.address) for m in healthy])
+    live member that serves it first (an index into `workers`, -1: none) and how many serve
+    it; with `shoal heat`'s summary (skew per layer, load per worker)."""
+    names = name_workers([(node_id, address) for node_id, address, _ in holders])
     held_by: dict[ExpertKey, list[int]] = {}
-    for index, member in enumerate(healthy):
-        for key in member.experts:
+    for index, (_, _, experts) in enumerate(holders):
+        for key in experts:
             held_by.setdefault(key, []).append(index)
     total = record.total()
     counts, owner, copies = [], [], []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import sys
@@ -276,12 +277,15 @@ def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
         service.stopping = True  # new requests get 503 (uvicorn refuses new connections)
         if again:
             service.engine.close(timeout=0)  # its requests end at once, with an error event
+            say("shoal serve: ending the answers in flight now\n")
         elif not cut.is_alive():
             cut.start()
+            say(f"shoal serve: stopping: new requests are refused, those in flight get up to "
+                f"{drain:g} s to finish (Ctrl-C again ends them now)\n")
 
     config = uvicorn.Config(make_app(service, mount=mount, middleware=middleware),
                             http=guarded_protocol(service.guard),
-                            log_level=log_level, access_log=False,
+                            log_level=log_level, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=drain + 5, backlog=BACKLOG,
                             log_config=None)
     host, port = sock.getsockname()[:2]
@@ -299,3 +303,10 @@ def serve(service: Service, sock: socket.socket, *, log_level: str = "warning",
         cut.cancel()
         for parsers in (service.parsers, service.large_parser):
             parsers.shutdown(wait=False, cancel_futures=True)
+    print("shoal serve: stopped", file=sys.stderr, flush=True)
+
+
+def say(line: str) -> None:
+    """A line on stderr from a signal handler: os.write, since print may be interrupted
+    in the middle of another print (a reentrant call raises)."""
+    os.write(sys.stderr.fileno(), line.encode())

@@ -273,7 +273,10 @@ def model_entry(service: Service) -> dict:
     config = service.manifest.config
     return {"name": service.model_id, "model": service.model_id,
             "modified_at": datetime.fromtimestamp(service.started, UTC).isoformat(),
-            "size": 0, "digest": service.manifest.fingerprint,
+            # the model's bytes, as Ollama's size is its files': dense part and every expert
+            "size": sum(f.bytes for f in (*service.manifest.dense_files,
+                                          *service.manifest.experts)),
+            "digest": service.manifest.fingerprint,
             "details": {"format": "safetensors", "family": config.get("model_type", ""),
                         "families": [config.get("model_type", "")], "parameter_size": "",
                         "quantization_level": ""}}

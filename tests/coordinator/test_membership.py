@@ -20,6 +20,7 @@ from coordinator.cluster.membership import (
     needs_handshake,
     stale_twins,
 )
+from coordinator.cluster.snapshot import parse_addresses
 from engine.advert import Advert
 from engine.errors import InvalidInput
 from engine.interfaces import Interface
@@ -124,7 +125,7 @@ def test_shipped_cluster_configs_parse():
     ({"workers": [{"address": "a:1"}]}, "give the cluster a name"),
     ({"name": "desk"}, "list the workers"),
     ({"name": "desk", "workers": [{"address": "a"}]}, "is not HOST:PORT"),
-    ({"name": "desk", "workers": [{"address": "a:99999"}]}, "is not HOST:PORT"),
+    ({"name": "desk", "workers": [{"address": "a:99999"}]}, "port 99999 is out of range"),
     ({"name": "desk", "workers": [{"adress": "a:1"}]}, "unknown setting(s) adress"),
     ({"name": "desk", "nodes": []}, "unknown setting(s) nodes"),
     ({"name": "desk", "workers": [{"address": "a:1"}, {"address": "a:1"}]}, "listed twice"),
@@ -157,3 +158,14 @@ def test_a_config_may_name_the_coordinators_own_stores_relative_to_itself(tmp_pa
         "desk.toml", tmp_path)
     assert config.local_stores == (tmp_path / "out/worker-0", Path("/Volumes/B/worker-0"))
     assert config.memory_budget == "25%" and config.workers == ()  # one Mac alone
+
+
+@pytest.mark.parametrize("text,message", [
+    ("127.0.0.1:99999", "port 99999 is out of range (1-65535)"),
+    (":99999", "port 99999 is out of range"),
+    ("mac-a.local", "is not HOST:PORT"),
+    ("a:b", "is not HOST:PORT"),
+])
+def test_a_worker_address_says_what_is_wrong_with_it(text, message):
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_addresses(text)

@@ -31,3 +31,9 @@ def test_a_run_is_the_difference_of_two_readings_and_reads_as_rates():
     report = streaming_report({"a:1": reading(1)}, {"a:1": reading(3)}, 20, stats)
     text = "\n".join(streaming_lines(report))
     assert "hit rate 60.0%" in text and "recall 75.0%" in text and "drive /a" in text
+
+
+def test_a_lookahead_that_predicted_nothing_reads_as_a_dash():
+    report = streaming_report({"a:1": reading(1)}, {"a:1": reading(3)}, 20, LookaheadStats())
+    lines = streaming_lines(report)
+    assert "router lookahead: -" in lines and "recall 0.0%" not in "\n".join(lines)

@@ -6,9 +6,11 @@ prompt cache files against mlx-lm's."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from unittest.mock import patch
@@ -20,8 +22,11 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from builders.synthetic import build_checkpoint
 from builders.synthetic_config import SHAPES
-from coordinator.decoding.generate import encode_messages, generate
+from coordinator.decoding.chat import Conversation
+from coordinator.decoding.generate import encode_messages, generate, open_remote_model
 from coordinator.ops.local_processes import start_workers, stop_workers
+from engine.auth import load_secret
+from engine.errors import ShoalError
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
@@ -190,8 +195,6 @@ class Terminal:
 
     def expect(self, text: str, seconds: float = 120) -> str:
         """Everything shown until `text` appears (after what earlier calls consumed)."""
-        import select
-
         deadline = time.monotonic() + seconds
         while text.encode() not in self.seen:
             left = deadline - time.monotonic()
@@ -221,11 +224,11 @@ class Terminal:
             if done:
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
-            try:
-                os.read(self.fd, 65536)
+            try:  # never blocks: a command that did not end must not hang the test
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    os.read(self.fd, 65536)
             except OSError:
-                pass
-            time.sleep(0.1)
+                time.sleep(0.1)
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         raise AssertionError("the chat did not end")
@@ -259,6 +262,119 @@ def test_ctrl_c_stops_the_reply_not_the_session_and_the_line_edits(cluster, secr
         turn = chat.expect("from the cache]")
         assert "... " in turn and turn.count("tokens at") == 1  # one message, one reply
         chat.send(b"/quit\r")
+    finally:
+        code = chat.close()
+    assert code == 0
+
+
+@pytest.fixture
+def own_cluster(tiny_checkpoint, tmp_path, start_worker):
+    """Two workers of this test's own (it kills one), on a split of its own."""
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=2, progress=False)
+    return sharded, [start_worker([sharded / f"worker-{k}"], "--no-advertise")
+                     for k in range(2)]
+
+
+def test_a_worker_killed_mid_reply_fails_that_reply_and_keeps_the_conversation(
+    own_cluster, secret_file
+):
+    sharded, workers = own_cluster
+    remote = open_remote_model(sharded, [w.address for w in workers],
+                               load_secret(secret_file))
+    try:
+        conversation = Conversation(remote.model, remote.tokenizer, max_tokens=8)
+        first = conversation.say("Hello there", lambda text: None)
+        before = list(conversation.messages)
+        assert first.text and before[-1] == {"role": "assistant", "content": first.text}
+        conversation.max_tokens = 100_000
+        shown = []
+
+        def kill_after_a_few(text: str) -> None:
+            shown.append(text)
+            if len(shown) == 5:
+                os.kill(workers[1].proc.pid, signal.SIGKILL)
+
+        started = time.monotonic()
+        with pytest.raises(ShoalError):
+            conversation.say("Tell me everything", kill_after_a_few)
+        assert time.monotonic() - started < 60  # bounded: the loss is seen, not waited out
+        assert conversation.messages == before  # the failed turn left nothing behind
+        assert conversation.cached == []  # and its cache starts again
+    finally:
+        remote.close()
+
+
+def test_chat_says_the_error_of_a_reply_and_goes_on(own_cluster, secret_file):
+    """The real command on a pipe: the worker is killed by PID while the reply streams; the
+    reply ends with an error line, and the session still answers /help and ends with /quit."""
+    sharded, workers = own_cluster
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
+         "--workers", ",".join(w.address for w in workers), "--secret-file",
+         str(secret_file), "--max-tokens", "100000"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        chat.stdin.write(b"Tell me everything\n")
+        chat.stdin.flush()
+        assert chat.stdout.read(20)  # the reply streams (bounded by the timeout below)
+        os.kill(workers[1].proc.pid, signal.SIGKILL)
+        out, err = chat.communicate(b"/help\n/quit\n", timeout=120)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+            chat.wait()
+    text = err.decode()
+    assert chat.returncode == 0, text
+    assert "shoal chat: error: " in text and "the conversation before it is kept" in text
+    assert "earlier messages" in text  # /help answered after the error
+    assert "Traceback" not in text
+
+
+def test_a_reply_stopped_shows_no_token_computed_after_the_stop(tiny_checkpoint):
+    """Ctrl-C while a token is being computed: that token is not shown. The stop comes
+    from inside the computation (the sampler of the third token), as a key pressed then."""
+    model, _ = load_model(tiny_checkpoint("qwen3_moe"))
+    tokenizer = load_tokenizer(tiny_checkpoint("qwen3_moe"))
+    conversation = Conversation(model, tokenizer, max_tokens=50)
+    pressed, samples = threading.Event(), []
+    plain = conversation.sampler
+
+    def sampler(logits):
+        samples.append(1)
+        if len(samples) == 3:
+            pressed.set()
+        return plain(logits)
+
+    conversation.sampler = sampler
+    shown_after = []
+    turn = conversation.say("Hello there", lambda text: shown_after.append(pressed.is_set()),
+                            stop=pressed.is_set)
+    assert turn.stopped and shown_after and not any(shown_after)
+
+
+def test_typing_during_a_reply_is_not_echoed_into_it_and_ctrl_d_ends_the_line(
+    cluster, secret_file
+):
+    """In a terminal: keys typed while a reply streams do not show inside it, and Ctrl-D at
+    the prompt leaves the shell a line of its own."""
+    _, sharded, workers = cluster
+    chat = Terminal([sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
+                     "--workers", ",".join(w.address for w in workers), "--secret-file",
+                     str(secret_file), "--max-tokens", "100000"])
+    try:
+        chat.expect(">> ")
+        chat.send(b"Tell me everything\r")
+        time.sleep(2)
+        chat.send(b"qqzz")  # typed mid-reply
+        time.sleep(1)
+        chat.send(b"\x03")
+        reply = chat.expect("from the cache]", 30)
+        assert "qqzz" not in reply, reply
+        chat.expect(">> ", 30)
+        chat.send(b"\x15\x04")  # Ctrl-U clears the line, Ctrl-D on the empty line ends it
+        assert b"qqzz" not in chat.seen
+        chat.expect("\r\n", 30)  # the shell's prompt will start a line of its own
     finally:
         code = chat.close()
     assert code == 0

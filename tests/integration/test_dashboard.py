@@ -24,6 +24,7 @@ from coordinator.ops.local_processes import LocalWorker, start_server, start_wor
 from coordinator.server.dashboard_views import (
     Counters,
     coordinator_card,
+    healthy_holders,
     heat_view,
     speed_sample,
     worker_cards,
@@ -409,7 +410,7 @@ def test_the_page_stays_responsive_with_8_workers_and_a_256x60_heat_map(page, br
     under 50 ms: the thread time of the browser task that ran it, in a trace of the
     browser's performance timeline (what DevTools' Performance panel records)."""
     members, manifest, record = synthetic_cluster()
-    heat = json.dumps(heat_view(record, manifest, members))
+    heat = json.dumps(heat_view(record, manifest, healthy_holders(members)))
     since = {m.key: time.time() - 3600 for m in members}
     cards = worker_cards(members, {}, {}, since)
     cluster = json.dumps({"cluster": "studio", "coordinator": coordinator_card(
@@ -530,6 +531,9 @@ def test_the_chat_is_greedy_by_default_and_stop_ends_an_answer_mid_way(page, ser
     page.click("#chat-stop")
     page.wait_for_selector(".message.assistant[data-done='true']", timeout=30_000)
     assert page.get_attribute(".message.assistant", "data-stopped") == "true"
+    mark = page.evaluate("getComputedStyle(document.querySelector('.message.assistant'), "
+                         "'::after').content")
+    assert "[stopped]" in mark  # seen on the page, not only in an attribute
     assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
     wait_for(lambda: httpx.get(server.url + "/health", headers=auth(), timeout=10)
              .json()["requests_in_flight"] == 0, 15, "the stopped request dropped")

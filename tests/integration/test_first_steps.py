@@ -134,8 +134,36 @@ def test_a_second_worker_on_a_served_store_is_refused_naming_both_pids(
     assert second.returncode != 0
     assert second.stderr.startswith("shoal-worker: error:"), second.stderr
     assert f"already served by shoal-worker PID {first.proc.pid}" in second.stderr
-    assert re.search(r"this worker \(PID \d+\) stops", second.stderr)
+    assert re.search(r"this shoal-worker \(PID \d+\) stops", second.stderr)
     assert "serving" not in second.stdout
+    # nor does a coordinator serve it as its --local-store, and it names the worker's PID
+    local = shoal("generate", "--model", str(sharded), "--local-store",
+                  str(sharded / "worker-1"), "--workers", first.address, "--secret-file",
+                  str(secret_file), "hello")
+    assert local.returncode == 2 and "Traceback" not in local.stderr
+    assert f"already served by shoal-worker PID {first.proc.pid}" in local.stderr
+
+
+def test_a_worker_on_a_store_a_serve_local_store_holds_is_refused_naming_its_pid(
+    sharded, secret_file
+):
+    store = sharded / "worker-0"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(sharded),
+         "--local-store", str(store), "--workers", f"{LOOPBACK}:1", "--port", "0",
+         "--secret-file", str(secret_file)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pid_file, deadline = store / ".shoal-serving.pid", time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().startswith(f"{serve.pid} ")):
+            assert serve.poll() is None and time.monotonic() < deadline, "serve never held it"
+            time.sleep(0.1)
+        run = worker_run(store, secret_file, "--port", "0")
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+    assert run.returncode == 2 and run.stderr.startswith("shoal-worker: error:"), run.stderr
+    assert f"already served by shoal --local-store PID {serve.pid}" in run.stderr
 
 
 def run_worker_until_advertised(store: Path, secret_file: Path, log: Path,
@@ -247,20 +275,35 @@ def test_a_worker_logs_the_drain_and_the_drop_of_a_copy(tiny_checkpoint, tmp_pat
     workers = [start_worker([store], "--no-advertise", "--node-id", store.name)
                for store in stores]
     links = [WorkerLink(w.address, load_secret(secret_file)) for w in workers]
-    try:
-        key = (1, 5)
+
+    def rebalance(keys: list[tuple[int, int]]) -> str:
+        """Drain and drop `keys` on the second worker; its log once the burst is said."""
         _, by_name = observe(links)
-        plan = MigrationPlan((Step("drain", key, "drop"), Step("delete", key, "drop")), {})
+        plan = MigrationPlan(tuple(Step(kind, key, "drop") for key in keys
+                                   for kind in ("drain", "delete")), {})
         Executor(read_manifest(out), by_name, {}, log=lambda m: None, quiet=0.2,
                  progress=False).run(plan, "rebalance")
+        deadline = time.monotonic() + 10  # the burst is said 2 s after its last drop
+        while "shoal-worker: dropped" not in (log := workers[1].output()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.2)
+        return log
+
+    try:
+        log = rebalance([(1, 5)])
+        assert "draining expert 1/5: no longer offered" in log
+        assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
+        assert "expert 1/5" not in workers[0].output()
+        assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+        # a rebalance that drops many: one line for them all, not one each
+        workers[1].log.write_text("")
+        log = rebalance([(1, 6), (2, 0), (2, 1)])
     finally:
         for link in links:
             link.close()
-    log = workers[1].output()
-    assert "draining expert 1/5: no longer offered" in log
-    assert f"dropped expert 1/5: deleted {stores[1] / 'L001' / 'E0005.safetensors'}" in log
-    assert "expert 1/5" not in workers[0].output()
-    assert "listening on loopback only (this machine)" in log and "this Mac" not in log
+    assert log.count("shoal-worker: dropped") == 1
+    assert "shoal-worker: dropped 3 experts (1/6, 2/0, 2/1): their files deleted" in log
+    assert "draining 3 experts (1/6, 2/0, 2/1)" in log
 
 
 def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
@@ -288,3 +331,17 @@ def test_a_worker_whose_output_reader_went_away_keeps_serving_and_stops_cleanly(
         proc.kill()
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_a_worker_stopped_with_ctrl_c_says_it_stops_then_that_it_stopped(
+    sharded, start_worker
+):
+    import signal
+
+    worker = start_worker([sharded / "worker-0"], "--no-advertise", "--node-id", "calm",
+                          "--drain-seconds", "1")
+    worker.proc.send_signal(signal.SIGINT)
+    assert worker.proc.wait(30) == 0
+    log = worker.output()
+    assert "shoal-worker calm: stopping: the calls in flight get up to 1 s to finish" in log
+    assert log.rstrip().endswith("shoal-worker calm: stopped") and "Traceback" not in log

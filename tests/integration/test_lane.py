@@ -5,6 +5,8 @@ without the cluster's identity and a fresh credential."""
 import os
 import socket
 import ssl
+import subprocess
+import sys
 import time
 
 import grpc
@@ -304,3 +306,62 @@ def test_a_tensor_field_of_the_wrong_wire_type_is_refused_on_both_transports(
         assert "wire type 0" in refused.value.details()
     finally:
         link.close()
+
+
+def two_free_ports() -> tuple[int, socket.socket]:
+    """A free port P and a listener holding P + 1 (bounded tries: ports come and go)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + 1 >= 65536:
+            continue
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port + 1))
+        except OSError:
+            taken.close()
+            continue
+        taken.listen()
+        return port, taken
+    raise AssertionError("no free pair of ports on loopback")
+
+
+def test_a_taken_default_lane_port_moves_the_lane_and_the_inventory_says_where(
+    sharded, start_worker, secret_file
+):
+    port, taken = two_free_ports()
+    with taken:
+        worker = start_worker([sharded / "worker-0"], "--no-advertise", "--port", str(port))
+        host, lane_port, link = lane_of(worker, secret_file)
+        try:
+            assert lane_port != port + 1
+            ready_lane(host, lane_port, load_secret(secret_file), link.node_id).close()
+        finally:
+            link.close()
+        assert "is taken: the expert lane listens on port" in worker.log.read_text()
+        # an explicit --lane-port that is taken is still an error, naming it
+        refused = subprocess.run(
+            [sys.executable, "-m", "worker.daemon", "--store", str(sharded / "worker-1"),
+             "--no-advertise", "--secret-file", str(secret_file), "--port", "0",
+             "--lane-port", str(port + 1)], capture_output=True, text=True, timeout=60,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert refused.returncode == 2
+    assert f"cannot listen for the expert lane on 127.0.0.1:{port + 1}" in refused.stderr
+
+
+def test_a_worker_of_another_cluster_is_refused_at_once_not_after_the_connect_timeout(
+    sharded, start_worker, tmp_path
+):
+    from coordinator.dataplane.link import CONNECT_TIMEOUT
+
+    worker = start_worker([sharded / "worker-0"], "--no-advertise")
+    stranger = WorkerLink(worker.address, load_secret(create_secret(tmp_path / "other")))
+    started = time.monotonic()
+    try:
+        with pytest.raises(Unauthenticated, match="TLS identity"):
+            stranger.fetch_inventory(timeout=CONNECT_TIMEOUT)
+    finally:
+        stranger.close()
+    # the wait for a worker that is not up yet is CONNECT_TIMEOUT; this one answered
+    assert time.monotonic() - started < CONNECT_TIMEOUT * 0.8

@@ -3,18 +3,24 @@ exactly mlx-lm's output: this Mac alone, one local store beside one remote worke
 across the two, in float32 and 4-bit, with every expert in memory and under a 10% budget."""
 
 import os
+import signal
+import time
 
+import httpx2 as httpx
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
+from playwright.sync_api import sync_playwright
 
 from coordinator.dataplane.local_experts import ADDRESS
 from coordinator.decoding.generate import open_remote_model
 from coordinator.decoding.report import members_report, streaming_report
+from coordinator.ops.local_processes import start_server
 from coordinator.ops.worker_stats import read_stats
 from engine.auth import load_secret
 from engine.process import GRAPHS
 from engine.sharding import shard
+from tests.integration.test_dashboard import FLAGS as BROWSER_FLAGS
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 
 NEW_TOKENS = 8
@@ -75,13 +81,13 @@ def test_this_mac_alone_matches_mlx_lm_in_memory_and_streaming_at_10_percent(
 
 def test_a_store_is_served_by_one_coordinator_process_at_a_time(tiny_checkpoint, tmp_path):
     from coordinator.dataplane.local_experts import open_local_experts
-    from engine.errors import InvalidInput
+    from engine.errors import ShoalError
 
     sharded = tmp_path / "sharded"
     manifest = shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     first = open_local_experts([sharded / "experts"], manifest, warm=False)
     try:
-        with pytest.raises(InvalidInput, match="served by another shoal process on this machine"):
+        with pytest.raises(ShoalError, match=f"served by shoal --local-store PID {os.getpid()}"):
             open_local_experts([sharded / "experts"], manifest, warm=False)
     finally:
         first.close()
@@ -336,3 +342,57 @@ def test_a_worker_killed_mid_copy_to_or_from_the_coordinator_loses_nothing_and_a
     finally:
         remote.close()
     assert not list(here.rglob("*.incoming")) and not list(there.rglob("*.incoming"))
+
+
+def test_serve_local_store_shows_its_heat_and_says_how_it_stops(tiny_checkpoint, tmp_path,
+                                                                   secret_file, chromium):
+    """The demo's `shoal serve --local-store`: /api/heat counts the traffic of the
+    coordinator's own experts and names them as their owner, and the page's heat map shows
+    it; the per-layer-call chart, with no call sent, says so instead of a scale of 1e-9;
+    uvicorn's lines read as "uvicorn", not "uvicorn.error"; Ctrl-C says it stops, then that
+    it stopped."""
+    sharded = tmp_path / "one"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, workers=1, progress=False)
+    server = start_server(sharded, [], secret_file, tmp_path / "serve.log",
+                          ("--local-store", str(sharded / "worker-0")))
+    try:
+        before = httpx.get(server.url + "/api/heat", timeout=30).json()
+        assert before["max"] == 0
+        answer = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "one", "prompt": "the heat of a fish", "max_tokens": 24})
+        assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 20
+        while (heat := httpx.get(server.url + "/api/heat", timeout=30).json())["max"] == 0:
+            assert time.monotonic() < deadline, heat
+            time.sleep(0.5)
+        assert heat["summary"]["tokens"] > 0 and len(heat["workers"]) == 1
+        assert all(o == 0 for row in heat["owner"] for o in row)  # this process holds all
+        assert heat["counts"] != before["counts"]
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=BROWSER_FLAGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(server.url + "/")
+                page.wait_for_function("window.shoalDashboard.heatCells() > 0", timeout=15_000)
+                hottest = page.evaluate("""(h) => Math.max(...h.layers.flatMap((l, r) =>
+                    h.counts[r].map((_, e) => window.shoalDashboard.heatCell(l, e).tokens)))""",
+                                        heat)
+                assert hottest == heat["max"] > 0
+                page.wait_for_function("document.getElementById('speed-figures')"
+                                       ".childElementCount > 0", timeout=15_000)
+                inked = """([x, y, w, h]) => { const d = document.getElementById(
+                    'breakdown-chart').getContext('2d').getImageData(x, y, w, h).data;
+                    let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n; }"""
+                assert page.evaluate(inked, [0, 0, 40, 14]) == 0  # no scale: nothing measured
+                assert page.evaluate(inked, [0, 40, 1200, 40]) > 50  # the note instead
+            finally:
+                browser.close()
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "uvicorn.error" not in log and "INFO uvicorn: Started" in log
+    assert "shoal serve: stopping: new requests are refused" in log
+    assert log.rstrip().endswith("shoal serve: stopped")
+    assert "Traceback" not in log

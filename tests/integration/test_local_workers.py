@@ -21,7 +21,7 @@ def test_a_forked_worker_serves_and_stops(tiny_checkpoint, tmp_path, secret_file
 
 
 def test_a_forked_worker_that_fails_to_start_says_why(tmp_path, secret_file):
-    message = r"exited with status 2:\nshoal-worker: error: .*no-such-store holds no manifest"
+    message = r"exited with status 2:\nshoal-worker: error: .*no-such-store does not exist"
     with pytest.raises(ShoalError, match=message):
         start_worker([tmp_path / "no-such-store"], secret_file, tmp_path / "worker.log",
                      ("--no-advertise",), forked=True)

@@ -38,6 +38,7 @@ from coordinator.server.ollama_api import GENERATE_FIELDS as OLLAMA_GENERATE_FIE
 from coordinator.server.ollama_api import NEUTRAL as OLLAMA_NEUTRAL
 from coordinator.server.ollama_api import OPTIONS as OLLAMA_OPTIONS
 from coordinator.server.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, MLX_LM_FIELDS, NEUTRAL
+from engine.manifest import read_manifest
 from engine.sharding import shard
 
 pytestmark = pytest.mark.slow
@@ -557,7 +558,7 @@ def test_anthropic_output_format_is_held_to_its_schema(server):
 # Ollama's API, with the official client
 
 
-def test_ollama_chat_generate_and_models(server):
+def test_ollama_chat_generate_and_models(server, source):
     o = ollama.Client(host=server.url, headers=HEADERS, timeout=60)
     openai_text = client(server).chat.completions.create(
         model="tiny", messages=HI, max_tokens=12, temperature=0).choices[0].message.content
@@ -578,6 +579,9 @@ def test_ollama_chat_generate_and_models(server):
                                              max_tokens=8, temperature=0).choices[0].text
     assert raw.response == text
     assert [m.model for m in o.list().models] == ["tiny"]
+    manifest = read_manifest(source.parent / "sharded")
+    assert o.list().models[0].size == sum(
+        f.bytes for f in (*manifest.dense_files, *manifest.experts)) > 0  # Ollama's: bytes
     assert [m.model for m in o.ps().models] == ["tiny"]
     assert o.show("tiny").capabilities == ["completion", "tools"]
     assert httpx.get(server.url + "/api/version", headers=HEADERS).json()["version"]

@@ -3,6 +3,7 @@
 written at all, a worker does not start on a store being written, an interrupted split is
 finished by the same command, and a full disk ends with one `shoal: error:` line."""
 
+import shlex
 import subprocess
 import sys
 import uuid
@@ -133,3 +134,17 @@ def test_progress_written_to_a_file_is_lines_not_a_redrawn_bar(tiny_checkpoint, 
     assert run.returncode == 0, run.stderr
     assert "\r" not in run.stderr and "\r" not in run.stdout
     assert all(line.strip() for line in run.stderr.splitlines())
+
+
+def test_shard_prints_the_next_step_and_it_runs(tiny_checkpoint, tmp_path):
+    out = tmp_path / "one"
+    run = shoal("shard", str(tiny_checkpoint("qwen3_moe")), str(out), "--quiet")
+    assert run.returncode == 0, run.stderr
+    line = next(t for t in run.stdout.splitlines() if t.startswith("next: shoal generate"))
+    command = shlex.split(line.removeprefix("next: ").partition(" (")[0])
+    assert command[:2] == ["shoal", "generate"]
+    answer = shoal(*command[1:], "--max-tokens", "3")
+    assert answer.returncode == 0, answer.stderr
+    split = shoal("shard", str(tiny_checkpoint("qwen3_moe")), str(tmp_path / "two"),
+                  "--workers", "2", "--quiet")
+    assert f"shoal-worker --store {tmp_path / 'two' / 'worker-K'}" in split.stdout

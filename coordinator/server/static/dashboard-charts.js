@@ -67,8 +67,10 @@ function axis(ctx, canvas, top) {
   ctx.fillStyle = "#8b93a3";
   ctx.font = "11px system-ui";
   const plot = canvas.height - AXIS_BOTTOM;
-  ctx.fillText(short(top), 2, 11);
-  ctx.fillText(short(top / 2), 2, plot - (plot - 14) / 2 + 4);
+  if (top > 0) { // nothing drawn yet: no scale (not "1e-9")
+    ctx.fillText(short(top), 2, 11);
+    ctx.fillText(short(top / 2), 2, plot - (plot - 14) / 2 + 4);
+  }
   ctx.strokeStyle = "#2c313c";
   ctx.beginPath();
   ctx.moveTo(0, plot - 0.5);
@@ -88,7 +90,8 @@ function axis(ctx, canvas, top) {
 
 function drawLine(canvas, values) {
   const ctx = chartContext(canvas);
-  const top = Math.max(1e-9, ...values) * 1.1;
+  const highest = Math.max(0, ...values);
+  const top = (highest || 1) * 1.1;
   const step = canvas.width / Math.max(1, state.history - 1);
   const x0 = canvas.width - (values.length - 1) * step;
   ctx.strokeStyle = "#4cc9f0";
@@ -100,7 +103,7 @@ function drawLine(canvas, values) {
     if (i) ctx.lineTo(x, y); else ctx.moveTo(x, y);
   });
   ctx.stroke();
-  axis(ctx, canvas, top / 1.1);
+  axis(ctx, canvas, highest);
 }
 
 // Drawn into pixels, not as paths: a few hundred anti-aliased rectangles per part cost the
@@ -110,7 +113,19 @@ function drawStacked(canvas, samples) {
   const w = canvas.width, h = canvas.height - AXIS_BOTTOM;
   const totals = samples.map((s) => (s.breakdown ? STACKED.reduce(
     (sum, p) => sum + (s.breakdown[`${p}_us`] || 0), 0) : 0));
-  const top = Math.max(1e-9, ...totals) * 1.1;
+  const highest = Math.max(0, ...totals);
+  if (!highest) { // every MoE layer ran in this process, or none ran yet: nothing to split
+    axis(ctx, canvas, 0);
+    ctx.fillStyle = "#8b93a3";
+    ctx.font = "12px system-ui";
+    ctx.textAlign = "center";
+    ctx.fillText("no MoE layer call sent to a worker in this window", w / 2, h / 2 - 6);
+    ctx.fillText("(layers whose experts are all here run in process, as mlx-lm runs them)",
+      w / 2, h / 2 + 10);
+    ctx.textAlign = "left";
+    return;
+  }
+  const top = highest * 1.1;
   const step = w / Math.max(1, state.history - 1);
   const x0 = w - (samples.length - 1) * step;
   const scale = (h - 14) / top;
@@ -130,5 +145,5 @@ function drawStacked(canvas, samples) {
     });
   });
   ctx.putImageData(image, 0, 0);
-  axis(ctx, canvas, top / 1.1);
+  axis(ctx, canvas, highest);
 }

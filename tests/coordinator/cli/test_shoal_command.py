@@ -211,7 +211,11 @@ def test_local_store_mistakes_are_refused_before_loading(sharded, tiny_checkpoin
                 "--memory-budget", "lots", "hi")
     assert run.returncode == 2 and "is not a size like 512M" in run.stderr
     run = shoal("generate", "--model", str(sharded), "--local-store", str(tmp_path), "hi")
-    assert run.returncode == 2 and "is not a store folder" in run.stderr
+    assert run.returncode == 2 and "holds no manifest.json" in run.stderr
+    run = shoal("generate", "--model", str(sharded), "--local-store", str(tmp_path / "nope"),
+                "hi")
+    assert run.returncode == 2 and f"--local-store: {tmp_path / 'nope'} does not exist" in \
+        run.stderr
     other = tmp_path / "other"
     shard(tiny_checkpoint("qwen3_moe"), other, progress=False)
     run = shoal("generate", "--model", str(sharded), "--local-store", str(other / "experts"),
@@ -279,3 +283,30 @@ def test_a_cluster_config_names_the_coordinators_own_store_beside_its_worker(
     local = report["stats"]["streaming"]["workers"]["local"]
     assert local["memory_budget"] < local["expert_bytes"]  # the config's 10%
     assert set(report["stats"]["streaming"]["workers"]) == {"local", worker.address}
+
+
+@pytest.mark.processes
+def test_a_misspelt_option_or_command_is_named_with_the_near_one():
+    run = shoal("generate", "--modle", "out", "hi")
+    assert run.returncode == 2 and "unknown option --modle; did you mean --model?" in run.stderr
+    assert "required" not in run.stderr
+    run = shoal("genrate")
+    assert run.returncode == 2 and "did you mean 'generate'?" in run.stderr
+    run = shoal("--stroe", "x", module="worker.daemon")
+    assert run.returncode == 2 and "unknown option --stroe; did you mean --store?" in run.stderr
+
+
+@pytest.mark.processes
+def test_a_bare_shoal_lists_the_commands():
+    run = shoal()
+    assert run.returncode == 0, run.stderr
+    assert all(name in run.stdout for name in ("generate", "serve", "chat", "doctor"))
+
+
+@pytest.mark.processes
+def test_a_folder_that_does_not_exist_is_said_so(tmp_path):
+    nope = str(tmp_path / "nope")
+    run = shoal("--store", nope, "--secret-file", nope, module="worker.daemon")
+    assert run.returncode == 2 and f"{nope} does not exist" in run.stderr, run.stderr
+    run = shoal("generate", "--model", nope, "hi")
+    assert run.returncode == 2 and f"--model {nope} does not exist" in run.stderr

@@ -5,6 +5,7 @@ from coordinator.cluster.membership import Member
 from coordinator.dataplane.dispatch import LayerStats
 from coordinator.server.dashboard_views import (
     Counters,
+    healthy_holders,
     heat_view,
     replicas_of,
     speed_sample,
@@ -78,7 +79,7 @@ def test_the_heat_grid_has_every_expert_with_its_first_owner_and_copies():
     gone = member("ccc", "unreachable", {(3, 1)})
     record = HeatRecord("f", {"a": WorkerCounts("x", {}, {(1, 0): 4, (3, 0): 1}),
                               "bb": WorkerCounts("y", {}, {(1, 2): 9})})
-    h = heat_view(record, manifest, [a, b, gone])
+    h = heat_view(record, manifest, healthy_holders([a, b, gone]))
     assert h["layers"] == [1, 3] and h["experts"] == [3, 2]
     assert h["counts"] == [[4, 0, 9], [1, 0]]
     assert h["workers"] == ["a", "bb"]
