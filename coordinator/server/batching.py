@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import (
 from coordinator.server.answer_text import AnswerText, Event
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
-from coordinator.server.prefill_pacing import PrefillPacer, paced_step
+from coordinator.server.prefill_pacing import BUDGET_STEPS, PrefillPacer, paced_step
 from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
 from coordinator.server.sampling import (
     Sampling,
@@ -88,12 +88,14 @@ class BatchEngine:
         prompt_cache_bytes: int = 1 << 30,
         prompt_cache_disk: DiskTier | None = None,
         prefill_step_size: int = 512,
+        prefill_budget: float = BUDGET_STEPS,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size  # tokens in one pass of a prompt
-        self.pacer = PrefillPacer()  # tokens of prompt between two decode steps
+        # tokens of prompt between two decode steps: `prefill_budget` decode steps' time
+        self.pacer = PrefillPacer(budget_steps=prefill_budget)
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
         self.latencies = Latencies()

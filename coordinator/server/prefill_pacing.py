@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mlx_lm.generate import BatchGenerator
+if TYPE_CHECKING:  # `shoal serve --help` imports this module: no MLX for a constant
+    from mlx_lm.generate import BatchGenerator
 
 WHOLE = 1 << 30  # a piece no prompt reaches: nothing else runs, so nothing waits for it
 FIRST_PIECE = 16  # tokens of the first piece beside running streams, before any is measured
