@@ -233,8 +233,13 @@ def interleave_rows(slot: Slot) -> tuple[Row, ...]:
     )
 
 
-CPU_ROWS = bench_rows(CPU) + prefill_rows(PREFILL, "tiny checkpoint") + interleave_rows(
-    INTERLEAVE) + (
+PIECES = (CPU, "prefill-pieces")
+
+CPU_ROWS = bench_rows(CPU) + prefill_rows(PREFILL, "tiny checkpoint") + tuple(
+    Row(f"prefill tok/s, {n:,}-token prompt, two workers, a pass's layer calls sent in pieces "
+        "(alternated with whole, 3 rounds, `benchmarks/probes/prefill_pieces.py`)",
+        Cell(PIECES, f"figures.pieces.{n}", ".0f"), Cell(PIECES, f"baselines.whole.{n}", ".0f"),
+        "each worker's share whole") for n in (512, 4096)) + interleave_rows(INTERLEAVE) + (
     Row("tiny checkpoint: a layer's overhead beyond the slowest worker (ms), lane against "
         "gRPC", Cell((CPU, "bench-quick"), "layer_overhead_ms", ".2f"),
         Cell((CPU, "bench-quick-grpc"), "layer_overhead_ms", ".2f"), "gRPC stream"),
