@@ -239,7 +239,11 @@ CPU_ROWS = bench_rows(CPU) + prefill_rows(PREFILL, "tiny checkpoint") + tuple(
     Row(f"prefill tok/s, {n:,}-token prompt, two workers, a pass's layer calls sent in pieces "
         "(alternated with whole, 3 rounds, `benchmarks/probes/prefill_pieces.py`)",
         Cell(PIECES, f"figures.pieces.{n}", ".0f"), Cell(PIECES, f"baselines.whole.{n}", ".0f"),
-        "each worker's share whole") for n in (512, 4096)) + interleave_rows(INTERLEAVE) + (
+        "each worker's share whole") for n in (512, 4096)) + tuple(
+    Row(f"prefill tok/s, {n:,}-token prompt, two workers, the pass pipelined over chunks of "
+        "256 tokens (the same run)", Cell(PIECES, f"figures.pipelined.{n}", ".0f"),
+        Cell(PIECES, f"baselines.mlx_lm_single.{n}", ".0f"), "mlx-lm, one process")
+    for n in (512, 4096)) + interleave_rows(INTERLEAVE) + (
     Row("tiny checkpoint: a layer's overhead beyond the slowest worker (ms), lane against "
         "gRPC", Cell((CPU, "bench-quick"), "layer_overhead_ms", ".2f"),
         Cell((CPU, "bench-quick-grpc"), "layer_overhead_ms", ".2f"), "gRPC stream"),
