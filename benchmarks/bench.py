@@ -24,14 +24,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopback",
-        transport: Transport = LANE, **overrides: int | None) -> dict:
-    """The whole comparison; `overrides` (runs, long_runs, decode_tokens) replace the
+        transport: Transport = LANE, **overrides: int | list[int] | None) -> dict:
+    """The whole comparison; `overrides` (runs, long_runs, decode_tokens, lengths) replace the
     preset's values. `network` "thunderbolt" puts Shoal's workers (and the echo servers)
     behind a Thunderbolt-like link (benchmarks/network.py); mlx-lm's baselines stay on
     loopback."""
     if network not in NETWORKS:
         raise ShoalError(f"unknown network {network!r}; choose {' or '.join(NETWORKS)}")
-    settings = {**(QUICK if quick else FULL),
+    preset = QUICK if quick else FULL
+    settings = {**preset,
                 **{k: v for k, v in overrides.items() if v is not None}, "network": network,
                 "transport": transport.kind, "spin_us": round(transport.spin * 1e6)}
     source, sharded, secret_file, log_dir = bench_files(quick, settings=settings)
@@ -66,8 +67,9 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
         "local_and_remote_decode_ratio_vs_two_remote": ratio(
             results["shoal_one_local_one_remote"]["decode_tps"], shoal["decode_tps"]),
         "prefill512_ratio_vs_mlx_lm_single": None,  # --quick does not reach 512
-        f"prefill{longest}_ratio_vs_mlx_lm_single": ratio(shoal["prefill_tps"][longest],
-                                                          single["prefill_tps"][longest]),
+        **{f"prefill{n}_ratio_vs_mlx_lm_single": ratio(shoal["prefill_tps"][str(n)],
+                                                       single["prefill_tps"][str(n)])
+           for n in settings["lengths"] if n >= 512 or str(n) == longest},
         "decode_ratio_vs_mlx_lm_tensor_parallel": ratio(shoal["decode_tps"],
                                                         tp.get("decode_tps")),
         "layer_overhead_ratio_vs_grpc_echo": ratio(overhead_ms,
@@ -76,7 +78,9 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
                                                    shoal["echo"]["lane_round_trip_ms"]),
     }
     record = make_record(
-        what=record_name(quick, network, transport), command=command_line(),
+        what=record_name(quick, network, transport,
+                         lengths=settings["lengths"] != preset["lengths"]),
+        command=command_line(),
         figures={k: results[k] for k in BENCH_FIGURES},
         baselines={k: results[k] for k in BENCH_BASELINES}, ratios=ratios,
         checkpoint={"family": "deepseek_v3", "size": settings["size"], "bits": settings["bits"],
@@ -88,11 +92,14 @@ def run(*, quick: bool = False, plot: Path | None = None, network: str = "loopba
     return record
 
 
-def record_name(quick: bool, network: str, transport: Transport) -> str:
-    """What a record of this run is called: the default run is "bench"."""
+def record_name(quick: bool, network: str, transport: Transport, *,
+                lengths: bool = False) -> str:
+    """What a record of this run is called: the default run is "bench"; `lengths`: prompt
+    lengths other than the preset's (`--lengths`), a record of prefill ("-prefill")."""
     return "-".join(["bench", *(["quick"] if quick else []),
                      *([network] if network != "loopback" else []),
-                     *([transport.kind] if transport.kind != LANE.kind else [])])
+                     *([transport.kind] if transport.kind != LANE.kind else []),
+                     *(["prefill"] if lengths else [])])
 
 
 def draw(report: dict, path: Path) -> None:
@@ -156,7 +163,8 @@ def table(report: dict) -> str:
     if "without_relay_ms" in e:
         lines.append(f"network thunderbolt: echo {e['without_relay_ms']:.2f} ms without the "
                      f"relay, {e['relay_without_delay_ms']:.2f} ms through it with no delay")
-    for key in ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
+    prefill = sorted(k for k in report["ratios"] if k.startswith("prefill"))
+    for key in ("decode_ratio_vs_mlx_lm_single", *prefill,
                 "decode_ratio_vs_mlx_lm_tensor_parallel", "layer_overhead_ratio_vs_grpc_echo",
                 "layer_overhead_ratio_vs_lane_echo",
                 "all_local_decode_ratio_vs_mlx_lm_single",

@@ -12,7 +12,7 @@ from engine.auth import ensure_secret
 from engine.sharding import shard
 
 # runs: generations at the shortest prompt (the decode figure); long_runs: at each longer one
-FULL = {"size": "bench", "bits": 4, "group_size": 64, "lengths": [16, 128, 512],
+FULL = {"size": "bench", "bits": 4, "group_size": 64, "lengths": [16, 128, 512, 4096],
         "decode_tokens": 32, "runs": 3, "long_runs": 1, "echo_round_trips": 300}
 # float32: the tiny model's 4-bit scales are too narrow for mlx-lm's tensor-parallel split.
 QUICK = {"size": "tiny", "bits": None, "group_size": 32, "lengths": [16, 64], "decode_tokens": 8,

@@ -206,7 +206,44 @@ def call_cost(label: str, name: str) -> Row:
                "before the cuts")
 
 
-CPU_ROWS = bench_rows(CPU) + (
+PREFILL, INTERLEAVE = (CPU, "bench-quick-prefill"), (CPU, "long-prompts-quick")
+
+
+def prefill_rows(slot: Slot, what: str) -> tuple[Row, ...]:
+    """Prefill of 512 and 4,096 tokens over two workers against mlx-lm in one process."""
+    return tuple(Row(f"prefill tok/s, {n:,}-token prompt, two workers, {what}",
+                     Cell(slot, f"{SHOAL}.prefill_tps.{n}"), Cell(slot, f"{MLX}.prefill_tps.{n}"),
+                     "mlx-lm, one process") for n in (512, 4096))
+
+
+def interleave_rows(slot: Slot) -> tuple[Row, ...]:
+    """`shoal serve` while a 4,096-token prompt arrives beside four decoding streams."""
+    return (
+        Row("serve, 4 streams decoding while a 4,096-token prompt is prefilled: their longest "
+            "gap between tokens (ms)", Cell(slot, "figures.gap_longest_during_ms", ".0f"),
+            Cell(slot, "figures.gap_median_before_ms", ".1f"), "their median gap before"),
+        Row("the same: their median gap while it is prefilled (ms)",
+            Cell(slot, "figures.gap_median_during_ms", ".1f"),
+            Cell(slot, "figures.gap_median_before_ms", ".1f"), "median gap before"),
+        Row("the same: the long prompt's time to first token (s)",
+            Cell(slot, "figures.ttft_beside_streams_s", ".2f"),
+            Cell(slot, "figures.ttft_alone_s", ".2f"), "alone"),
+        Row("the same: the machine's load average (1 min) before and after",
+            Cell(slot, "figures.load_average", ".1f")),
+    )
+
+
+PIECES = (CPU, "prefill-pieces")
+
+CPU_ROWS = bench_rows(CPU) + prefill_rows(PREFILL, "tiny checkpoint") + tuple(
+    Row(f"prefill tok/s, {n:,}-token prompt, two workers, a pass's layer calls sent in pieces "
+        "(alternated with whole, 3 rounds, `benchmarks/probes/prefill_pieces.py`)",
+        Cell(PIECES, f"figures.pieces.{n}", ".0f"), Cell(PIECES, f"baselines.whole.{n}", ".0f"),
+        "each worker's share whole") for n in (512, 4096)) + tuple(
+    Row(f"prefill tok/s, {n:,}-token prompt, two workers, the pass pipelined over chunks of "
+        "256 tokens (the same run)", Cell(PIECES, f"figures.pipelined.{n}", ".0f"),
+        Cell(PIECES, f"baselines.mlx_lm_single.{n}", ".0f"), "mlx-lm, one process")
+    for n in (512, 4096)) + interleave_rows(INTERLEAVE) + (
     Row("tiny checkpoint: a layer's overhead beyond the slowest worker (ms), lane against "
         "gRPC", Cell((CPU, "bench-quick"), "layer_overhead_ms", ".2f"),
         Cell((CPU, "bench-quick-grpc"), "layer_overhead_ms", ".2f"), "gRPC stream"),

@@ -1,11 +1,12 @@
 """Long prompts through `shoal serve` on two local workers: time to first token cold, from the
 prompt cache in memory and from its files after a restart, and the gaps between four running
-streams' tokens while a long prompt is prefilled (`python -m benchmarks.long_prompts --help`)."""
+streams' tokens while a long prompt is prefilled, against its time alone (`--help`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import threading
@@ -13,8 +14,9 @@ import time
 
 from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
 from benchmarks.measure import bench_prompt
-from benchmarks.records import machine
+from benchmarks.records import machine, write_record
 from coordinator.ops.local_processes import start_server, start_workers, stop_workers
+from coordinator.server.prefill_pacing import BUDGET_STEPS
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 
@@ -96,7 +98,7 @@ def gaps_during_prefill(client, long_prompt: list[int], vocab: int, ends: set[in
     return {"arriving": arriving, "before": percentiles(before), "during": percentiles(during)}
 
 
-def run(*, quick: bool, tokens: int | None, prefill_step: int) -> dict:
+def run(*, quick: bool, tokens: int | None, prefill_step: int, budget: float) -> dict:
     import openai
 
     settings = QUICK if quick else FULL
@@ -109,7 +111,8 @@ def run(*, quick: bool, tokens: int | None, prefill_step: int) -> dict:
     cache_dir = log_dir / "prompt-cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
     options = ("--model-id", "bench", "--context", str(2 * tokens + 64), "--prefill-step",
-               str(prefill_step), "--prompt-cache-dir", str(cache_dir))
+               str(prefill_step), "--prefill-budget", str(budget), "--prompt-cache-dir",
+               str(cache_dir))
     document = bench_prompt(vocab, tokens)
     questions = [bench_prompt(vocab, 8 + k)[-8:] for k in (1, 2, 3)]  # three new endings
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(WORKERS)], secret_file,
@@ -136,8 +139,12 @@ def run(*, quick: bool, tokens: int | None, prefill_step: int) -> dict:
         log("after a restart: from disk ...")
         rows["warm_disk"] = first_token(client, document + questions[2])
         log(f"{STREAMS} streams decoding while another {tokens}-token prompt arrives ...")
+        load = os.getloadavg()[0]
         gaps = gaps_during_prefill(client, bench_prompt(vocab, tokens + 1)[1:], vocab,
                                    ends)
+        log(f"a third {tokens}-token prompt alone ...")  # no prefix shared with the others
+        gaps["alone"] = first_token(client, bench_prompt(vocab, tokens + 2)[2:])
+        gaps["load_average"] = [load, os.getloadavg()[0]]
     finally:
         for server in servers:
             server.stop()
@@ -145,14 +152,16 @@ def run(*, quick: bool, tokens: int | None, prefill_step: int) -> dict:
     return {"machine": machine(),
             "checkpoint": {"family": "deepseek_v3", "size": settings["size"],
                            "bits": settings["bits"], "workers": WORKERS},
-            "prompt_tokens": tokens, "prefill_step": prefill_step, "first_token": rows,
+            "prompt_tokens": tokens, "prefill_step": prefill_step, "prefill_budget": budget,
+            "first_token": rows,
             "streams": STREAMS, "gaps": gaps}
 
 
 def table(report: dict) -> str:
     lines = [f"shoal serve, {report['checkpoint']['size']} checkpoint, "
              f"{report['checkpoint']['workers']} local workers, a {report['prompt_tokens']}-"
-             f"token prompt, --prefill-step {report['prefill_step']}",
+             f"token prompt, --prefill-step {report['prefill_step']} --prefill-budget "
+             f"{report['prefill_budget']:g}",
              f"{'first token':>12} {'seconds':>8} {'cached tokens':>14} {'tier':>7}"]
     for name, row in report["first_token"].items():
         lines.append(f"{name:>12} {row['ttft_s']:>8.2f} {row['cached_tokens']:>14} "
@@ -168,7 +177,27 @@ def table(report: dict) -> str:
                          f"{p['p99_ms']:>7.1f} {p['max_ms']:>7.1f}")
     ratio = g["during"].get("max_ms", 0) / max(g["before"].get("p50_ms", 0), 1e-9)
     lines.append(f"longest gap while prefilling / median gap before: {ratio:.1f}x")
+    alone = g["alone"]["ttft_s"]
+    lines.append(f"its first token beside the streams {g['arriving']['ttft_s']:.2f} s, alone "
+                 f"{alone:.2f} s: {g['arriving']['ttft_s'] / alone:.2f}x (load average "
+                 f"{g['load_average'][0]:.1f} before, {g['load_average'][1]:.1f} after)")
     return "\n".join(lines)
+
+
+def interleave_figures(report: dict) -> tuple[dict, dict]:
+    """A report's figures and ratios as a record holds them (docs/benchmarks.md's rows)."""
+    g = report["gaps"]
+    figures = {"ttft_alone_s": g["alone"]["ttft_s"], "ttft_beside_streams_s":
+               g["arriving"]["ttft_s"], "gap_median_before_ms": g["before"]["p50_ms"],
+               "gap_median_during_ms": g["during"]["p50_ms"],
+               "gap_longest_during_ms": g["during"]["max_ms"],
+               "cold_ttft_s": report["first_token"]["cold"]["ttft_s"],
+               "load_average": g["load_average"]}
+    ratios = {"longest_gap_vs_median_before":
+              figures["gap_longest_during_ms"] / figures["gap_median_before_ms"],
+              "ttft_beside_streams_vs_alone":
+              figures["ttft_beside_streams_s"] / figures["ttft_alone_s"]}
+    return figures, ratios
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,17 +212,26 @@ def main(argv: list[str] | None = None) -> None:
                         help="the long prompt's tokens (default 8192; 4096 with --quick)")
     parser.add_argument("--prefill-step", type=int, default=256, metavar="N",
                         help="shoal serve's --prefill-step (default 256)")
+    parser.add_argument("--prefill-budget", type=float, default=BUDGET_STEPS, metavar="STEPS",
+                        help=f"shoal serve's --prefill-budget (default {BUDGET_STEPS:g})")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.tokens is not None and args.tokens < 512:
         parser.error("--tokens must be at least 512")
     if args.prefill_step < 1:
         parser.error("--prefill-step must be at least 1")
+    if not args.prefill_budget > 0:
+        parser.error("--prefill-budget must be above 0")
     try:
-        report = run(quick=args.quick, tokens=args.tokens, prefill_step=args.prefill_step)
+        report = run(quick=args.quick, tokens=args.tokens, prefill_step=args.prefill_step,
+                     budget=args.prefill_budget)
     except ShoalError as e:
         print(f"bench long prompts: error: {e}", file=sys.stderr)
         sys.exit(2)
+    figures, ratios = interleave_figures(report)
+    budget = "" if args.prefill_budget == BUDGET_STEPS else f"-budget{args.prefill_budget:g}"
+    write_record(what="long-prompts" + ("-quick" if args.quick else "") + budget, figures=figures,
+                 ratios=ratios, report=report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

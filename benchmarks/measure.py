@@ -14,6 +14,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from coordinator.dataplane.dispatch import Dispatcher
+from coordinator.decoding.generate import generate
+
 
 def bench_prompt(vocab_size: int, length: int) -> list[int]:
     """A fixed, tokenizer-independent prompt of `length` ids (no special tokens at 0-4)."""
@@ -21,9 +24,16 @@ def bench_prompt(vocab_size: int, length: int) -> list[int]:
 
 
 def timed_generation(
-    model: nn.Module, tokenizer: TokenizerWrapper, prompt: list[int], max_tokens: int
+    model: nn.Module, tokenizer: TokenizerWrapper, prompt: list[int], max_tokens: int,
+    dispatcher: Dispatcher | None = None,
 ) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one greedy generation, as mlx-lm reports them."""
+    """(prefill tokens/s, decode tokens/s) of one greedy generation, as mlx-lm reports them;
+    with a RemoteModel's `dispatcher`, as `shoal generate` runs it (a long prompt's pass
+    pipelined over the cluster)."""
+    if dispatcher is not None:
+        result = generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                          dispatcher=dispatcher)
+        return result.prefill_tps, result.decode_tps
     responses = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens)
     last = deque(responses, maxlen=1)[0]
     return last.prompt_tps, last.generation_tps
@@ -39,6 +49,7 @@ def decode_and_prefill(
     runs: int,
     long_runs: int | None = None,
     after_each: Callable[[], None] = lambda: None,
+    dispatcher: Dispatcher | None = None,
 ) -> dict:
     """Prefill and decode tokens/s per prompt length, each after one warm-up generation: the
     median of `runs` generations at the shortest prompt (whose decode speed is `decode_tps`)
@@ -49,7 +60,7 @@ def decode_and_prefill(
     prefill, decode = {}, {}
 
     def timed(n: int, tokens: int) -> tuple[float, float]:
-        figures = timed_generation(model, tokenizer, prompt[:n], tokens)
+        figures = timed_generation(model, tokenizer, prompt[:n], tokens, dispatcher)
         after_each()
         return figures
 

@@ -59,7 +59,8 @@ def measure_shoal(sharded: Path, settings: dict, secret_file: Path, log_dir: Pat
             figures = decode_and_prefill(remote.model, remote.tokenizer, vocab,
                                          lengths=settings["lengths"],
                                          decode_tokens=settings["decode_tokens"],
-                                         runs=settings["runs"], long_runs=settings["long_runs"])
+                                         runs=settings["runs"], long_runs=settings["long_runs"],
+                                         dispatcher=remote.dispatcher)
             figures["dispatch"] = decode_dispatch(remote, vocab, settings["decode_tokens"],
                                                   max(settings["lengths"]))
             width = int(remote.manifest.config["hidden_size"])
@@ -98,7 +99,8 @@ def measure_shoal_local(sharded: Path, settings: dict, secret_file: Path, log_di
                                       remote.manifest.config["vocab_size"],
                                       lengths=settings["lengths"],
                                       decode_tokens=settings["decode_tokens"],
-                                      runs=settings["runs"], long_runs=settings["long_runs"])
+                                      runs=settings["runs"], long_runs=settings["long_runs"],
+                                      dispatcher=remote.dispatcher)
         finally:
             remote.close()
     finally:

@@ -41,6 +41,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "Macs (needs root and iproute2); mlx-lm's baselines stay on loopback")
     p.add_argument("--decode-tokens", type=int, metavar="N",
                    help="tokens generated per timed run (default 32)")
+    p.add_argument("--lengths", type=prompt_lengths, metavar="N,N,...",
+                   help="prompt lengths whose prefill is timed, the shortest also the decode "
+                   "figure's (default 16,128,512,4096; with --quick 16,64); the record's name "
+                   "ends in -prefill")
     transport_options(p)
     p.add_argument("--json", action="store_true", help="print the whole record as JSON")
     p.add_argument("--report", action="store_true",
@@ -59,9 +63,22 @@ def main(args: argparse.Namespace) -> None:
     harness = load_harness()
     record = harness.run(quick=args.quick, plot=args.plot, network=args.network,
                          runs=args.runs, long_runs=args.long_runs,
-                         decode_tokens=args.decode_tokens, transport=transport_of(args))
+                         decode_tokens=args.decode_tokens, lengths=args.lengths,
+                         transport=transport_of(args))
     load_harness("benchmarks.records").save(record)
     print(json.dumps(record, indent=1) if args.json else harness.table(record))
+
+
+def prompt_lengths(text: str) -> list[int]:
+    """--lengths: prompt lengths, comma-separated, each at least 1; sorted, once each."""
+    try:
+        lengths = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of prompt lengths: {text!r} (e.g. "
+                                         "16,512,4096)") from None
+    if not lengths or lengths[0] < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be at least 1: {text!r}")
+    return lengths
 
 
 def load_harness(name: str = HARNESS) -> ModuleType:

@@ -205,7 +205,8 @@ def decode(
     result = generate(
         remote.model, remote.tokenizer, prompt_ids,
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        on_text=None if args.json else out.write, draft=draft, **options,
+        on_text=None if args.json else out.write, draft=draft, dispatcher=remote.dispatcher,
+        **options,
     )
     if not args.stats:
         return generation_report(result)

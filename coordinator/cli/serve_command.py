@@ -27,6 +27,7 @@ from coordinator.cli.options import (
     secret_option,
     transport_options,
 )
+from coordinator.server.prefill_pacing import BUDGET_STEPS
 from engine.errors import InvalidInput
 from engine.manifest import read_manifest
 from engine.process import raise_file_limit
@@ -84,8 +85,13 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    help="where those files go (default: prompt-cache/ in $SHOAL_CACHE, else "
                    "~/.cache/shoal)")
     p.add_argument("--prefill-step", type=int, default=256, metavar="TOKENS",
-                   help="a long prompt is computed this many tokens at a time between the "
-                   "decode steps of the others, so their streams keep flowing (default 256)")
+                   help="the most prompt tokens the model computes in one pass (default "
+                   "256); beside running streams a prompt goes in pieces sized by time, about "
+                   "two of their decode steps each, so their streams keep flowing")
+    p.add_argument("--prefill-budget", type=float, default=BUDGET_STEPS, metavar="STEPS",
+                   help="what one piece of a prompt may cost beside running streams, in their "
+                   f"decode steps (default {BUDGET_STEPS:g}): smaller keeps their tokens "
+                   "flowing more evenly, larger brings the new prompt's first token sooner")
     p.add_argument("--context", type=int, metavar="TOKENS",
                    help="prompt and answer together at most (default: the model's "
                    "max_position_embeddings)")
@@ -136,6 +142,8 @@ def check_serve_args(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_step < 1:
         raise InvalidInput(f"--prefill-step must be at least 1, got {args.prefill_step}")
+    if not args.prefill_budget > 0:
+        raise InvalidInput(f"--prefill-budget must be above 0, got {args.prefill_budget:g}")
     cache_bytes = parse_budget(args.prompt_cache_bytes).bytes
     if cache_bytes is None:
         raise InvalidInput("--prompt-cache-bytes takes a size such as 512M or 2G")
@@ -227,7 +235,8 @@ def main(args: argparse.Namespace) -> None:
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
                              prompt_cache_disk=prompt_cache_disk(args, remote.model, manifest),
-                             prefill_step_size=args.prefill_step)
+                             prefill_step_size=args.prefill_step,
+                             prefill_budget=args.prefill_budget)
         name = args.model_id or Path(args.model).resolve().name
         # the members health reads: the workers, and the coordinator's own experts
         service = Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,

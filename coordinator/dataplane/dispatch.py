@@ -96,6 +96,9 @@ class Dispatcher:
         self.on_worker_timing: Callable[[str, float, float], None] | None = None
         self._members: Snapshot | None = None  # the snapshot the last call used
         self._whole: Callable | None = None  # the first member's in-graph call, if any
+        # Called between a call's requests and its replies (a pipelined prompt pass hands
+        # over to its next chunk there: coordinator/decoding/pipelined_prefill.py).
+        self.between: Callable[[], None] | None = None
 
     def _pace_of(self, address: str) -> Pace:
         pace = self._pace.get(address)
@@ -185,13 +188,17 @@ class Dispatcher:
             before = time.perf_counter()
             shared.start(x)
             stats.shared_seconds += time.perf_counter() - before
+        if self.between is not None:
+            self.between()
         result, changed = self._gather(hosts, shares, sent, (*lead, k, width), stats)
         stats.calls += 1
         stats.sync_seconds += sync
         stats.requests += len(shares)
         stats.seconds += time.perf_counter() - started
         workers = {worker for worker, _ in shares}
-        if len(shares) == len(workers):  # one request a member (decode): the pass is over
+        # one request a member (decode): the pass is over, unless a pipelined pass's next
+        # chunk has requests out on the other channels
+        if len(shares) == len(workers) and self.between is None:
             for worker in workers:
                 hosts[worker].end_pass()
         for host in changed:  # route the next call by what the members hold now

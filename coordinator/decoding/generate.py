@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
@@ -28,6 +29,7 @@ from coordinator.dataplane.local_experts import LocalExperts, open_local_experts
 from coordinator.dataplane.lookahead import Lookahead
 from coordinator.decoding.draft_policy import SpeculativeStats
 from coordinator.decoding.mtp_draft import MtpDraft
+from coordinator.decoding.pipelined_prefill import pipelined_prefill, worth_pipelining
 from coordinator.decoding.speculative import Draft, stream_speculative
 from engine.errors import CorruptData, InvalidInput, NotFound
 from engine.manifest import Manifest, read_manifest
@@ -188,13 +190,16 @@ def generate(
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
     draft: Draft | MtpDraft | None = None,
+    dispatcher: Dispatcher | None = None,
     **mlx_options,
 ) -> GenerationResult:
     """Generate with mlx-lm's stream_generate; `model` may be local or a RemoteModel's.
     With a `draft` (a draft model, or the model's own MTP module), the draft proposes tokens
     that `model` verifies several at a time.
     `mlx_options` go to mlx-lm's generate_step: its KV-cache quantization (kv_bits,
-    kv_group_size, quantized_kv_start) and a prompt_cache to continue from."""
+    kv_group_size, quantized_kv_start) and a prompt_cache to continue from. With the
+    RemoteModel's `dispatcher`, a long prompt's pass is pipelined over the cluster
+    (pipelined_prefill.py) and mlx-lm's loop continues from its cache."""
     if max_tokens < 1:
         raise InvalidInput(f"--max-tokens must be at least 1, got {max_tokens}")
     if temperature < 0:
@@ -203,9 +208,18 @@ def generate(
         mx.random.seed(seed)
     result = GenerationResult(prompt_token_ids=list(prompt_ids))
     sampler = make_sampler(temp=temperature)
+    rest, piped = list(prompt_ids), 0.0
+    if draft is None and dispatcher is not None and "kv_bits" not in mlx_options \
+            and "prompt_cache" not in mlx_options \
+            and worth_pipelining(dispatcher, len(prompt_ids) - 1):
+        cache = make_prompt_cache(model)
+        started = time.perf_counter()
+        pipelined_prefill(model, dispatcher, rest[:-1], cache)
+        piped = time.perf_counter() - started
+        rest, mlx_options = rest[-1:], {**mlx_options, "prompt_cache": cache}
     if draft is None:
         responses = stream_generate(
-            model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=sampler,
+            model, tokenizer, mx.array(rest), max_tokens=max_tokens, sampler=sampler,
             **mlx_options,
         )
     else:
@@ -224,7 +238,9 @@ def generate(
         result.text += response.text
         if on_text and response.text:
             on_text(response.text)
-        result.prefill_tps = response.prompt_tps
+        # mlx-lm times the tokens it was given; a pipelined pass's come before them
+        result.prefill_tps = (len(prompt_ids) / (piped + len(rest) / response.prompt_tps)
+                              if piped and response.prompt_tps else response.prompt_tps)
         result.decode_tps = response.generation_tps
         result.finish_reason = response.finish_reason
     return result

@@ -21,6 +21,7 @@ from mlx_lm.tokenizer_utils import (
 from coordinator.server.answer_text import AnswerText, Event, Handle
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
+from coordinator.server.prefill_pacing import BUDGET_STEPS, PrefillPacer, paced_step
 from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
 from coordinator.server.sampling import (
     Sampling,
@@ -68,11 +69,14 @@ class BatchEngine:
         prompt_cache_bytes: int = 1 << 30,
         prompt_cache_disk: DiskTier | None = None,
         prefill_step_size: int = 512,
+        prefill_budget: float = BUDGET_STEPS,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size  # tokens in one pass of a prompt
+        # tokens of prompt between two decode steps: `prefill_budget` decode steps' time
+        self.pacer = PrefillPacer(budget_steps=prefill_budget)
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
         self.latencies = Latencies()
@@ -203,7 +207,8 @@ class BatchEngine:
         self._prompt_cache.trim_to(self.prompt_cache_bytes - active)
 
     def _step(self, generator: BatchGenerator) -> None:
-        _, responses = generator.next()
+        streams = any(live.last_token is not None for live in self._live.values())
+        responses = paced_step(self.pacer, generator, streams=streams)
         if responses:
             self._count(decode_steps=1, decode_rows=len(responses))
             if len(responses) > self.stats.widest_step:

@@ -37,6 +37,7 @@ def sharded(tiny_checkpoint, tmp_path_factory):
     (["--workers", "127.0.0.1:1", "--cluster", "x"], "not both"),
     (["--port", "70000"], "--port must be between"),
     (["--max-batch", "0"], "--max-batch must be at least 1"),
+    (["--prefill-budget", "0"], "--prefill-budget must be above 0"),
     (["--prompt-cache-bytes", "lots"], "not a size"),
     (["--context", "1"], "--context must be at least 2"),
     (["--api-key-file", "/nonexistent/key"], "no API key file"),
