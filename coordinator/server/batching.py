@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import (
 )
 
 from coordinator.server.answer_text import AnswerText, Event
+from coordinator.server.drafting import Drafting
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
 from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
@@ -87,6 +88,7 @@ class BatchEngine:
         prompt_cache_bytes: int = 1 << 30,
         prompt_cache_disk: DiskTier | None = None,
         prefill_step_size: int = 512,
+        drafting: Drafting | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -94,6 +96,7 @@ class BatchEngine:
         self.prefill_step_size = prefill_step_size
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
+        self.drafting = drafting  # a stream alone decodes through the draft (drafting.py)
         self.latencies = Latencies()
         self._grammars = Grammars(tokenizer)
         self._prompt_cache = PromptCache(cache_key, prompt_cache_bytes, prompt_cache_disk)
@@ -110,6 +113,10 @@ class BatchEngine:
     def prompt_cache(self) -> dict:
         """Entries and bytes in the prompt cache's tiers, and their bounds (a snapshot)."""
         return self._prompt_cache.stats()
+
+    def drafting_stats(self) -> dict | None:
+        """What the draft did (drafting.py's DraftingStats), None without a draft."""
+        return None if self.drafting is None else self.drafting.stats.as_json()
 
     @property
     def alive(self) -> bool:
@@ -192,6 +199,8 @@ class BatchEngine:
         )
 
     def _admit(self, generator: BatchGenerator, arrivals: list[Handle]) -> None:
+        if self.drafting is not None:
+            self.drafting.rejoin(generator, self._live)
         gone = [uid for uid, live in self._live.items() if live.handle.cancelled]
         if gone:
             generator.remove(gone)
@@ -222,7 +231,8 @@ class BatchEngine:
         self._prompt_cache.trim_to(self.prompt_cache_bytes - active)
 
     def _step(self, generator: BatchGenerator) -> None:
-        _, responses = generator.next()
+        rows = None if self.drafting is None else self.drafting.step(generator, self._live)
+        responses = generator.next()[1] if rows is None else rows
         if responses:
             self._count(decode_steps=1, decode_rows=len(responses))
             if len(responses) > self.stats.widest_step:
@@ -250,6 +260,9 @@ class BatchEngine:
                 live.handle.deliver(event)
         if stopped:
             kept = generator.remove(stopped, return_prompt_caches=True)
+            if self.drafting is not None:
+                kept.update({uid: taken for uid in stopped
+                             if (taken := self.drafting.take(uid)) is not None})
             for cache, tokens in kept.values():
                 self._keep(tokens, cache)
 
@@ -259,6 +272,8 @@ class BatchEngine:
     def _fail_all(self, error: ShoalError, arrivals: list[Handle]) -> None:
         """End every request in the batch, and those that arrived but were not admitted,
         with `error`."""
+        if self.drafting is not None:
+            self.drafting.reset()
         for live in list(self._live.values()):
             self._end(live.handle, Event(error=error, usage=live.usage()))
         self._live.clear()
