@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="models: the demo model with draft models (default); mtp: a "
                         "synthetic DeepSeek-V3 with its own MTP module drafting "
                         "(benchmarks/mtp_speedup.py)")
-    parser.add_argument("--size", choices=["tiny", "bench"], default="bench",
-                        help="with --draft mtp: the synthetic model's size (default bench)")
+    parser.add_argument("--size", choices=["tiny", "bench", "deep"], default="bench",
+                        help="with --draft mtp: the synthetic model's size (default bench: 11 "
+                        "MoE layers; deep: 24, narrow)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.tokens < 2 or not 1 <= args.workers <= 16:

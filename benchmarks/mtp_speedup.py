@@ -21,7 +21,8 @@ from engine.sharding import shard
 
 PROMPT = list(range(5, 37))  # token ids: the synthetic tokenizer's text means nothing
 USELESS_TOLERANCE = 0.05  # a useless module may cost at most this share of plain decode speed
-SAME_SPEEDUP_TOLERANCE = 0.10  # the two draft paths' speed-ups at the same acceptance
+# The MTP module's speed-up, at least this share of the draft model's at the same acceptance.
+SAME_SPEEDUP_SHARE = 0.9
 
 
 def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path | None]]:
@@ -80,10 +81,11 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
         report.update(rows)
     useless = report["random_mtp_adaptive"]["ratio_vs_plain"]
     mtp, model = (report[f"right_{key}_fixed"]["ratio_vs_plain"] for key in ("mtp", "model"))
+    share = mtp / model if mtp and model else None
     targets = {
         "useless_module_within_5pct": useless is not None and useless >= 1 - USELESS_TOLERANCE,
-        "mtp_speedup_within_10pct_of_draft_model": bool(mtp and model) and
-            abs(mtp / model - 1) <= SAME_SPEEDUP_TOLERANCE,
+        "mtp_speedup_at_least_90pct_of_draft_model": share is not None and
+            share >= SAME_SPEEDUP_SHARE,
         "greedy_tokens_identical": all(row["same_tokens"] for row in report.values()
                                        if "same_tokens" in row),
     }
@@ -93,6 +95,7 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
                      "workers": workers, "prompt": f"{len(PROMPT)} token ids",
                      "tokens": tokens, "runs": runs, "num_draft_tokens": max_draft},
         "results": report,
+        "ratios": {"mtp_speedup_over_draft_model_speedup": share},
         "targets": targets,
         "seconds": time.perf_counter() - started,
     }
@@ -102,6 +105,10 @@ def table(report: dict) -> str:
     from benchmarks.draft_speedup import result_lines
 
     lines = result_lines("--draft mtp", report, "run", 22)
+    share = report["ratios"]["mtp_speedup_over_draft_model_speedup"]
+    if share is not None:
+        lines.append(f"  the MTP module's speed-up is {share:.2f}x the draft model's (N fixed, "
+                     "same acceptance)")
     for name, met in report["targets"].items():
         lines.append(f"  target {name}: {'met' if met else 'MISSED'}")
     return "\n".join(lines)
