@@ -119,6 +119,9 @@ class Drafting:
         self.model, self.draft, self.eos = model, draft, set(eos)
         self.stats = DraftingStats(draft=draft.kind)
         self._solo: _Solo | None = None
+        # uid -> tokens it had generated when it rejoined: until it has one more, the batch
+        # has not read its last token yet, and its cache is not the one _leave expects
+        self._rejoined: dict[int, int] = {}
 
     @property
     def solo_uid(self) -> int | None:
@@ -163,6 +166,8 @@ class Drafting:
             [solo.history[-1:]], max_tokens=[solo.left], caches=[cache], all_tokens=[tokens],
             samplers=[make_request_sampler(answer.handle.sampling)], logits_processors=[[]])
         live[uid] = answer
+        self._rejoined = {u: n for u, n in self._rejoined.items() if u in live}
+        self._rejoined[uid] = answer.generated
 
     def reset(self) -> None:
         """Forget the stream decoding alone (a failed step: its cache cannot be trusted)."""
@@ -174,6 +179,8 @@ class Drafting:
         ((uid, answer),) = live.items()
         if answer.last_token is None or not may_draft(answer.handle.sampling):
             return False  # still reading its prompt, or it may not draft
+        if self._rejoined.get(uid) == answer.generated:
+            return False  # it has just rejoined: the batch has not read its last token yet
         cache, tokens = generator.remove([uid], return_prompt_caches=True)[uid]
         # The batch has fed the stream's latest token and sampled the next, which is dropped:
         # the draft's path reads that token again as its first input.
