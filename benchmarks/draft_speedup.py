@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_record(what="mtp-speedup" if args.draft == "mtp" else "draft-speedup",
+    what = "draft-speedup" if args.draft != "mtp" else \
+        "mtp-speedup" + ("" if args.size == "bench" else f"-{args.size}")
+    write_record(what=what,
                  figures=report["results"], **report)
     print(json.dumps(report, indent=1) if args.json else text)
 
