@@ -40,7 +40,7 @@ class EngineStats:
     """Counters since the engine started (for the benchmark and `/health`)."""
 
     decode_steps: int = 0
-    decode_rows: int = 0  # rows over all decode steps: decode_rows / decode_steps = batch
+    decode_rows: int = 0  # tokens of all decode steps (a drafted step gives one row several)
     widest_step: int = 0  # the most rows one decode step carried
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     cached_tokens: int = 0  # prompt tokens served from the prompt cache (either tier)
@@ -235,8 +235,9 @@ class BatchEngine:
         responses = generator.next()[1] if rows is None else rows
         if responses:
             self._count(decode_steps=1, decode_rows=len(responses))
-            if len(responses) > self.stats.widest_step:
-                self.stats = replace(self.stats, widest_step=len(responses))
+            width = len({r.uid for r in responses})  # a drafted step gives one row several
+            if width > self.stats.widest_step:
+                self.stats = replace(self.stats, widest_step=width)
         stopped = []
         now = time.monotonic()
         for r in responses:
