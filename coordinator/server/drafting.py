@@ -13,13 +13,14 @@ from dataclasses import asdict, dataclass, replace
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from coordinator.decoding.draft_policy import Acceptance, SpeculativeStats
 from coordinator.decoding.mtp_draft import MtpDraft
 from coordinator.decoding.speculative import Draft
 from coordinator.server.answer_text import AnswerText
 from coordinator.server.sampling import Sampling, make_request_sampler
+from engine.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,10 @@ class Drafting:
     Runs on the engine's thread only."""
 
     def __init__(self, model: nn.Module, draft: Draft | MtpDraft, eos: set[int]) -> None:
+        if not can_trim_prompt_cache(make_prompt_cache(model)):
+            raise InvalidInput("this model's KV cache cannot be trimmed back after a rejected "
+                               "guess, so it cannot decode with a draft: leave out --draft "
+                               "and --draft-model")
         self.model, self.draft, self.eos = model, draft, set(eos)
         self.stats = DraftingStats(draft=draft.kind)
         self._solo: _Solo | None = None
