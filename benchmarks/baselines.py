@@ -5,45 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
+
+from mlx_lm.utils import load_model, load_tokenizer
 
 from benchmarks.checkpoints import FULL
 from benchmarks.measure import decode_and_prefill
+from benchmarks.own_process import own_process_figures
 from benchmarks.records import REPO
+from benchmarks.shoal_runs import measure_shoal_local
 from engine.errors import ShoalError
-from engine.process import environment_as_given
-
-
-def baseline_env() -> dict[str, str]:
-    """mlx-lm's baselines run as the user would run mlx-lm: without the launch setting Shoal
-    gives its own processes (engine/process.py), with this checkout importable."""
-    env = environment_as_given()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def baseline_figures(what: str, command: Callable[[Path], list[str]]) -> dict:
-    """Run an mlx-lm baseline in processes of its own, `command(out)` writing its figures as
-    JSON to `out`; the figures, or {"error": ...} naming `what` with the output's tail."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "figures.json"
-        run = subprocess.run(command(out), capture_output=True, text=True, timeout=1800,
-                             cwd=REPO, env=baseline_env())
-        if run.returncode != 0 or not out.exists():
-            tail = (run.stdout + run.stderr).strip()[-800:]
-            return {"error": f"{what} failed with {run.returncode}: {tail}"}
-        return json.loads(out.read_text())
 
 
 def measure_single(source: Path, settings: dict) -> dict:
     """mlx-lm in one process, a process of its own (MLX reads its CUDA launch setting once per
     process, and this one runs Shoal's coordinator with Shoal's)."""
-    figures = baseline_figures("mlx-lm in one process", lambda out: [
+    figures = own_process_figures("mlx-lm in one process", lambda out: [
         sys.executable, "-m", "benchmarks.baselines", "--single", str(source),
         "--settings", json.dumps(settings), "--out", str(out)])
     if "error" in figures:  # every ratio is taken against it
@@ -52,8 +30,6 @@ def measure_single(source: Path, settings: dict) -> dict:
 
 
 def measure_single_here(source: Path, settings: dict) -> dict:
-    from mlx_lm.utils import load_model, load_tokenizer
-
     model, config = load_model(source)
     tokenizer = load_tokenizer(source)
     return decode_and_prefill(model, tokenizer, config["vocab_size"],
@@ -65,7 +41,7 @@ def measure_single_here(source: Path, settings: dict) -> dict:
 def measure_mlx_distributed(source: Path, mode: str, settings: dict) -> dict:
     """mlx-lm's own generation over mx.distributed: 2 ranks, ring backend on loopback."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    return baseline_figures(f"mlx.launch ({mode})", lambda out: [
+    return own_process_figures(f"mlx.launch ({mode})", lambda out: [
         str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable,
         str(REPO / "benchmarks" / "mlx_distributed.py"), "--model", str(source),
         "--mode", mode, "--out", str(out),
@@ -96,8 +72,6 @@ def main() -> None:
     if args.single is not None:
         figures = json.dumps(measure_single_here(args.single, args.settings))
     else:
-        from benchmarks.shoal_runs import measure_shoal_local
-
         figures = json.dumps(measure_shoal_local(args.all_local, args.settings, None, None,
                                                  remote_stores=0))
     if args.out is None:

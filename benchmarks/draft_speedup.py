@@ -15,23 +15,20 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load
 
+from benchmarks import mtp_speedup
+from benchmarks.draft_rows import figures, log, median_run, result_lines
 from benchmarks.records import machine, write_record
 from builders.demo_models import build_once, cache_root, prepare, prepare_dense, prepare_draft
 from builders.synthetic import build_random_draft
 from coordinator.cli.demo_command import demo_workers
 from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
-from coordinator.decoding.generate import GenerationResult, encode_prompt, generate
-from coordinator.decoding.report import speculative_report
+from coordinator.decoding.generate import encode_prompt, generate
 from coordinator.decoding.speculative import Draft
 from engine.errors import ShoalError
 
 # The model's own answer to this runs past 64 tokens without stopping.
 PROMPT = "Explain how rainbows form."
 USELESS_TOLERANCE = 0.05  # a useless draft may cost at most this share of plain decode speed
-
-
-def log(message: str) -> None:
-    print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
 def drafts(max_draft: int) -> dict[str, tuple[Path, DraftPolicy]]:
@@ -48,27 +45,6 @@ def drafts(max_draft: int) -> dict[str, tuple[Path, DraftPolicy]]:
         "random_adaptive": (random_dir, adaptive),
         "random_fixed": (random_dir, fixed),
     }
-
-
-def figures(result: GenerationResult, plain: GenerationResult | None) -> dict:
-    row = {"decode_tps": result.decode_tps, "tokens": len(result.token_ids)}
-    if result.speculative is not None:
-        spec = speculative_report(result)
-        row.update({key: spec[key] for key in (
-            "proposed", "accepted", "acceptance_rate", "tokens_per_step", "verify_steps",
-            "plain_steps")})
-    if plain is not None:
-        row["same_tokens"] = result.token_ids == plain.token_ids
-    return row
-
-
-def median_run(rows: list[dict]) -> dict:
-    """The run with the median decode speed, with every run's speed beside it."""
-    ordered = sorted(rows, key=lambda row: row["decode_tps"])
-    middle = dict(ordered[len(ordered) // 2])
-    middle["decode_tps_runs"] = [row["decode_tps"] for row in rows]
-    middle["same_tokens"] = all(row.get("same_tokens", True) for row in rows)
-    return middle
 
 
 def forward_cost(model, ids: list[int], rows: int, repeat: int = 3) -> dict:
@@ -140,26 +116,6 @@ def run(*, runs: int = 3, tokens: int = 64, max_draft: int = DEFAULT_DRAFT_TOKEN
     }
 
 
-def result_lines(title: str, report: dict, first: str, width: int) -> list[str]:
-    """A draft benchmark's report as lines: its settings, then a row per run (speed, against
-    plain decoding, acceptance, tokens per step, whether the ids equal plain decoding's)."""
-    settings = report["settings"]
-    lines = [
-        f"{title}, {settings['model']}, {settings['workers']} workers, "
-        f"{settings['tokens']} tokens, median of {settings['runs']}, N <= "
-        f"{settings['num_draft_tokens']}",
-        f"  {first:<{width}} {'tok/s':>7} {'vs plain':>8} {'accepted':>9} {'tok/step':>8} "
-        f"{'same ids':>8}",
-    ]
-    for name, row in report["results"].items():
-        accepted = f"{100 * row['acceptance_rate']:.0f}%" if "acceptance_rate" in row else "-"
-        per_step = f"{row['tokens_per_step']:.2f}" if "tokens_per_step" in row else "-"
-        same = {True: "yes", False: "NO"}.get(row.get("same_tokens"), "-")
-        lines.append(f"  {name:<{width}} {row['decode_tps']:>7.2f} "
-                     f"{row['ratio_vs_plain']:>7.2f}x {accepted:>9} {per_step:>8} {same:>8}")
-    return lines
-
-
 def table(report: dict) -> str:
     lines = result_lines("speculative decoding", report, "draft", 16)
     cost = report["verify_forward_cost"]
@@ -204,8 +160,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         DraftPolicy(args.num_draft_tokens)  # checks N before anything is built
         if args.draft == "mtp":
-            from benchmarks import mtp_speedup
-
             report = mtp_speedup.run(runs=args.runs, tokens=args.tokens,
                                      max_draft=args.num_draft_tokens, workers=args.workers,
                                      size=args.size)

@@ -17,7 +17,7 @@ import grpc
 
 from engine.auth import load_secret
 from engine.tls import Identity
-from proto import GRPC_OPTIONS, secure_channel, server_credentials
+from proto import GRPC_OPTIONS, lane, secure_channel, server_credentials
 
 METHOD = "/shoal.bench.Echo/Stream"
 _CLOSE = object()
@@ -55,8 +55,6 @@ def serve(host: str, port: int, reply_bytes: int, identity: Identity | None = No
 def serve_lanes(host: str, port: int, reply_bytes: int, identity: Identity) -> None:
     """The lane's echo: one thread per connection reads a frame and writes the reply, as a
     worker's lane thread does, without the credential check or any compute."""
-    from proto import lane
-
     context = lane.server_context(identity)
     listener = socket.create_server((host, port))
     reply = b"\0" * reply_bytes
@@ -88,8 +86,6 @@ def lane_round_trips(addresses: list[str], request_bytes: int, count: int, ident
                      warmup: int = 20) -> float:
     """Median seconds for one frame out to every lane echo and every reply back, written and
     read by this thread as the dispatcher does."""
-    from proto import lane
-
     context = lane.client_context(identity)
     socks = []
     for address in addresses:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
@@ -63,3 +66,35 @@ def decode_and_prefill(
         decode[str(n)] = statistics.median(d for _, d in samples)
     return {"decode_tps": decode[str(lengths[0])], "decode_tps_by_prompt": decode,
             "prefill_tps": prefill}
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """One greedy generation: its ids, the seconds from the first token to the last (decode
+    alone) and mlx-lm's own decode figure."""
+
+    tokens: list[int]
+    decode_seconds: float
+    generation_tps: float
+
+    @property
+    def decode_tps(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def greedy_generation(model: nn.Module, tokenizer: TokenizerWrapper, ids: list[int], tokens: int,
+                      after_first: Callable[[], None] = lambda: None) -> Greedy:
+    """A timed greedy generation with mlx-lm's `stream_generate`: `after_first` runs once the
+    first token is out (the prompt's pass done: reset or read counters there), then the clock
+    starts, so `decode_seconds` covers decode steps only."""
+    out: list[int] = []
+    started, last = time.perf_counter(), None
+    for last in stream_generate(model, tokenizer, mx.array(ids), max_tokens=tokens,
+                                sampler=make_sampler(temp=0.0)):
+        out.append(int(last.token))
+        if len(out) == 1:
+            after_first()
+            started = time.perf_counter()
+    if last is None:
+        raise ValueError("the generation produced no token")
+    return Greedy(out, time.perf_counter() - started, last.generation_tps)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from mlx_lm.utils import load
 
+from benchmarks.draft_rows import figures, log, median_run, result_lines
 from benchmarks.records import machine
 from builders.demo_models import build_once, cache_root
-from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
+from builders.synthetic import build_bigram_draft, build_checkpoint
 from coordinator.cli.demo_command import demo_workers
 from coordinator.decoding.draft_policy import DraftPolicy
 from coordinator.decoding.generate import generate
@@ -30,11 +31,11 @@ def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path 
     built into the cache ($SHOAL_CACHE, else ~/.cache/shoal) on first use."""
     root = cache_root() / "mtp-bench"
     out = {}
-    for name, bigram in (("random", False), ("right", True)):
+    for name, module in (("random", "random"), ("right", "bigram")):
         source = build_once(
             root / f"{name}-{size}-{dtype}",
-            lambda path, bigram=bigram: build_mtp_checkpoint(
-                path, "deepseek_v3", size=size, dtype=dtype, seed=1, bigram=bigram),
+            lambda path, module=module: build_checkpoint(
+                path, "deepseek_v3", size=size, dtype=dtype, seed=1, mtp=module),
             f"a {size} deepseek_v3 with a {name} MTP module")
         sharded = build_once(root / f"{name}-{size}-{dtype}-w{workers}",
                              lambda path, source=source: shard(source, path, workers=workers,
@@ -42,7 +43,7 @@ def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path 
                              f"its split for {workers} workers")
         draft = build_once(root / f"{name}-{size}-{dtype}-draft",
                            lambda path, source=source: build_bigram_draft(path, source),
-                           "a draft model as right as its module") if bigram else None
+                           "a draft model as right as its module") if module == "bigram" else None
         out[name] = (sharded, draft)
     return out
 
@@ -50,8 +51,6 @@ def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path 
 def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "bench",
         dtype: str = "float32") -> dict:
     """Plain and drafted decoding of each model, interleaved run by run."""
-    from benchmarks.draft_speedup import figures, log, median_run
-
     started = time.perf_counter()
     adaptive, fixed = DraftPolicy(max_draft), DraftPolicy(max_draft, adaptive=False)
     report = {}
@@ -107,8 +106,6 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
 
 
 def table(report: dict) -> str:
-    from benchmarks.draft_speedup import result_lines
-
     lines = result_lines("--draft mtp", report, "run", 22)
     for policy in ("adaptive", "fixed"):
         share = report["ratios"][f"mtp_speedup_over_draft_model_speedup_{policy}"]

@@ -12,21 +12,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.records import write_record  # noqa: E402
-from coordinator.dataplane.link import WorkerLink  # noqa: E402
-from coordinator.decoding.generate import encode_prompt, generate, open_remote_model  # noqa: E402
-from coordinator.ops.heat_record import fetch_readings  # noqa: E402
-from coordinator.ops.local_processes import start_workers, stop_workers  # noqa: E402
-from coordinator.ops.rebalancer import migrate  # noqa: E402
-from engine.auth import create_secret, load_secret  # noqa: E402
-from engine.cache_policy import format_bytes, parse_budget  # noqa: E402
-from engine.heat import difference  # noqa: E402
-from engine.manifest import read_manifest  # noqa: E402
-from engine.placement import WorkerCapacity, load_imbalance, plan_placement  # noqa: E402
-from engine.sharding import shard  # noqa: E402
+from benchmarks.records import write_record
+from builders.demo_models import prepare
+from builders.synthetic import build_checkpoint
+from coordinator.dataplane.link import WorkerLink
+from coordinator.decoding.generate import encode_prompt, generate, open_remote_model
+from coordinator.ops.heat_record import fetch_readings, load_record, record_path
+from coordinator.ops.local_processes import start_workers, stop_workers
+from coordinator.ops.rebalancer import migrate
+from engine.auth import create_secret, load_secret
+from engine.cache_policy import format_bytes, parse_budget
+from engine.heat import difference
+from engine.manifest import read_manifest
+from engine.placement import WorkerCapacity, load_imbalance, plan_placement
+from engine.sharding import shard
 
 PROMPTS = [
     "Explain how rainbows form.",
@@ -45,13 +44,9 @@ def log(message: str) -> None:
 def model_folder(args: argparse.Namespace, scratch: Path) -> Path:
     """A sharded model (OUT_DIR with worker-K stores) in `scratch`, which this run may change."""
     if args.quick:
-        from builders.synthetic import build_checkpoint
-
         source = build_checkpoint(scratch / "source", "qwen3_moe")
         shard(source, scratch / "out", workers=args.workers, progress=False)
         return scratch / "out"
-    from builders.demo_models import prepare
-
     cached = prepare(args.experts, args.top_k, args.workers)
     shutil.copytree(cached, scratch / "out")
     return scratch / "out"
@@ -124,7 +119,6 @@ def run(args: argparse.Namespace) -> dict:
             for link in links:
                 link.close()
             stop_workers(workers)
-        from coordinator.ops.heat_record import load_record, record_path
 
         manifest = read_manifest(sharded)
         heat = load_record(record_path(sharded), manifest.fingerprint).total()

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.baselines import baseline_figures
 from benchmarks.checkpoints import WORKERS
 from benchmarks.echo import lane_round_trips, round_trips
 from benchmarks.measure import bench_prompt, decode_and_prefill, timed_generation
 from benchmarks.network import ThunderboltNetwork
+from benchmarks.own_process import own_process_figures
 from benchmarks.records import REPO
 from coordinator.dataplane.link import LANE, Transport
 from coordinator.decoding.generate import open_remote_model
@@ -234,7 +234,7 @@ def measure_all_local(sharded: Path, settings: dict) -> dict:
     """One Mac, every store local, in a process of its own started as `shoal generate
     --local-store` starts: a coordinator with no worker keeps MLX's own launch setting
     (engine/process.py), which a process that has run workers no longer can."""
-    figures = baseline_figures("Shoal with every store local", lambda out: [
+    figures = own_process_figures("Shoal with every store local", lambda out: [
         sys.executable, "-m", "benchmarks.baselines", "--all-local", str(sharded),
         "--settings", json.dumps(settings), "--out", str(out)])
     if "error" in figures:

@@ -1,5 +1,6 @@
 """What makes one process on this machine act as one Mac with one SSD for the streaming
-benchmarks: an empty page cache, a cgroup with a memory limit and a read-bandwidth limit."""
+benchmarks: an empty page cache, a cgroup with a memory limit, a read-bandwidth limit and a
+CPU share."""
 
 from __future__ import annotations
 
@@ -65,23 +66,59 @@ def block_device(folder: Path) -> str:
     return number
 
 
+# The CPU period a share is cut from, and the weight the benchmark's groups get: the machine
+# is shared, so its groups must not be starved by other work (1024 is the default).
+CPU_PERIOD_US = 100_000
+CPU_SHARES = 8192
+
+
+def cgroups_available() -> str | None:
+    """None where a member's cgroup can be made here, else why not (said by skipping tests)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "not root: cgroups need root"
+    if (CGROUP_ROOT / "memory" / "cgroup.procs").exists():
+        return None
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return None
+    return f"no cgroup file system at {CGROUP_ROOT}"
+
+
 class MemberLimits:
-    """A cgroup (v1: memory and blkio hierarchies; v2: one group) that a command joins before
-    it starts: a memory limit and, with `read_bps`, a read-bandwidth limit on `device`.
-    `kinds` says what was set; a limit that could not be set is named in `missing`."""
+    """A cgroup (v1: memory, blkio, cpu and cpuacct hierarchies; v2: one group) that a command
+    joins before it starts: a memory limit, with `read_bps` a read-bandwidth limit on `device`,
+    with `cpu` a CPU quota of that many cores (and a high weight: see CPU_SHARES). `kinds` says
+    what was set; a limit that could not be set is named in `missing`."""
 
     def __init__(self, name: str, memory: int | None, read_bps: int | None,
-                 device: str | None) -> None:
+                 device: str | None, cpu: float | None = None) -> None:
         self.groups: list[Path] = []
         self.kinds: list[str] = []
         self.missing: list[str] = []
         self.blkio: Path | None = None
+        self.cpu_usage: Path | None = None
+        self.cpu_v2 = False
         if (CGROUP_ROOT / "memory" / "cgroup.procs").exists():
             self._v1(name, memory, read_bps, device)
+            self._v1_cpu(name, cpu)
         elif (CGROUP_ROOT / "cgroup.controllers").exists():
-            self._v2(name, memory, read_bps, device)
+            self._v2(name, memory, read_bps, device, cpu)
         else:
-            self.missing.append("no cgroup file system here: no memory or read limit")
+            self.missing.append("no cgroup file system here: no memory, read or CPU limit")
+
+    def _v1_cpu(self, name: str, cpu: float | None) -> None:
+        if not (CGROUP_ROOT / "cpu" / "cgroup.procs").exists():
+            self.missing.append("CPU share (no cpu controller)")
+            return
+        group = self._group(CGROUP_ROOT / "cpu" / name)
+        (group / "cpu.shares").write_text(str(CPU_SHARES))
+        if cpu is not None:
+            (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(int(cpu * CPU_PERIOD_US)))
+            self.kinds.append("cgroup v1 cpu.cfs_quota_us")
+        if (group / "cpuacct.usage").exists():
+            self.cpu_usage = group / "cpuacct.usage"
+        elif (CGROUP_ROOT / "cpuacct" / "cgroup.procs").exists():
+            self.cpu_usage = self._group(CGROUP_ROOT / "cpuacct" / name) / "cpuacct.usage"
 
     def _group(self, path: Path) -> Path:
         path.mkdir(exist_ok=True)
@@ -101,8 +138,17 @@ class MemberLimits:
             (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
             self.kinds.append("cgroup v1 blkio.throttle.read_bps_device")
 
-    def _v2(self, name: str, memory: int | None, read_bps: int | None, device: str | None):
+    def _v2(self, name: str, memory: int | None, read_bps: int | None, device: str | None,
+            cpu: float | None):
         group = self._group(CGROUP_ROOT / name)
+        self.cpu_usage, self.cpu_v2 = group / "cpu.stat", True
+        try:
+            (group / "cpu.weight").write_text(str(1 + (CPU_SHARES - 2) * 9999 // 262142))
+            if cpu is not None:
+                (group / "cpu.max").write_text(f"{int(cpu * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+                self.kinds.append("cgroup v2 cpu.max")
+        except OSError:
+            self.missing.append("CPU share (cpu controller not enabled for this group)")
         if memory is not None:
             (group / "memory.max").write_text(str(memory))
             self.kinds.append("cgroup v2 memory.max")
@@ -128,6 +174,10 @@ class MemberLimits:
                 return int(parts[2])
         return 0
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the group's processes have used."""
+        return None if self.cpu_usage is None else read_cpu_seconds(self.cpu_usage, self.cpu_v2)
+
     def peak_memory(self) -> int | None:
         for group in self.groups:
             for name in ("memory.max_usage_in_bytes", "memory.peak"):
@@ -141,6 +191,17 @@ class MemberLimits:
                 group.rmdir()
             except OSError:
                 pass
+
+
+def read_cpu_seconds(usage: Path | None, v2: bool) -> float | None:
+    """A cgroup's CPU seconds from its counter file (v1 cpuacct.usage, v2 cpu.stat)."""
+    if usage is None or not usage.exists():
+        return None
+    text = usage.read_text()
+    if not v2:
+        return int(text) / 1e9
+    return next(int(line.split()[1]) / 1e6 for line in text.splitlines()
+                if line.startswith("usage_usec"))
 
 
 def peak_rss(pid: int) -> int:

@@ -15,18 +15,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.measure import bench_prompt  # noqa: E402
-from benchmarks.streaming import run_local, run_mlx_lm  # noqa: E402
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+
+import worker.lease  # noqa: E402
+from benchmarks.measure import bench_prompt, greedy_generation  # noqa: E402
+from benchmarks.mlx_lm_process import run_mlx_lm  # noqa: E402
+from benchmarks.streaming import run_local  # noqa: E402
 from builders.demo_models import build_once, cache_root  # noqa: E402
+from builders.synthetic import build_checkpoint  # noqa: E402
+from coordinator.decoding.generate import open_remote_model  # noqa: E402
+from coordinator.ops.local_processes import start_worker  # noqa: E402
+from engine.auth import ensure_secret, load_secret  # noqa: E402
+from engine.sharding import shard  # noqa: E402
 
 PROMPT_TOKENS = 16
 
 
 def checkpoint(family: str) -> tuple[Path, Path]:
     """The bench-sized, 4-bit checkpoint of `family` and its one store, built once."""
-    from builders.synthetic import build_checkpoint
-    from engine.sharding import shard
-
     root = cache_root() / "streamed-path"
     source = build_once(root / f"{family}-source",
                         lambda out: build_checkpoint(out, family, size="bench", quantize_bits=4,
@@ -41,14 +48,6 @@ def checkpoint(family: str) -> tuple[Path, Path]:
 def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
     """Run in a process of its own: one `shoal-worker` over loopback serving every expert at
     `share`% of their bytes; prints one JSON line as `local_once` does."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from coordinator.decoding.generate import open_remote_model
-    from coordinator.ops.local_processes import start_worker
-    from engine.auth import ensure_secret, load_secret
-
     root = Path(sharded)
     secret = root.parent / "secret"
     ensure_secret(secret)
@@ -57,20 +56,15 @@ def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
     try:
         remote = open_remote_model(root, [worker.address], load_secret(secret))
         try:
-            out, last = [], None
-            for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
-                                            max_tokens=tokens, sampler=make_sampler(temp=0.0)):
-                out.append(int(response.token))
-                last = response
-                if len(out) == 1:
-                    remote.dispatcher.stats.reset()
+            run = greedy_generation(remote.model, remote.tokenizer, ids, tokens,
+                                    remote.dispatcher.stats.reset)
         finally:
             remote.close()
     finally:
         worker.stop()
     breakdown = remote.dispatcher.stats.decode.breakdown()
     print(json.dumps({
-        "share": share, "tokens": out, "decode_tps": last.generation_tps,
+        "share": share, "tokens": run.tokens, "decode_tps": run.generation_tps,
         "bookkeeping_us": breakdown["worker_bookkeeping_us"],
         "parse_us": breakdown.get("worker_parse_us", 0.0),
         "matrix_us": breakdown["worker_matrix_us"],
@@ -81,13 +75,6 @@ def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int
     """Run in a process of its own: the coordinator's own store at `share`%, each decode layer
     call's time in `LocalExperts.whole` with the router's picks already evaluated, less the
     waits for reads; prints one JSON line."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    import worker.lease
-    from coordinator.decoding.generate import open_remote_model
-
     root = Path(sharded)
     remote = open_remote_model(root, [], b"", local_stores=[root / "worker-0"],
                                memory_budget=f"{share}%")
@@ -110,16 +97,12 @@ def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int
 
     local.whole, worker.lease.Lease.take = timed_whole, timed_take
     try:
-        out = []
-        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
-                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
-            out.append(int(response.token))
-            if len(out) == 1:
-                spent.update(whole=0.0, reads=0.0, calls=0)
+        run = greedy_generation(remote.model, remote.tokenizer, ids, tokens,
+                                lambda: spent.update(whole=0.0, reads=0.0, calls=0))
     finally:
         remote.close()
     calls = max(spent["calls"], 1)
-    print(json.dumps({"share": share, "tokens": out, "decode_tps": response.generation_tps,
+    print(json.dumps({"share": share, "tokens": run.tokens, "decode_tps": run.generation_tps,
                       "bookkeeping_us": (spent["whole"] - spent["reads"]) / calls * 1e6,
                       "reads_us": spent["reads"] / calls * 1e6}))
 
@@ -194,14 +177,6 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
     """mlx-lm, the own store and a worker in one process, one generation each in turn, the
     order turned every round: on a machine whose load swings, each ratio is taken between
     generations seconds apart."""
-    import mlx.core as mx
-    from mlx_lm import load, stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from coordinator.decoding.generate import open_remote_model
-    from coordinator.ops.local_processes import start_worker
-    from engine.auth import ensure_secret, load_secret
-
     secret = sharded.parent / "secret"
     ensure_secret(secret)
     worker = start_worker([sharded / "worker-0"], secret, sharded.parent / "worker.log",
@@ -218,13 +193,9 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
         for round_ in range(rounds + 1):  # the first round warms up and is not kept
             for name in names[round_ % 3:] + names[:round_ % 3]:
                 model, tokenizer = models[name]
-                out = []
-                for response in stream_generate(model, tokenizer, mx.array(ids),
-                                                max_tokens=tokens,
-                                                sampler=make_sampler(temp=0.0)):
-                    out.append(int(response.token))
+                run = greedy_generation(model, tokenizer, ids, tokens)
                 if round_:
-                    runs[name].append({"tokens": out, "decode_tps": response.generation_tps})
+                    runs[name].append({"tokens": run.tokens, "decode_tps": run.generation_tps})
         own.close()
         remote.close()
     finally:

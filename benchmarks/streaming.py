@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.measure import greedy_generation  # noqa: E402
+from benchmarks.mlx_lm_process import run_mlx_lm  # noqa: E402
 from benchmarks.records import write_record  # noqa: E402
 from benchmarks.stream_limits import (  # noqa: E402
     MemberLimits,
@@ -28,6 +36,9 @@ from benchmarks.stream_limits import (  # noqa: E402
     peak_rss,
     sequential_bandwidth,
 )
+from benchmarks.streaming_scale import run_scale  # noqa: E402
+from builders.demo_models import moe_folder, prepare  # noqa: E402
+from coordinator.dataplane.lookahead import Lookahead  # noqa: E402
 from coordinator.decoding.generate import encode_prompt, open_remote_model  # noqa: E402
 from coordinator.decoding.report import streaming_report  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
@@ -35,53 +46,14 @@ from coordinator.ops.worker_stats import read_stats  # noqa: E402
 from engine.auth import create_secret, load_secret  # noqa: E402
 from engine.cache_policy import format_bytes  # noqa: E402
 from engine.manifest import read_manifest  # noqa: E402
+from engine.moe_layers import get_module  # noqa: E402
 
 PROMPT = "Explain how rainbows form."
-MLX_LM_SCRIPT = """
-import json, sys, time
-import mlx.core as mx
-from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
-started = time.perf_counter()
-model, tokenizer = load(sys.argv[1])
-loaded = time.perf_counter() - started
-ids = json.loads(sys.argv[2])
-out, last = [], None
-for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=int(sys.argv[3]),
-                         sampler=make_sampler(temp=0.0)):
-    out.append(int(r.token)); last = r
-import resource, platform
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"tokens": out, "decode_tps": last.generation_tps, "load_s": loaded,
-                  "peak_memory": mx.get_peak_memory(),
-                  "peak_rss": rss if platform.system() == "Darwin" else rss * 1024}))
-"""
-
-
-def run_mlx_lm(model_dir: Path, ids: list[int], tokens: int, limit: MemberLimits | None) -> dict:
-    cmd = [sys.executable, "-c", MLX_LM_SCRIPT, str(model_dir), json.dumps(ids), str(tokens)]
-    if limit is not None:
-        cmd = limit.wrap(cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if proc.returncode != 0:
-        killed = proc.returncode in (-9, 137)
-        return {"error": "killed (out of memory)" if killed else proc.stderr.strip()[-300:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def compare_predictors(source: Path, sharded: Path, ids: list[int], tokens: int) -> dict:
     """Recall and precision of the lookahead's guesses in one process, decode steps only:
     layer L+1's router on layer L's MoE input, as is and rescaled between the two norms."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import numpy as np
-    from mlx_lm import load, stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from coordinator.dataplane.lookahead import Lookahead
-    from engine.moe_layers import get_module
-
     model, tokenizer = load(str(source))
     manifest = read_manifest(sharded)
     records: list[tuple[int, mx.array, mx.array]] = []
@@ -125,10 +97,6 @@ def run_budget(
 ) -> dict:
     """One worker at `share`% of its expert bytes; stats cover the decode steps only (read
     after the first token, so the prompt's pass, which reads nearly everything, is left out)."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     files = sorted(store.glob("L*/E*.safetensors"))
     how = drop_page_cache(files)
     worker = start_worker([store], secret_file, log_dir / f"worker-{share}.log",
@@ -140,14 +108,10 @@ def run_budget(
         try:
             ids = prompt_ids or encode_prompt(remote.tokenizer, PROMPT, chat=True)
             connected = read_stats(remote.cluster.links)
-            out = []
-            for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
-                                            max_tokens=tokens, sampler=make_sampler(temp=0.0)):
-                out.append(int(response.token))
-                if len(out) == 1:
-                    before = read_stats(remote.cluster.links)
-                    started = time.perf_counter()
-            decode_seconds = time.perf_counter() - started
+            taken: list = []
+            run = greedy_generation(remote.model, remote.tokenizer, ids, tokens,
+                                    lambda: taken.append(read_stats(remote.cluster.links)))
+            out, decode_seconds, (before,) = run.tokens, run.decode_seconds, taken
             after = read_stats(remote.cluster.links)
         finally:
             remote.close()
@@ -186,28 +150,24 @@ def local_once(sharded: str, store: str, share: int, ids: list[int], tokens: int
     """Run in a process of its own: the coordinator alone with every expert local at `share`%
     of their bytes; prints one JSON line. Decode speed as mlx-lm's own loop reports it (the
     same measure as MLX_LM_SCRIPT's); the cache's figures cover the decode steps only."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     remote = open_remote_model(Path(sharded), [], b"", local_stores=[Path(store)],
                                memory_budget=f"{share}%")
+    taken: list = []
+
+    def after_first() -> None:
+        taken.append(read_stats(remote.cluster.links))
+        remote.dispatcher.stats.reset()
+
     try:
-        out, last = [], None
-        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
-                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
-            out.append(int(response.token))
-            last = response
-            if len(out) == 1:
-                before = read_stats(remote.cluster.links)
-                remote.dispatcher.stats.reset()
+        run = greedy_generation(remote.model, remote.tokenizer, ids, tokens, after_first)
+        (before,) = taken
         after = read_stats(remote.cluster.links)
     finally:
         remote.close()
     (summary,) = streaming_report(before, after, 0, None)["workers"].values()
     breakdown = remote.dispatcher.stats.decode.breakdown()
     print(json.dumps({
-        "share": share, "tokens": out, "decode_tps": last.generation_tps,
+        "share": share, "tokens": run.tokens, "decode_tps": run.generation_tps,
         "hit_rate": summary["hit_rate"], "bytes_read_per_token": summary["bytes_read_per_token"],
         "dispatched_layer_calls": remote.dispatcher.stats.decode.calls,
         "bookkeeping_us": breakdown["worker_bookkeeping_us"],
@@ -231,10 +191,6 @@ def compare_local(sharded: Path, source: Path, shares: list[int], tokens: int,
     """One Mac alone, every expert local, at each budget, against mlx-lm with every expert in
     memory: alternated round by round (each round starts with another configuration), so a
     busy machine's slow spells fall on all of them alike."""
-    import statistics
-
-    from mlx_lm.utils import load_tokenizer
-
     ids = encode_prompt(load_tokenizer(sharded / "dense"), PROMPT, chat=True)
     store = sharded / "worker-0"
     configs = ["mlx-lm", *shares]
@@ -279,7 +235,8 @@ def compare_local(sharded: Path, source: Path, shares: list[int], tokens: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int,
+                        help="tokens to decode (default 48; with --scale 32, --quick 8)")
     parser.add_argument("--budgets", default="100,50,25")
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
@@ -298,11 +255,19 @@ def main() -> None:
     parser.add_argument("--model", default="demo", choices=("demo", "bench"),
                         help="with --scale: the demo's SmolLM2 MoE (real routing; default) or "
                         "the DeepSeek-V3-shaped bench checkpoint (random weights)")
+    parser.add_argument("--checkpoint", type=Path, metavar="DIR",
+                        help="with --scale: this mlx-lm checkpoint folder in place of --model")
     parser.add_argument("--drive-mbps", type=float, default=40.0,
                         help="with --scale: each member's read limit, MB/s (0: none; default 40)")
+    parser.add_argument("--mixed-drives", metavar="MBPS,MBPS", default="40,80",
+                        help="with --scale: then two members with these drive rates, placed in "
+                        "proportion by engine/stream_placement.py (default 40,80; '' skips)")
     parser.add_argument("--member-budget", type=float, default=10.0, metavar="PERCENT",
                         help="with --scale: each member's memory budget, %% of all the experts' "
                         "bytes (default 10: four members hold 40%%)")
+    parser.add_argument("--cpu-share", type=float, default=0.4, metavar="CORES",
+                        help="with --scale: each member's CPU quota in cores (0: none; "
+                        "default 0.4)")
     parser.add_argument("--no-lookahead", action="store_true",
                         help="with --scale: no prefetch hints from the router's lookahead")
     parser.add_argument("--skew", type=float, default=0.0,
@@ -310,15 +275,26 @@ def main() -> None:
                         "heat was counted (default 0)")
     args = parser.parse_args()
     if args.scale:
-        from benchmarks.streaming_scale import run_scale
-
-        run_scale([int(n) for n in args.scale.split(",")], model=args.model, quick=args.quick,
-                  drive_mbps=args.drive_mbps, budget_share=args.member_budget / 100,
-                  skew=args.skew, json_path=args.json, lookahead=not args.no_lookahead)
+        try:
+            counts = [int(n) for n in args.scale.split(",")]
+            mixed = [float(r) for r in args.mixed_drives.split(",") if r.strip()]
+        except ValueError:
+            parser.error(f"--scale takes counts like 1,2,4 and --mixed-drives rates like 40,80, "
+                         f"not {args.scale!r} / {args.mixed_drives!r}")
+        if not counts or min(counts) < 1 or (mixed and min(mixed) <= 0):
+            parser.error("member counts must be 1 or more and drive rates above 0")
+        if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+            parser.error(f"--checkpoint {args.checkpoint}: no config.json there")
+        tokens = args.tokens or (8 if args.quick else 32)
+        report = run_scale(counts, model=args.model, tokens=tokens, drive_mbps=args.drive_mbps,
+                           budget_share=args.member_budget / 100,
+                           cpu_share=args.cpu_share or None, skew=args.skew,
+                           json_path=args.json, lookahead=not args.no_lookahead,
+                           checkpoint=args.checkpoint, mixed_drives=mixed)
+        write_record(what="streaming-scale", figures=report)
         return
 
-    from builders.demo_models import moe_folder, prepare
-
+    args.tokens = args.tokens or 48
     sharded = prepare(args.experts, args.top_k, 1)
     source = moe_folder(args.experts, args.top_k)
     if args.local:

@@ -1,148 +1,48 @@
 """`python -m benchmarks.streaming --scale 1,2,4`: one model split over 1, 2 and 4 members (the
-coordinator's own store plus `shoal-worker`s), each one Mac with one SSD: the same memory
-budget, its own read-bandwidth limit, the page cache dropped; beside mlx-lm and a prediction."""
+coordinator's own store plus `shoal-worker`s), each one Mac: its memory budget, read rate and
+CPU share, the page cache dropped; beside mlx-lm, the ideal and the forecast."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+from mlx_lm.utils import load_tokenizer
+
+from benchmarks.checkpoints import bench_checkpoint, bench_root
+from benchmarks.mlx_lm_process import run_mlx_lm
+from benchmarks.scale_members import holders_of, placed_stores, run_point
 from benchmarks.stream_limits import MemberLimits, block_device, drop_page_cache
+from builders.demo_models import build_once, cache_root, moe_folder, prepare
+from coordinator.decoding.generate import encode_prompt
+from engine.auth import ensure_secret
 from engine.cache_policy import format_bytes
 from engine.manifest import read_manifest
+from engine.sharding import shard
+from engine.stream_placement import plan_streaming
 from engine.stream_speed import StreamingMember, predict_streaming, skewed_heat
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Explain how rainbows form."
-# Room beyond its expert budget that a member process needs (Python, MLX, gRPC, the dense
-# model on the coordinator): the cgroup limit catches a member that grows past its budget.
-WORKER_SLACK = 768 << 20
-COORDINATOR_SLACK = 1536 << 20
 
 
-def holders_of(sharded: Path, members: int) -> dict[tuple[int, int], tuple[str, ...]]:
-    """Which member's store folder holds each expert file (member 0: the coordinator's)."""
-    holders: dict[tuple[int, int], tuple[str, ...]] = {}
-    for i in range(members):
-        for path in (sharded / f"worker-{i}").glob("L*/E*.safetensors"):
-            key = (int(path.parent.name[1:]), int(path.stem[1:]))
-            holders[key] = (*holders.get(key, ()), f"member-{i}")
-    return holders
-
-
-def member_once(sharded: str, addresses: list[str], secret_file: str, budget: int,
-                ids: list[int], tokens: int, lookahead: bool = True) -> None:
-    """The coordinator, in a process (and cgroup) of its own: member 0's store here, the rest
-    on the workers at `addresses`; prints one JSON line of decode-only figures."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from coordinator.decoding.generate import open_remote_model
-    from coordinator.decoding.report import streaming_report
-    from coordinator.ops.heat_record import fetch_readings
-    from coordinator.ops.worker_stats import read_stats
-    from engine.auth import load_secret
-
-    remote = open_remote_model(Path(sharded), addresses, load_secret(Path(secret_file)),
-                               local_stores=[Path(sharded) / "worker-0"],
-                               memory_budget=str(budget))
-    if not lookahead:
-        remote.dispatcher.lookahead = None
-    try:
-        out = []
-        for response in stream_generate(remote.model, remote.tokenizer, mx.array(ids),
-                                        max_tokens=tokens, sampler=make_sampler(temp=0.0)):
-            out.append(int(response.token))
-            if len(out) == 1:
-                before = read_stats(remote.cluster.links)
-                counted = fetch_readings(remote.cluster.links)
-                started = time.perf_counter()
-        decode_seconds = time.perf_counter() - started
-        after = read_stats(remote.cluster.links)
-        heat: dict[tuple[int, int], int] = {}
-        for reading in fetch_readings(remote.cluster.links):
-            seen = next((r.counts for r in counted if r.name == reading.name), {})
-            for key, count in reading.counts.items():
-                heat[key] = heat.get(key, 0) + count - seen.get(key, 0)
-    finally:
-        remote.close()
-    members = streaming_report(before, after, 0, None)["workers"]
-    print(json.dumps({
-        "tokens": out, "decode_seconds": decode_seconds,
-        "heat": [[layer, expert, n] for (layer, expert), n in sorted(heat.items()) if n > 0],
-        "members": {address: {"demands": s["demands"], "hit_rate": s["hit_rate"],
-                              "bytes_read": s["bytes_read"],
-                              "drive_seconds": sum(d["active_seconds"] for d in s["drives"])}
-                    for address, s in members.items()},
-    }))
-
-
-def run_point(sharded: Path, members: int, budget: int, read_bps: int | None, ids: list[int],
-              tokens: int, secret_file: Path, log_dir: Path, device: str | None,
-              lookahead: bool = True) -> dict:
-    """One member count: page cache dropped, each member in its own cgroup, decode timed."""
-    from coordinator.ops.local_processes import start_worker
-
-    how = drop_page_cache(sorted(sharded.glob("worker-*/L*/E*.safetensors")))
-    limits, workers = [], []
-    try:
-        for i in range(1, members):
-            limit = MemberLimits(f"shoal-scale-{i}", budget + WORKER_SLACK, read_bps, device)
-            limits.append(limit)
-            workers.append(start_worker([sharded / f"worker-{i}"], secret_file,
-                                        log_dir / f"worker-{members}-{i}.log",
-                                        ["--memory-budget", str(budget)], prefix=limit.wrap([])))
-        coordinator = MemberLimits("shoal-scale-0", budget + COORDINATOR_SLACK, read_bps, device)
-        limits.insert(0, coordinator)
-        code = ("from benchmarks.streaming_scale import member_once; member_once("
-                f"{str(sharded)!r}, {[w.address for w in workers]!r}, {str(secret_file)!r}, "
-                f"{budget}, {ids!r}, {tokens}, {lookahead})")
-        proc = subprocess.run(coordinator.wrap([sys.executable, "-c", code]), capture_output=True,
-                              text=True, timeout=3600, cwd=REPO)
-        if proc.returncode != 0:
-            raise SystemExit(f"{members} members: the coordinator failed: "
-                             f"{proc.stderr.strip()[-600:]}")
-        run = json.loads(proc.stdout.strip().splitlines()[-1])
-        drive_bytes = [limit.bytes_read() for limit in limits]
-    finally:
-        for worker in workers:
-            worker.stop()
-        for limit in limits:
-            limit.close()
-    decode = run["decode_seconds"]
-    stats = list(run["members"].values())
-    demands = sum(s["demands"] for s in stats)
-    hits = sum((s["hit_rate"] or 0) * s["demands"] for s in stats)
-    return {
-        "members": members,
-        "tokens": run["tokens"],
-        "heat": {(layer, expert): float(n) for layer, expert, n in run["heat"]},
-        "tok_s": (len(run["tokens"]) - 1) / decode,
-        "hit_rate": hits / demands if demands else None,
-        "read_bytes_per_token": sum(s["bytes_read"] for s in stats) / (len(run["tokens"]) - 1),
-        "drive_busy": [s["drive_seconds"] / decode for s in stats],
-        "cgroup_bytes_read": drive_bytes,
-        "page_cache": how,
-        "limits": sorted({kind for limit in limits for kind in limit.kinds}),
-        "not_set": sorted({m for limit in limits for m in limit.missing}),
-    }
-
-
-def model_stores(model: str, counts: list[int]) -> tuple[Path, dict[int, Path]]:
-    """The checkpoint and its stores split over each member count, built once in the cache:
-    "demo" (SmolLM2-135M as 16 experts, top-4: a trained model's routing and varied text) or
-    "bench" (the DeepSeek-V3-shaped random checkpoint; its greedy text repeats a few tokens,
-    so its routing repeats too and caches hit far more than on real text)."""
-    from benchmarks.bench import bench_checkpoint
-    from builders.demo_models import build_once, cache_root, moe_folder, prepare
-    from engine.sharding import shard
-
+def model_stores(model: str, counts: list[int],
+                 checkpoint: Path | None = None) -> tuple[Path, dict[int, Path]]:
+    """The checkpoint and its stores split over each member count (and over one, which the
+    placed layouts link to), built once in the cache: "demo" (SmolLM2-135M as 16 experts,
+    top-4: a trained model's routing and varied text) or "bench" (the DeepSeek-V3-shaped random
+    checkpoint; its greedy text repeats, so its routing does too and caches hit far more), or
+    the mlx-lm checkpoint folder `checkpoint`."""
+    counts = sorted({1, *counts})
+    if checkpoint is not None:
+        where = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:12]
+        root = cache_root() / "scale" / f"{checkpoint.name}-{where}"
+        return checkpoint, {n: build_once(root / f"sharded-w{n}",
+                                          lambda out, n=n: shard(checkpoint, out, workers=n,
+                                                                 progress=False),
+                                          f"{n} member stores") for n in counts}
     if model == "demo":
         return moe_folder(16, 4), {n: prepare(16, 4, n, progress=False) for n in counts}
     if model != "bench":
@@ -153,75 +53,94 @@ def model_stores(model: str, counts: list[int]) -> tuple[Path, dict[int, Path]]:
                                   f"{n} member stores") for n in counts}
 
 
-def run_scale(counts: list[int], *, model: str, quick: bool, drive_mbps: float,
-              budget_share: float, skew: float, json_path: Path | None,
-              lookahead: bool = True) -> dict:
-    """Every member count at `drive_mbps` (0: no read limit), then each again with every expert
-    in memory and no read limit (what the prediction takes as a token's compute)."""
-    from mlx_lm.utils import load_tokenizer
-
-    from benchmarks.bench import bench_root
-    from benchmarks.streaming import run_mlx_lm
-    from coordinator.decoding.generate import encode_prompt
-    from engine.auth import ensure_secret
-
-    tokens = 8 if quick else 32
-    source, sharded = model_stores(model, counts)
-    manifest = read_manifest(sharded[counts[0]])
+def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
+              budget_share: float, cpu_share: float | None, skew: float,
+              json_path: Path | None, lookahead: bool = True, checkpoint: Path | None = None,
+              mixed_drives: list[float] | None = None) -> dict:
+    """Every member count at `drive_mbps` each (0: no read limit), each first with every
+    expert in memory and no read limit (a token's compute, for the forecast, and the routing
+    heat); with `mixed_drives`, two members at those rates placed by engine/stream_placement."""
+    source, sharded = model_stores(model, counts, checkpoint)
+    manifest = read_manifest(sharded[1])
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
     expert_total = sum(sizes.values())
     experts = manifest.layers[0].num_experts
     top_k = json.loads((source / "config.json").read_text())["num_experts_per_tok"]
     budget = int(expert_total * budget_share)
     read_bps = int(drive_mbps * 1e6) if drive_mbps > 0 else None
-    device = block_device(sharded[counts[0]])
+    device = block_device(sharded[1])
     secret_file = bench_root(False) / "secret"
     ensure_secret(secret_file)
-    ids = encode_prompt(load_tokenizer(sharded[counts[0]] / "dense"), PROMPT, chat=True)
-    print(f"model: {model} ({source.name}), {len({k[0] for k in sizes})} MoE layers "
-          f"x {manifest.layers[0].num_experts} experts (top-{top_k}), experts "
+    ids = encode_prompt(load_tokenizer(sharded[1] / "dense"), PROMPT, chat=True)
+    cpu_text = "no CPU limit" if cpu_share is None else f"{cpu_share:g} of a core"
+    print(f"model: {model if checkpoint is None else checkpoint} ({source.name}), "
+          f"{len({k[0] for k in sizes})} MoE layers x {experts} experts (top-{top_k}), experts "
           f"{format_bytes(expert_total)}; each member: memory budget {format_bytes(budget)} "
-          f"({100 * budget_share:.0f}% of the experts), drive {drive_mbps:g} MB/s; decode "
-          f"{tokens} tokens; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"({100 * budget_share:.0f}% of the experts), drive {drive_mbps:g} MB/s, {cpu_text}; "
+          f"decode {tokens} tokens; load {os.getloadavg()[0]:.1f}", flush=True)
     drop_page_cache(sorted(source.glob("*.safetensors")))
     reference = run_mlx_lm(source, ids, tokens, None)
-    rows, floors = [], {}
+    rows, calibration, heats = [], None, []
+
+    def point(store: Path, n: int, rates: list[int | None], tmp: Path) -> dict:
+        nonlocal calibration
+        floor = run_point(store, n, expert_total, [None] * n, ids, tokens, secret_file, tmp,
+                          device, cpu_share)
+        # The decode's own routing, counted with every expert in memory (the ids are the
+        # same at every point, so is the routing): the heat record.
+        heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
+        heats.append(heat)
+        row = run_point(store, n, budget, rates, ids, tokens, secret_file, tmp, device,
+                        cpu_share, lookahead)
+        row.pop("heat")
+        row["exact"] = row["tokens"] == reference.get("tokens")
+        row["all_in_memory_tok_s"] = floor["tok_s"]
+        members = [StreamingMember(f"member-{i}", budget, rate or 1e15)
+                   for i, rate in enumerate(rates)]
+        forecast = dict(holders=holders_of(store, n), members=members, sizes=sizes, heat=heat,
+                        top_k=top_k, compute_seconds=1.0 / floor["tok_s"])
+        row["predicted"] = predict_streaming(**forecast)
+        if calibration is None:  # the first point measures what a drive reads per miss
+            predicted = row["predicted"]["read_bytes_per_token"]
+            calibration = row["read_bytes_per_token"] / predicted if predicted >= 1 else 1.0
+        row["read_factor"] = calibration
+        row["forecast"] = predict_streaming(**forecast, read_factor=max(calibration, 1e-6))
+        row["forecast_tok_s"] = row["forecast"]["tokens_per_second"]
+        # Ideal: the members' drive rates summed, against one member at the base rate.
+        row["ideal_x"] = sum(rates) / read_bps if read_bps else float(n)
+        row["drive_mbps"] = [None if rate is None else rate / 1e6 for rate in rates]
+        print(f"  {n} member(s) at {'/'.join(str(r and r / 1e6) for r in rates)} MB/s: "
+              f"{row['tok_s']:.3f} tok/s (forecast {row['forecast_tok_s']:.3f}), exact "
+              f"{row['exact']}, load {os.getloadavg()[0]:.1f}", flush=True)
+        return row
+
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
-            floor = run_point(sharded[n], n, expert_total, None, ids, tokens, secret_file,
-                              Path(tmp), device)
-            floors[n] = 1.0 / floor["tok_s"]
-            # The decode's own routing, counted by the members with every expert in memory
-            # (the ids are the same at every point, so is the routing): the heat record.
-            heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
-            row = run_point(sharded[n], n, budget, read_bps, ids, tokens, secret_file,
-                            Path(tmp), device, lookahead)
-            row["exact"] = row["tokens"] == reference.get("tokens")
-            row["all_in_memory_tok_s"] = floor["tok_s"]
-            members = [StreamingMember(f"member-{i}", budget, read_bps or 1e15)
-                       for i in range(n)]
-            row["predicted"] = predict_streaming(
-                holders_of(sharded[n], n), members, sizes,
-                heat,
-                top_k=top_k, compute_seconds=floors[n])
-            row.pop("heat")
-            rows.append(row)
-            print(f"  {n} member(s): {row['tok_s']:.3f} tok/s (predicted "
-                  f"{row['predicted']['tokens_per_second']:.3f}), load "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            rows.append(point(sharded[n], n, [read_bps] * n, Path(tmp)))
+        mixed = None
+        if mixed_drives:
+            rates = [int(r * 1e6) for r in mixed_drives]
+            holders = plan_streaming(
+                {f"member-{i}": budget for i in range(len(rates))},
+                {f"member-{i}": expert_total for i in range(len(rates))},
+                {f"member-{i}": float(r) for i, r in enumerate(rates)},
+                sizes, heats[0], top_k=top_k)
+            store = placed_stores(sharded[1], holders, Path(tmp) / "placed")
+            mixed = point(store, len(rates), rates, Path(tmp))
     limited = mlx_lm_limited(source, ids, tokens, reference, expert_total, budget, read_bps,
                              device)
-    report = {"model": model, "lookahead": lookahead, "drive_mbps": drive_mbps,
-              "memory_budget": budget,
-              "expert_bytes": expert_total,
-              "decode_tokens": tokens, "skew_assumed": skew, "rows": rows,
+    for row in [*rows, *([mixed] if mixed else [])]:
+        row["x_one"] = row["tok_s"] / rows[0]["tok_s"]
+        row["of_ideal"] = row["x_one"] / row["ideal_x"]
+    report = {"model": model if checkpoint is None else str(checkpoint),
+              "lookahead": lookahead, "drive_mbps": drive_mbps, "memory_budget": budget,
+              "cpu_share": cpu_share, "expert_bytes": expert_total, "decode_tokens": tokens,
+              "skew_assumed": skew, "rows": rows, "mixed_drives": mixed,
               "mlx_lm": {k: v for k, v in reference.items() if k != "tokens"},
-              "mlx_lm_limited": limited, "load_after": os.getloadavg()[0]}
-    for row in rows:
-        row["ratio"] = row["tok_s"] / rows[0]["tok_s"]
+              "mlx_lm_limited": limited, "load_after": os.getloadavg()}
     print_scale(report)
     if json_path:
-        json_path.write_text(json.dumps(report, indent=1))
+        json_path.write_text(json.dumps(report, indent=1, default=str))
     return report
 
 
@@ -229,12 +148,10 @@ def mlx_lm_limited(source: Path, ids: list[int], tokens: int, reference: dict, e
                    budget: int, read_bps: int | None, device: str | None) -> dict:
     """mlx-lm under one member's limits: its unlimited peak less the experts beyond the
     budget (plus 32 MiB), and the same read limit."""
-    from benchmarks.streaming import run_mlx_lm
-
     if "peak_rss" not in reference:
         return {"error": reference.get("error", "no reference run")}
     memory = reference["peak_rss"] - expert_total + budget + (32 << 20)
-    limit = MemberLimits("shoal-scale-mlx-lm", memory, read_bps, device)
+    limit = MemberLimits(f"shoal-scale-mlx-lm-{os.getpid()}", memory, read_bps, device)
     try:
         drop_page_cache(sorted(source.glob("*.safetensors")))
         row = run_mlx_lm(source, ids, tokens, limit)
@@ -246,26 +163,34 @@ def mlx_lm_limited(source: Path, ids: list[int], tokens: int, reference: dict, e
         limit.close()
 
 
+def _percents(values: list) -> str:
+    return ",".join("-" if v is None else f"{100 * v:.0f}%" for v in values)
+
+
 def print_scale(report: dict) -> None:
-    print(f"\ndrive {report['drive_mbps']:g} MB/s and memory budget "
-          f"{format_bytes(report['memory_budget'])} per member; predicted: engine/stream_speed.py "
-          "(shoal plan's forecast) from the decode's heat and the all-in-memory run's speed")
-    print(f"{'members':>7} {'tok/s':>7} {'x one':>6} {'predicted':>9} {'hit':>6} "
-          f"{'read/tok':>10} {'drive busy':>18} {'exact':>6} {'all in memory':>13} "
-          f"{'pred. hit':>9} {'pred. read':>10}")
-    for row in report["rows"]:
-        busy = ",".join(f"{100 * b:.0f}%" for b in row["drive_busy"])
-        print(f"{row['members']:>7} {row['tok_s']:>7.3f} {row['ratio']:>6.2f} "
-              f"{row['predicted']['tokens_per_second']:>9.3f} "
-              f"{100 * (row['hit_rate'] or 0):>5.1f}% "
-              f"{format_bytes(row['read_bytes_per_token']):>10} {busy:>18} "
-              f"{str(row['exact']):>6} {row['all_in_memory_tok_s']:>13.3f} "
-              f"{100 * row['predicted']['hit_rate']:>8.1f}% "
-              f"{format_bytes(row['predicted']['read_bytes_per_token']):>10}")
+    cpu = report["cpu_share"]
+    print(f"\neach member: drive {report['drive_mbps']:g} MB/s, memory budget "
+          f"{format_bytes(report['memory_budget'])}, CPU "
+          f"{'unlimited' if cpu is None else f'{cpu:g} of a core'}; ideal: the members' summed "
+          "drive rates against one; forecast: engine/stream_speed.py with the all-in-memory "
+          "run's compute, the decode's heat and the first point's bytes read per miss")
+    print(f"{'members':>7} {'tok/s':>7} {'x one':>6} {'ideal':>6} {'forecast':>8} {'hit':>6} "
+          f"{'read/tok':>10} {'demand/tok':>10} {'drive busy':>16} {'cpu busy':>16} "
+          f"{'exact':>6} {'in memory':>9}")
+    for row in [*report["rows"], *([report["mixed_drives"]] if report["mixed_drives"] else [])]:
+        name = str(row["members"]) + ("" if len(set(row["drive_mbps"])) == 1 else
+                                      " (" + "/".join(f"{r:g}" for r in row["drive_mbps"]) + ")")
+        print(f"{name:>7} {row['tok_s']:>7.3f} {row['x_one']:>6.2f} {row['ideal_x']:>6.2f} "
+              f"{row['forecast_tok_s']:>8.3f} {100 * (row['hit_rate'] or 0):>5.1f}% "
+              f"{format_bytes(row['read_bytes_per_token']):>10} "
+              f"{format_bytes(row['demand_bytes_per_token']):>10} "
+              f"{_percents(row['drive_busy']):>16} {_percents(row['cpu_busy']):>16} "
+              f"{str(row['exact']):>6} {row['all_in_memory_tok_s']:>9.3f}")
     ref, lim = report["mlx_lm"], report["mlx_lm_limited"]
     print(f"mlx-lm, no limits: {ref.get('decode_tps', 0):.3f} tok/s; under one member's limits "
           f"({format_bytes(lim.get('memory_limit', 0))} memory, same read limit): "
           + (f"{lim['decode_tps']:.3f} tok/s" if "decode_tps" in lim else lim.get("error", "-")))
     not_set = sorted({m for row in report["rows"] for m in row["not_set"]})
     print("limits set: " + ", ".join(report["rows"][0]["limits"] or ["none"])
-          + ("; could not set: " + "; ".join(not_set) if not_set else ""))
+          + ("; could not set: " + "; ".join(not_set) if not_set else "")
+          + f"; load average after: {', '.join(f'{x:.1f}' for x in report['load_after'])}")

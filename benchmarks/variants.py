@@ -12,7 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.checkpoints import bench_files
+from benchmarks.measure import bench_prompt, timed_generation
 from benchmarks.records import from_variants, write_record
+from benchmarks.shoal_runs import decode_dispatch
+from coordinator.dataplane.link import Transport
+from coordinator.decoding.generate import open_remote_model
+from coordinator.ops.local_processes import start_workers, stop_workers
+from engine.auth import load_secret
 from engine.process import launch_directly
 
 VARIANTS_HELP = """\
@@ -33,14 +40,6 @@ SCOPES = ("workers", "coordinator")
 
 
 def measure(quick: bool, runs: int, prefill: int = 0) -> dict:
-    from benchmarks.checkpoints import bench_files
-    from benchmarks.measure import bench_prompt, timed_generation
-    from benchmarks.shoal_runs import decode_dispatch
-    from coordinator.dataplane.link import Transport
-    from coordinator.decoding.generate import open_remote_model
-    from coordinator.ops.local_processes import start_workers, stop_workers
-    from engine.auth import load_secret
-
     _, sharded, secret, logs = bench_files(quick, "variant-logs")
     workers = start_workers([[sharded / f"worker-{k}"] for k in range(2)], secret, logs,
                             places=[(worker_prefix(), "127.0.0.1")] * 2,

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama
+from builders.moefy import moefy
 from engine.sharding import shard
 
 
@@ -83,8 +85,6 @@ def with_tools_template(model: Path) -> Path:
 
 def prepare_dense(*, progress: bool = True) -> Path:
     """SmolLM2-135M-Instruct as a float32 mlx-lm checkpoint in the cache, built on first use."""
-    from builders.gguf_llama import find_smollm2_gguf, gguf_to_llama
-
     gguf = find_smollm2_gguf()
     return with_tools_template(build_once(
         cache_root() / "demo" / "smollm2-135m-instruct",
@@ -117,8 +117,6 @@ def moe_folder(experts: int, top_k: int) -> Path:
 
 def prepare(experts: int, top_k: int, workers: int, *, progress: bool = True) -> Path:
     """The sharded demo model in the cache, built on first use; returns the shard folder."""
-    from builders.moefy import moefy
-
     root = cache_root() / "demo"
     dense = prepare_dense(progress=progress)
     moe = build_once(

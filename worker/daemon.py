@@ -8,22 +8,13 @@ import signal
 import sys
 import threading
 from concurrent import futures
-from pathlib import Path
-from typing import TextIO
 
 import grpc
-import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.advert import Advert, inventory_digest
 from engine.auth import CredentialChecker, load_secret, secret_path
-from engine.cache_policy import (
-    DEFAULT_MEMORY_SHARE,
-    BudgetSpec,
-    format_bytes,
-    parse_budget,
-    resolve_budget,
-)
+from engine.cache_policy import format_bytes
 from engine.errors import ShoalError, worded
 from engine.interfaces import announced_addresses, listen_host
 from engine.pipes import guard_standard_streams
@@ -43,36 +34,17 @@ from worker.advertise import Advertiser, load_node_id, node_id_path
 from worker.grpc_gate import Gate
 from worker.interceptors import AuthInterceptor, BoundedErrors, PeerLimit
 from worker.lane_server import LaneServer
+from worker.open_stores import open_residency
 from worker.options import check_args, parse_args
-from worker.reader import READERS_PER_DRIVE
 from worker.residency import Residency
 from worker.scrub import Scrubber, parse_rate
 from worker.service import ExpertServicer
-from worker.store import free_disk, scan_stores
+from worker.store import free_disk
 from worker.threads import started
 
 MAX_CALLS = 64  # calls at once, all peers together; gRPC refuses more (RESOURCE_EXHAUSTED)
 # Files kept free of the gRPC port's connections: the expert lane's, expert files, logs.
 FILES_SPARE = 1024
-
-
-def physical_memory() -> int:
-    """Bytes of physical memory (macOS and Linux); 16 GiB where the platform does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 << 30
-
-
-def choose_budget(memory_budget: str | None, expert_bytes: int) -> tuple[int, str]:
-    """The budget in bytes (--memory-budget's text, or None) and how it was chosen, for the
-    start-up line."""
-    spec = parse_budget(memory_budget) if memory_budget else BudgetSpec()
-    physical = physical_memory()
-    budget = resolve_budget(spec, expert_bytes, physical)
-    how = (f"--memory-budget {memory_budget}" if memory_budget else
-           f"default {DEFAULT_MEMORY_SHARE:.0%} of {format_bytes(physical)} physical memory")
-    return budget, how
 
 
 def connection_cap(file_limit: int) -> int:
@@ -198,41 +170,6 @@ def load(args: argparse.Namespace) -> Residency:
     hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
     return open_residency(args.store, args.memory_budget, verify=not args.no_verify,
                           readers=args.readers, verify_reads=not args.no_verify_reads)
-
-
-def open_residency(
-    stores: list[Path], memory_budget: str | None, *, verify: bool = True,
-    readers: int = READERS_PER_DRIVE, verify_reads: bool = True, name: str = "shoal-worker",
-    out: TextIO | None = None, warm: bool = True,
-) -> Residency:
-    """Scan (and verify) store folders and hold their experts under a memory budget
-    (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
-    coordinator for its own experts: coordinator/dataplane/local_experts.py), the budget on `out`
-    (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now."""
-    scan = scan_stores(stores, verify=verify)
-    for problem in scan.problems:
-        print(f"{name}: warning: {problem}", file=sys.stderr, flush=True)
-    if not scan.held:
-        # A store folder with only the manifest: `shoal deploy` sends the experts.
-        print(f"{name}: no intact expert files in {', '.join(map(str, stores))} yet; "
-              "waiting for `shoal deploy` to send some", file=sys.stderr, flush=True)
-    expert_bytes = scan.expert_bytes()
-    budget, how = choose_budget(memory_budget, expert_bytes)
-    resident = min(budget, expert_bytes)
-    print(
-        f"{name}: memory budget {format_bytes(budget)} ({how}); experts "
-        f"{format_bytes(expert_bytes)}, {resident / max(expert_bytes, 1):.0%} of them fit in memory"
-        + ("" if budget >= expert_bytes else "; the rest are read from the drives when routed"),
-        file=out or sys.stdout, flush=True,
-    )
-    residency = Residency(
-        scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads, warm=warm,
-        report=lambda m: print(f"{name}: warning: {m}", file=sys.stderr, flush=True),
-    )
-    if residency.streaming:
-        # Evicted experts' memory goes back to the system instead of MLX's buffer cache.
-        mx.set_cache_limit(4 * residency.reader.buffer_bytes)
-    return residency
 
 
 def run(

@@ -4,24 +4,42 @@ computed, so the cache neither evicts them meanwhile nor waits for them longer t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
-if TYPE_CHECKING:
-    from worker.cache import ExpertCache, _Entry
+from engine.errors import ShoalError
+
+
+class Held(Protocol):
+    """An expert a lease holds, as the cache keeps it (`worker/cache.py`'s entry): its load's
+    state, its decoded tensors until they are copied into its slot (-1 without a SlotPool)."""
+
+    index: int
+    state: int
+    tensors: dict[str, mx.array] | None
+    slot: int
+    error: ShoalError | None
+
+
+class Holder(Protocol):
+    """What a lease asks of the cache that lent it (`worker/cache.py`'s `ExpertCache`)."""
+
+    def take(self, lease: Lease) -> list[int]: ...
+    def give_back(self, lease: Lease, positions: Iterable[int]) -> None: ...
+    def end(self, lease: Lease) -> None: ...
 
 
 class Lease:
     """One request's hold on its experts: take them as they become ready, then give them back.
     The cache keeps the fields; the request only calls the three methods."""
 
-    def __init__(self, cache: ExpertCache, idx: np.ndarray) -> None:
+    def __init__(self, cache: Holder, idx: np.ndarray) -> None:
         self.cache = cache
         self.idx = idx
         self.pending: list[int] = []  # positions whose load could not start yet (no room)
-        self.held: dict[int, _Entry] = {}
+        self.held: dict[int, Held] = {}
         self.taken = [False] * len(idx)
 
     def take(self) -> list[int]:

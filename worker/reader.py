@@ -25,6 +25,9 @@ from worker.uncached import ALIGN, open_uncached, read_into, round_up
 
 READ_CHUNK_BYTES = 1 << 20  # an expert's read from disk is split in pieces of this size
 READERS_PER_DRIVE = 4  # queue depth per drive: SSDs reach full speed only with several reads
+# Prefetch chunks a drive reads at once: the other readers stay free for demand reads, which
+# then share the drive with one guess at most, never queue behind several.
+PREFETCHES_IN_FLIGHT = 1
 INITIAL_BANDWIDTH = 1e9  # bytes/s assumed for a drive before its first read is measured
 _BANDWIDTH_WEIGHT = 0.2  # weight of each new measurement in a drive's moving average
 
@@ -135,6 +138,7 @@ class _Drive:
         self.demand: deque[tuple[ReadJob, ReadChunk]] = deque()
         self.prefetch: deque[tuple[ReadJob, ReadChunk]] = deque()
         self.in_flight = 0
+        self.prefetching = 0  # prefetch chunks in flight
         self.active_since = 0.0
 
 
@@ -307,17 +311,20 @@ class ReaderPool:
         job.started = True
         threading.Thread(target=job.on_done, args=(job,), daemon=True).start()
 
-    def _next(self, drive: _Drive) -> tuple[ReadJob, ReadChunk] | None:
+    def _next(self, drive: _Drive) -> tuple[ReadJob, ReadChunk, bool] | None:
+        """The drive's next chunk, demand reads first (and whether it was read for demand)."""
         while not self._closed:
-            queue = drive.demand or drive.prefetch
+            queue = drive.demand or (drive.prefetch if drive.prefetching < PREFETCHES_IN_FLIGHT
+                                     else None)
             if queue:
                 job, chunk = queue.popleft()
                 drive.queued[queue is drive.demand] -= chunk.length
+                drive.prefetching += not job.demand
                 job.started = True
                 if drive.in_flight == 0:
                     drive.active_since = time.perf_counter()
                 drive.in_flight += 1
-                return job, chunk
+                return job, chunk, job.demand
             self._cond.wait()
         return None
 
@@ -329,7 +336,7 @@ class ReaderPool:
                 item = self._next(drive)
             if item is None:
                 return
-            job, chunk = item
+            job, chunk, demand = item
             started = time.perf_counter()
             error = None
             try:
@@ -337,7 +344,7 @@ class ReaderPool:
             except OSError as e:
                 error = e
             elapsed = time.perf_counter() - started
-            self._finish_chunk(drive, job, chunk, error, elapsed)
+            self._finish_chunk(drive, job, chunk, error, elapsed, demand)
 
     def _read_chunk(self, job: ReadJob, chunk: ReadChunk) -> None:
         file = open_uncached(chunk.path)
@@ -351,11 +358,15 @@ class ReaderPool:
             raise OSError(errno.EIO, f"{chunk.path} is shorter than the manifest says")
 
     def _finish_chunk(
-        self, drive: _Drive, job: ReadJob, chunk: ReadChunk, error: OSError | None, elapsed: float
+        self, drive: _Drive, job: ReadJob, chunk: ReadChunk, error: OSError | None,
+        elapsed: float, demand: bool,
     ) -> None:
         problem = None
         with self._cond:
             drive.in_flight -= 1
+            if not demand:
+                drive.prefetching -= 1
+                self._cond.notify_all()  # the drive may start its next prefetch
             if drive.in_flight == 0:
                 drive.stats.active_seconds += time.perf_counter() - drive.active_since
             if error is None:

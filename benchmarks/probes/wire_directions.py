@@ -14,15 +14,21 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.checkpoints import bench_files
+from benchmarks.measure import bench_prompt, timed_generation
+from coordinator.dataplane import link
+from coordinator.decoding.generate import open_remote_model
+from coordinator.ops.local_processes import start_workers, stop_workers
+from engine.auth import load_secret
+from engine.process import launch_directly
+from proto import lane as lane_wire
+from worker import daemon, lane_server
+
 TIMES_DIR = "SHOAL_WIRE_DIRECTIONS_DIR"  # parent -> worker: where each worker writes its times
 
 
 def as_worker(argv: list[str]) -> None:
     """Run worker.daemon with argv, its Compute messages timed (see the module's docstring)."""
-    from proto import lane as lane_wire
-    from worker import lane_server
-    from worker.daemon import main
-
     times: list[tuple[str, float]] = []
     answer, write_frame = lane_server.ComputeAnswers.answer, lane_server.write_frame
 
@@ -47,17 +53,10 @@ def as_worker(argv: list[str]) -> None:
     lane_server.ComputeAnswers.answer, lane_server.write_frame = timed_answer, timed_write_frame
     threading.Thread(target=keep_writing, daemon=True).start()
     sys.argv = ["shoal-worker", *argv]
-    main()
+    daemon.main()
 
 
 def run(quick: bool) -> dict:
-    import coordinator.dataplane.link as link
-    from benchmarks.checkpoints import bench_files
-    from benchmarks.measure import bench_prompt, timed_generation
-    from coordinator.decoding.generate import open_remote_model
-    from coordinator.ops.local_processes import start_workers, stop_workers
-    from engine.auth import load_secret
-
     events: dict[str, list[tuple[str, float]]] = {}
     send, receive = link.WorkerLink.send, link.WorkerLink.receive
 
@@ -133,8 +132,6 @@ def main() -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoint")
     args = parser.parse_args()
-    from engine.process import launch_directly
-
     launch_directly()  # as `shoal` does, before any kernel (engine/process.py)
     print(json.dumps(run(args.quick), indent=1))
 

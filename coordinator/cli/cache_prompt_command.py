@@ -18,6 +18,7 @@ from coordinator.cli.options import (
     secret_option,
 )
 from engine.errors import InvalidInput
+from engine.manifest import read_manifest
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -39,9 +40,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
     from coordinator.decoding.prompt_cache_file import cached_prompt, save
-    from engine.manifest import read_manifest
 
     kv = kv_cache_settings(args)
     check_model_args(args)

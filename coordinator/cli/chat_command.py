@@ -21,7 +21,9 @@ from coordinator.cli.options import (
     model_options,
     secret_option,
 )
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
 from engine.errors import InvalidInput
+from engine.manifest import read_manifest
 
 if TYPE_CHECKING:
     from coordinator.decoding.mtp_draft import MtpDraft
@@ -81,8 +83,6 @@ def check_chat_args(args: argparse.Namespace) -> None:
     if args.num_draft_tokens is not None and not args.draft:
         raise InvalidInput("--num-draft-tokens needs --draft")
     if args.num_draft_tokens is not None:
-        from coordinator.decoding.draft_policy import DraftPolicy
-
         DraftPolicy(args.num_draft_tokens)  # checks N before the model loads
     check_model_args(args)
 
@@ -91,7 +91,7 @@ def chat_draft(args: argparse.Namespace, model) -> MtpDraft | None:
     """The MTP module drafting, when --draft mtp asks for it."""
     if not args.draft:
         return None
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+    # lazy: start-up
     from coordinator.decoding.mtp_draft import mtp_draft
 
     n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
@@ -101,9 +101,9 @@ def chat_draft(args: argparse.Namespace, model) -> MtpDraft | None:
 def main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
     from coordinator.decoding.chat import Conversation
-    from engine.manifest import read_manifest
 
     check_chat_args(args)
     secret = members_secret(args, read_manifest(args.model))

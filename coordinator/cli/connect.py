@@ -15,19 +15,23 @@ from coordinator.cli.options import (
     browse_seconds,
     check_local_store_args,
     check_one_worker_source,
+    cluster_secret,
     transport_of,
 )
+from coordinator.cluster.discovery import Candidate, read_cluster_config
+from engine.advert import DEFAULT_CLUSTER, check_name
 from engine.errors import InvalidInput, ShoalError, Unavailable
+from engine.manifest import Manifest, read_manifest
 
 if TYPE_CHECKING:
     from coordinator.cluster.membership import Membership
     from coordinator.decoding.generate import RemoteModel
-    from engine.manifest import Manifest
 
 
 def worker_addresses(text: str) -> list[str]:
     """--workers HOST:PORT,...: refused at once when nothing listens at one of them, rather
     than after loading the model and waiting for it to answer."""
+    # lazy: start-up
     from coordinator.cluster.snapshot import parse_addresses
     from coordinator.ops.doctor import refused_at_once
 
@@ -49,11 +53,10 @@ def open_membership(
 ) -> Membership:
     """Workers from --cluster-config, else from Bonjour browsing for --cluster; for a command
     that follows --workers too (`shoal serve`), those addresses, watched like a config's."""
-    from coordinator.cluster.discovery import Candidate, read_cluster_config
+    # lazy: start-up
     from coordinator.cluster.membership import Membership
     from coordinator.cluster.snapshot import parse_addresses
     from coordinator.dataplane.link import LANE
-    from engine.advert import DEFAULT_CLUSTER, check_name
 
     # a command that computes (generate, serve) says how its Compute requests travel
     transport = transport_of(args) if hasattr(args, "transport") else LANE
@@ -87,6 +90,7 @@ def open_live_workers(
     (--local-store, a config's [coordinator]) first, as a member in this process; then
     --workers (each must answer), else the healthy workers of the cluster (Bonjour or
     --cluster-config) found within --wait, unless the local stores hold every expert."""
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
     from coordinator.dataplane.link import WorkerLink
     from coordinator.dataplane.local_experts import open_local_experts
@@ -118,6 +122,7 @@ def open_live_workers(
 
 def record_run_heat(model_dir: Path, manifest: Manifest, links: list) -> None:
     """Fold the workers' token counts into OUT_DIR/heat.msgpack; a failure only warns."""
+    # lazy: start-up
     from coordinator.ops.heat_record import fetch_readings, record_heat
 
     try:
@@ -132,8 +137,6 @@ def local_stores(args: argparse.Namespace) -> tuple[list[Path], str | None]:
     if args.local_store:
         return list(args.local_store), args.memory_budget
     if args.cluster_config:
-        from coordinator.cluster.discovery import read_cluster_config
-
         config = read_cluster_config(args.cluster_config)
         return list(config.local_stores), args.memory_budget or config.memory_budget
     return [], None
@@ -150,8 +153,6 @@ def needs_workers(args: argparse.Namespace, manifest: Manifest, stores: list[Pat
 
 def members_secret(args: argparse.Namespace, manifest: Manifest) -> bytes:
     """The cluster secret, when workers are to be reached; one Mac alone needs none."""
-    from coordinator.cli.options import cluster_secret
-
     return cluster_secret(args) if needs_workers(args, manifest, local_stores(args)[0]) else b""
 
 
@@ -162,8 +163,8 @@ def remote_model(args: argparse.Namespace, secret: bytes,
     the cluster, --local-store, --transport), let go of however the block ends, the run's
     heat recorded first from the members still serving (a worker given up would only make
     it wait). `say` hears what is waited for."""
+    # lazy: start-up
     from coordinator.decoding.generate import open_remote_model
-    from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)
     stores, memory_budget = local_stores(args)

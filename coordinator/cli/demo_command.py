@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.cli.options import AddParser
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+from engine.auth import ensure_secret, load_secret
 from engine.errors import InvalidInput
 from engine.process import launch_directly
 
@@ -87,8 +89,8 @@ def run_demo(
     """Build (once), start `workers` local workers, answer `prompt` with the chat template,
     stop the workers (also on Ctrl-C). With `draft`, answer again with the 4-bit dense model
     as the draft and compare. Returns the answer."""
+    # lazy: start-up
     from builders.demo_models import prepare, prepare_draft
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
     from coordinator.decoding.generate import encode_prompt, generate
     from coordinator.decoding.speculative import load_draft
 
@@ -168,6 +170,7 @@ def next_steps(sharded: Path, secret_file: Path, workers: int) -> str:
 
 def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
     """One line comparing a plain answer with one drafted by a draft model."""
+    # lazy: start-up
     from coordinator.decoding.report import speculative_report
 
     report = speculative_report(drafted)
@@ -183,6 +186,7 @@ def draft_summary(plain: GenerationResult, drafted: GenerationResult) -> str:
 
 def demo_secret_file() -> Path:
     """The demo's own cluster secret, kept with its model so later commands can use it."""
+    # lazy: start-up
     from builders.demo_models import cache_root
 
     return cache_root() / "demo" / "secret"
@@ -192,10 +196,10 @@ def demo_secret_file() -> Path:
 def demo_workers(sharded: Path, workers: int) -> Iterator[tuple[RemoteModel, list[LocalWorker]]]:
     """Local workers over the demo's stores and the remote model on them; both are stopped
     and closed on leaving, also on Ctrl-C."""
+    # lazy: start-up
     from builders.demo_models import cache_root
     from coordinator.decoding.generate import open_remote_model
     from coordinator.ops.local_processes import start_workers, stop_workers
-    from engine.auth import ensure_secret, load_secret
 
     root = cache_root() / "demo"
     secret_file = demo_secret_file()

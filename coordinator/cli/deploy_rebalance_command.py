@@ -9,6 +9,7 @@ import json
 from coordinator.cli.connect import members_secret, open_live_workers
 from coordinator.cli.options import AddParser, live_options
 from engine.errors import InvalidInput, ShoalError
+from engine.manifest import read_manifest
 
 COMMANDS = (
     ("deploy", "place the experts on the live workers and send them the files",
@@ -44,6 +45,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 def max_bytes(args: argparse.Namespace) -> int | None:
     """--max-bytes (rebalance only) in bytes; None: no limit."""
+    # lazy: start-up
     from engine.cache_policy import parse_budget
 
     if not getattr(args, "max_bytes", None):
@@ -55,8 +57,8 @@ def max_bytes(args: argparse.Namespace) -> int | None:
 
 
 def main(args: argparse.Namespace) -> None:
+    # lazy: start-up
     from coordinator.ops.rebalancer import describe, migrate
-    from engine.manifest import read_manifest
 
     limit = max_bytes(args)
     manifest = read_manifest(args.model)
@@ -68,6 +70,7 @@ def main(args: argparse.Namespace) -> None:
     finally:
         close()
     if args.json:
+        # lazy: start-up
         from coordinator.ops.ops_report import migration_report
 
         print(json.dumps(migration_report(report), indent=1))

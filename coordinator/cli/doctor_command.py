@@ -17,7 +17,10 @@ from coordinator.cli.options import (
     discovery_options,
     secret_option,
 )
+from coordinator.cluster.discovery import Candidate, parse_endpoint
+from engine.advert import DEFAULT_CLUSTER
 from engine.auth import load_secret, secret_path
+from engine.manifest import read_manifest
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -48,7 +51,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.cluster.discovery import Candidate, parse_endpoint
+    # lazy: start-up
     from coordinator.cluster.membership import Membership
     from coordinator.cluster.snapshot import parse_addresses
     from coordinator.ops.doctor import (
@@ -65,8 +68,6 @@ def main(args: argparse.Namespace) -> None:
         inspect_workers,
     )
     from coordinator.ops.ops_report import doctor_report, member_rows
-    from engine.advert import DEFAULT_CLUSTER
-    from engine.manifest import read_manifest
 
     check_one_worker_source(args)
     addresses = parse_addresses(args.workers) if args.workers else []

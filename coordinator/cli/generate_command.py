@@ -23,10 +23,11 @@ from coordinator.cli.options import (
     model_options,
     secret_option,
 )
+from coordinator.decoding.draft_policy import DraftPolicy
 from engine.errors import InvalidInput
+from engine.manifest import read_manifest
 
 if TYPE_CHECKING:
-    from coordinator.decoding.draft_policy import DraftPolicy
     from coordinator.decoding.generate import RemoteModel
 
 
@@ -65,13 +66,12 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 def main(args: argparse.Namespace) -> None:
     policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
-    from engine.manifest import read_manifest
-
     secret = members_secret(args, read_manifest(args.model))
     report = generate_with_workers(args, secret, policy, StreamedText())
     if args.json:
         print(json.dumps(report))
     else:
+        # lazy: start-up
         from coordinator.decoding.report import summary_lines
 
         print("\n".join(summary_lines(report)), file=sys.stderr)
@@ -118,6 +118,7 @@ def generate_with_workers(
 ) -> dict:
     """Load the model and reach its workers, generate, and let go of everything however the
     run ends, its heat recorded first (connect.remote_model)."""
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
 
     def say(message: str) -> None:
@@ -136,12 +137,14 @@ def decode(
 ) -> dict:
     """The prompt through the remote model (with a draft model proposing tokens when asked),
     and the report of the run; with --stats, the workers' counters are read around it."""
+    # lazy: start-up
     from coordinator.decoding.generate import encode_prompt, generate
     from coordinator.decoding.report import generation_report, generation_stats
     from coordinator.ops.worker_stats import read_stats
 
     options = kv_cache_settings(args)
     if args.prompt_cache_file is not None:
+        # lazy: start-up
         from coordinator.decoding.prompt_cache_file import load, question_tokens
 
         options["prompt_cache"] = load(args.prompt_cache_file, remote.model)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from coordinator.cli.connect import members_secret, open_live_workers
 from coordinator.cli.options import AddParser, live_options
+from engine.manifest import read_manifest
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -34,6 +35,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    # lazy: start-up
     from coordinator.ops.heat_record import (
         fetch_readings,
         format_heat_summary,
@@ -45,7 +47,6 @@ def main(args: argparse.Namespace) -> None:
         summarize_heat,
     )
     from coordinator.ops.ops_report import heat_report
-    from engine.manifest import read_manifest
 
     manifest = read_manifest(args.model)
     if args.reset:

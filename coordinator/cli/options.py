@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
 from engine.auth import load_secret, secret_path
 from engine.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from coordinator.decoding.draft_policy import DraftPolicy
     from coordinator.decoding.generate import RemoteModel
     from coordinator.decoding.mtp_draft import MtpDraft
     from coordinator.decoding.speculative import Draft
@@ -91,6 +91,7 @@ def transport_options(p: argparse.ArgumentParser) -> None:
 
 def transport_of(args: argparse.Namespace):
     """--transport and --spin-us as a coordinator.dataplane.link.Transport."""
+    # lazy: start-up
     from coordinator.dataplane.link import Transport
 
     return Transport(args.transport, args.spin_us / 1e6)
@@ -112,6 +113,7 @@ def local_store_options(p: argparse.ArgumentParser) -> None:
 
 def check_local_store_args(args: argparse.Namespace) -> None:
     """--memory-budget goes with --local-store and is one of the worker's forms."""
+    # lazy: start-up
     from engine.cache_policy import parse_budget
 
     if args.memory_budget is not None:
@@ -188,8 +190,6 @@ def kv_cache_settings(args: argparse.Namespace) -> dict:
 
 def draft_options(p: argparse.ArgumentParser) -> None:
     """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS
-
     drafts = p.add_mutually_exclusive_group()
     drafts.add_argument("--draft", choices=["mtp"],
                         help="speculative decoding with the model's own multi-token-prediction "
@@ -210,8 +210,6 @@ def draft_options(p: argparse.ArgumentParser) -> None:
 def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
     """The drafting policy that --draft or --draft-model and friends ask for, or None without
     a draft."""
-    from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
-
     if not drafting(args):
         if args.num_draft_tokens is not None or args.fixed_draft:
             raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft or "
@@ -231,9 +229,11 @@ def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
                   policy: DraftPolicy) -> Draft | MtpDraft:
     """The draft the options name: the model's own MTP module, or a draft model."""
     if args.draft == "mtp":
+        # lazy: start-up
         from coordinator.decoding.mtp_draft import mtp_draft
 
         return mtp_draft(remote.model, policy)
+    # lazy: start-up
     from coordinator.decoding.speculative import load_draft
 
     return load_draft(args.draft_model, remote.tokenizer, policy)

@@ -10,7 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
+from coordinator.ops.hub import local_model
 from engine.errors import InvalidInput
+from engine.heat import check_heat_matches, read_heat
+from engine.manifest import MANIFEST_NAME, read_manifest
 
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what mlx-lm's affine quantization takes
 
@@ -63,10 +66,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.ops.hub import local_model
+    # lazy: start-up
     from coordinator.ops.ops_report import plan_report
     from coordinator.ops.planning import VERDICT_EXIT, parse_worker_capacity, print_plan
-    from engine.heat import check_heat_matches, read_heat
     from engine.placement import SpeedAssumptions
     from engine.sizes import read_sizes
 
@@ -89,6 +91,7 @@ def main(args: argparse.Namespace) -> None:
     report = plan_report(sizes, workers, heat, args.spare / 100, assume, heat_origin=origin)
     report["advice"] = advice(report, sizes, args, workers, heat, assume)
     if args.scaling or report["verdict"] == "streams":
+        # lazy: start-up
         from coordinator.ops.stream_forecast import print_forecast, streaming_forecast
 
         report["streaming"] = streaming_forecast(sizes, workers, heat, args.spare / 100, assume,
@@ -105,8 +108,8 @@ def main(args: argparse.Namespace) -> None:
 def recorded_heat(model: Path) -> tuple[dict | None, str]:
     """The heat the cluster recorded in a sharded model's folder (`shoal heat` shows it), and
     where it came from; (None, "uniform") when there is none."""
+    # lazy: start-up
     from coordinator.ops.heat_record import load_record, record_path
-    from engine.manifest import MANIFEST_NAME, read_manifest
 
     if not (Path(model) / MANIFEST_NAME).is_file() or not record_path(model).is_file():
         return None, "uniform"
@@ -121,6 +124,7 @@ def recorded_heat(model: Path) -> tuple[dict | None, str]:
 def download_bytes(model: Path, sizes, bits: int | None, group_size: int) -> int:
     """What downloading a model known only by its config takes: its weights in the config's
     own storage (the split's size, unless --bits asks what quantizing would change)."""
+    # lazy: start-up
     from engine.sizes import read_sizes
 
     if bits is not None:
@@ -132,6 +136,7 @@ def advice(report: dict, sizes, args: argparse.Namespace, workers: list, heat,
            assume) -> list[str]:
     """What to try when the model does not fit in memory: the fewest bits that make it fit
     (a config not yet quantized), and the disk sizes a streaming verdict needs."""
+    # lazy: start-up
     from coordinator.ops.ops_report import plan_report
     from engine.sizes import read_sizes
 

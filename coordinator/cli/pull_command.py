@@ -9,6 +9,7 @@ import sys
 import threading
 
 from coordinator.cli.options import AddParser
+from coordinator.ops.hub import cache_entry, pull
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -32,8 +33,6 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.ops.hub import cache_entry, pull
-
     done: dict[str, object] = {}
 
     def download() -> None:

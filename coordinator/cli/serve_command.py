@@ -31,6 +31,8 @@ from coordinator.cli.options import (
     transport_options,
 )
 from engine.errors import InvalidInput
+from engine.manifest import read_manifest
+from engine.process import raise_file_limit
 
 if TYPE_CHECKING:
     from coordinator.server.http_limits import Limits
@@ -120,6 +122,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 def check_serve_args(args: argparse.Namespace) -> int:
     """Refuse what cannot work before anything is read, bound or loaded; return the prompt
     cache's size in bytes (--prompt-cache-bytes, parsed once here)."""
+    # lazy: start-up
     from engine.cache_policy import parse_budget
 
     for name in ("max_connections", "max_connections_per_host"):
@@ -152,6 +155,7 @@ def check_serve_args(args: argparse.Namespace) -> int:
 def serve_limits(args: argparse.Namespace, file_limit: int) -> Limits:
     """What one client may hold (--max-body, --max-connections...), with the connections kept
     to half the process's `file_limit`: the rest is for the worker links and model files."""
+    # lazy: start-up
     from coordinator.server.http_limits import Limits
     from engine.cache_policy import parse_budget
 
@@ -176,6 +180,7 @@ def prompt_cache_disk(args: argparse.Namespace, model, manifest) -> DiskTier | N
     """The prompt cache's disk tier: this model's folder under --prompt-cache-dir."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    # lazy: start-up
     from builders.demo_models import cache_root
     from coordinator.server.prompt_cache_tiers import DiskTier
 
@@ -191,6 +196,7 @@ def prompt_cache_disk(args: argparse.Namespace, model, manifest) -> DiskTier | N
 
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
+    # lazy: start-up
     from coordinator.cluster.membership import stderr_log
     from coordinator.decoding.generate import open_remote_model
     from coordinator.server.answering import Service
@@ -198,8 +204,6 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.server.dashboard import Dashboard
     from coordinator.server.drafting import Drafting
     from coordinator.server.http_server import listen, read_api_key, serve
-    from engine.manifest import read_manifest
-    from engine.process import raise_file_limit
 
     policy = draft_policy(args)  # the draft options, checked before anything loads
     cache_bytes = check_serve_args(args)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from coordinator.cli.options import AddParser
+from coordinator.ops.hub import local_model
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -45,7 +46,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from coordinator.ops.hub import local_model
+    # lazy: start-up
     from engine.sharding import shard
 
     manifest = shard(

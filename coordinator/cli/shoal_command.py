@@ -44,6 +44,7 @@ def version_text() -> str:
         except PackageNotFoundError:
             return "not installed"
 
+    # lazy: start-up
     from proto import PROTOCOL_VERSION
 
     return (f"shoal {of('shoal')} (protocol {PROTOCOL_VERSION}; mlx {of('mlx')}, "

@@ -20,6 +20,7 @@ from coordinator.cli.options import (
     secret_option,
 )
 from engine.errors import ShoalError
+from engine.manifest import read_manifest
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -47,8 +48,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    # lazy: start-up
     from coordinator.ops.ops_report import member_rows, workers_report, workers_stats_lines
-    from engine.manifest import read_manifest
 
     check_one_worker_source(args)
     try:
@@ -86,6 +87,7 @@ def main(args: argparse.Namespace) -> None:
 
 def add_worker_stats(rows: list[dict], secret: bytes) -> None:
     """Each healthy worker's cache, prefetch and drive counters since it started, as `stats`."""
+    # lazy: start-up
     from coordinator.decoding.report import summarize_stats
     from coordinator.ops.worker_stats import fetch_worker_stats
 
@@ -131,6 +133,7 @@ def _duplicates_of(rows: Sequence[dict]) -> dict[str, list[str]]:
 
 
 def _size(count: int) -> str:
+    # lazy: start-up
     from engine.cache_policy import format_bytes
 
     return format_bytes(count) if count else "-"

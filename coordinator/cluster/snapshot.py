@@ -9,19 +9,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from coordinator.dataplane.hosts import ExpertHost
 from coordinator.dataplane.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
 from coordinator.dataplane.link_errors import held
+from coordinator.dataplane.local_experts import LocalExperts, WithLocal
 from engine.auth import Secret
 from engine.errors import InvalidInput, ShoalError, Unavailable
 from engine.manifest import ExpertKey, Manifest
 from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
-
-if TYPE_CHECKING:
-    from coordinator.dataplane.hosts import ExpertHost
-    from coordinator.dataplane.local_experts import LocalExperts
 
 
 class Members(Protocol):
@@ -293,6 +291,4 @@ def with_local(members: Members | None, local: LocalExperts | None) -> Members:
     if local is None:
         assert members is not None
         return members
-    from coordinator.dataplane.local_experts import WithLocal
-
     return WithLocal(local, members)

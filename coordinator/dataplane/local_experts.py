@@ -20,7 +20,10 @@ from coordinator.dataplane.lookahead import Lookahead
 from engine.errors import InvalidInput, ShoalError
 from engine.manifest import ExpertKey, Manifest
 from proto import error_class_for, shoal_pb2
+from worker.advertise import load_node_id, node_id_path
+from worker.open_stores import open_residency
 from worker.residency import Request, Residency, Timing
+from worker.service import ExpertServicer
 
 LOCK_NAME = ".shoal-coordinator.lock"  # in each local store, held while a process serves it
 ADDRESS = "local"  # how the coordinator's own member is named where a worker shows its address
@@ -64,8 +67,6 @@ class LocalExperts:
     path = IN_PROCESS
 
     def __init__(self, residency: Residency, node_id: str, locks: Sequence[int] = ()) -> None:
-        from worker.service import ExpertServicer
-
         self._locks = list(locks)
         self.residency = residency
         self.node_id = node_id
@@ -198,9 +199,6 @@ def open_local_experts(
     """This Mac's store folders (one per drive) as the coordinator's own member, under a
     memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
     False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
-    from worker.advertise import load_node_id, node_id_path
-    from worker.daemon import open_residency
-
     for store in stores:
         if not (Path(store) / "manifest.json").is_file():
             raise InvalidInput(f"--local-store {store} is not a store folder written by "

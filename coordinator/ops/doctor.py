@@ -15,7 +15,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.dataplane.link import WorkerLink
+from engine.auth import load_secret, secret_mode
+from engine.cache_policy import DEFAULT_MEMORY_SHARE, format_bytes
 from engine.errors import ShoalError
+from engine.interfaces import (
+    advertised_addresses,
+    announced_addresses,
+    kind_of,
+    listen_host,
+    local_interfaces,
+    rank,
+)
+from engine.manifest import MANIFEST_NAME, read_manifest
+from proto import PROTOCOL_VERSION
+from worker.open_stores import physical_memory
 
 VERDICTS = ("ok", "warn", "fail")
 MDNS_PROBE_TYPE = "_shoal-doctor._tcp.local."  # not _shoal._tcp: coordinators never see it
@@ -41,8 +55,6 @@ def failed(checks: Sequence[Check]) -> list[Check]:
 def check_secret(path: Path) -> Check:
     """The cluster secret: present, long enough, and readable by its owner only (load_secret
     refuses it otherwise, as every command does)."""
-    from engine.auth import load_secret, secret_mode
-
     try:
         load_secret(path)
     except ShoalError as e:
@@ -55,15 +67,6 @@ def check_network(interface: str | None) -> tuple[list[Check], list[str]]:
     would listen and what it would announce (the same functions shoal-worker calls); and the
     addresses to probe Bonjour on (--interface's, else every physical one, where workers on
     other machines are found)."""
-    from engine.interfaces import (
-        advertised_addresses,
-        announced_addresses,
-        kind_of,
-        listen_host,
-        local_interfaces,
-        rank,
-    )
-
     local = local_interfaces()
     ranked = sorted(local, key=lambda i: (rank(kind_of(i)), i.name))
     listing = ", ".join(
@@ -160,9 +163,6 @@ def available_memory() -> int | None:
 
 
 def check_memory() -> Check:
-    from engine.cache_policy import DEFAULT_MEMORY_SHARE, format_bytes
-    from worker.daemon import physical_memory
-
     physical = physical_memory()
     free = available_memory()
     budget = int(physical * DEFAULT_MEMORY_SHARE)
@@ -178,9 +178,6 @@ def check_memory() -> Check:
 
 def check_stores(stores: Sequence[Path]) -> list[Check]:
     """Each store folder: written by `shoal shard` (its manifest), experts, free disk."""
-    from engine.cache_policy import format_bytes
-    from engine.manifest import MANIFEST_NAME, read_manifest
-
     checks = []
     for store in stores:
         if not (store / MANIFEST_NAME).exists():
@@ -241,8 +238,6 @@ def refused_at_once(address: str) -> bool:
 def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
     """Verdicts on the workers as `shoal workers` lists them (member_rows, plus `reach`,
     `protocol` and `fingerprint` where doctor asked). `fingerprint`: the model to serve."""
-    from proto import PROTOCOL_VERSION
-
     models = {r["fingerprint"] for r in rows if r.get("fingerprint")}
     checks = []
     for r in rows:
@@ -284,8 +279,6 @@ def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
 def inspect_workers(rows: list[dict], secret: bytes) -> list[dict]:
     """Add what a health check does not say: why an unreachable one is (TCP), and each
     healthy one's protocol version and model fingerprint (its inventory)."""
-    from coordinator.dataplane.link import WorkerLink
-
     out = []
     for row in rows:
         row = dict(row)

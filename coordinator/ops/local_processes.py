@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ShoalError
+from worker import daemon
 
 START_TIMEOUT = 120.0
 CHECKOUT = Path(__file__).resolve().parents[2]  # the folder that holds coordinator/ and worker/
@@ -85,8 +86,6 @@ def _run_daemon(args: list[str], log: str) -> None:
     os.dup2(out, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    from worker import daemon
-
     daemon.main(args)
 
 

@@ -1,10 +1,11 @@
-"""One request's answer as it is decoded: its text (mlx-lm's streaming detokenizer, stop
-strings held back until they cannot match), log-probabilities, and the events carrying them."""
+"""One request's answer as it is decoded: the caller's handle on it, its text (mlx-lm's streaming
+detokenizer, stop strings held back until they cannot match), log-probabilities, the events."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import (
@@ -14,10 +15,8 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
+from coordinator.server.sampling import Sampling
 from engine.errors import ShoalError
-
-if TYPE_CHECKING:
-    from coordinator.server.batching import Handle
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,25 @@ class Event:
     stop: str | None = None  # the stop string that ended the answer, if one did
     error: ShoalError | None = None
     usage: Usage | None = None  # on the last event
+
+
+class Handle:
+    """One submitted request as its caller sees it: cancel() frees its slot at once."""
+
+    def __init__(self, prompt: list[int], sampling: Sampling, deliver: Callable[[Event], None],
+                 wake: Callable[[], None]) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.deliver = deliver
+        self.submitted = time.monotonic()
+        self.cancelled = False
+        self.done = False
+        self._wake = wake
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.cancelled = True
+            self._wake()
 
 
 def split_at_stop(pending: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:

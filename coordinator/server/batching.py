@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from coordinator.server.answer_text import AnswerText, Event
+from coordinator.server.answer_text import AnswerText, Event, Handle
 from coordinator.server.drafting import Drafting
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
@@ -49,25 +49,6 @@ class EngineStats:
 
     def as_json(self) -> dict:
         return asdict(self)
-
-
-class Handle:
-    """One submitted request as its caller sees it: cancel() frees its slot at once."""
-
-    def __init__(self, prompt: list[int], sampling: Sampling, deliver: Callable[[Event], None],
-                 wake: Callable[[], None]) -> None:
-        self.prompt = prompt
-        self.sampling = sampling
-        self.deliver = deliver
-        self.submitted = time.monotonic()
-        self.cancelled = False
-        self.done = False
-        self._wake = wake
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.cancelled = True
-            self._wake()
 
 
 class BatchEngine:

@@ -21,6 +21,8 @@ from coordinator.dataplane.dispatch import Dispatcher, LayerStats
 from coordinator.dataplane.link import WorkerLink
 from coordinator.decoding.report import BREAKDOWN_PARTS
 from coordinator.ops.heat_record import fetch_readings, record_heat
+from coordinator.ops.ops_report import migration_report
+from coordinator.ops.rebalancer import describe, migrate
 from coordinator.server.answering import Guard, Service, authorized
 from coordinator.server.dashboard_views import (
     Counters,
@@ -93,9 +95,6 @@ class LiveRebalance:
                 s["steps_done"] += 1
 
     def _run(self, addresses: list[str]) -> None:
-        from coordinator.ops.ops_report import migration_report
-        from coordinator.ops.rebalancer import describe, migrate
-
         links = [WorkerLink(address, self.secret) for address in addresses]
         try:
             plan = migrate(self.model_dir, links, deploy=False, dry_run=True, progress=False,
@@ -261,9 +260,6 @@ class Dashboard:
 
     def rebalance_plan(self) -> dict:
         """`shoal rebalance --dry-run --json` over the healthy workers, with its text."""
-        from coordinator.ops.ops_report import migration_report
-        from coordinator.ops.rebalancer import describe, migrate
-
         links = [self._link(m.address) for m in self.service.membership.snapshot()
                  if m.state == "healthy"]
         try:

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from builders.synthetic_mtp import build_mtp_checkpoint
+from builders.synthetic import build_checkpoint
 from engine.moe_layers import load_source
 from engine.mtp import attach_from_files, mtp_weights
 from engine.sharding import shard
@@ -17,7 +17,7 @@ from engine.sizes import estimate_sizes, read_sizes
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_shard_keeps_the_module_and_its_experts(family, tmp_path):
-    source = build_mtp_checkpoint(tmp_path / "source", family)
+    source = build_checkpoint(tmp_path / "source", family, mtp="random")
     config = json.loads((source / "config.json").read_text())
     last = config["num_hidden_layers"]
     manifest = shard(source, tmp_path / "out", workers=2, progress=False)
@@ -43,7 +43,8 @@ def test_shard_keeps_the_module_and_its_experts(family, tmp_path):
 def test_published_and_mlx_layouts_give_the_same_module(tmp_path):
     modules = []
     for layout in ("hf", "mlx"):
-        source = build_mtp_checkpoint(tmp_path / layout, "deepseek_v3", layout=layout)
+        source = build_checkpoint(tmp_path / layout, "deepseek_v3", layout=layout,
+                                  mtp="random")
         model, config = load_source(source)
         modules.append(attach_from_files(model, config, [source / "model.safetensors"]))
     hf, mlx = modules
@@ -54,7 +55,7 @@ def test_published_and_mlx_layouts_give_the_same_module(tmp_path):
 
 
 def test_shard_quantizes_the_module_with_the_model(tmp_path):
-    source = build_mtp_checkpoint(tmp_path / "source", "glm4_moe")
+    source = build_checkpoint(tmp_path / "source", "glm4_moe", mtp="random")
     shard(source, tmp_path / "out", quantize_bits=4, progress=False)
     index = json.loads((tmp_path / "out" / "dense" / "model.safetensors.index.json").read_text())
     assert "mtp.eh_proj.scales" in index["weight_map"]
@@ -64,7 +65,7 @@ def test_shard_quantizes_the_module_with_the_model(tmp_path):
 def test_fp8_module_tensors_are_dequantized_as_the_model_s(tmp_path):
     """DeepSeek-V3 publishes the module in FP8 like its layers (a weight_scale_inv per 128x128
     block, its own eh_proj included): the architecture's sanitize reads both alike."""
-    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", layout="hf")
+    source = build_checkpoint(tmp_path / "source", "deepseek_v3", layout="hf", mtp="random")
     model, config = load_source(source)
     raw = mx.load(str(source / "model.safetensors"))
     prefix = f"model.layers.{config['num_hidden_layers']}."

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load, load_model
 
-from builders.synthetic_mtp import build_bigram_draft, build_mtp_checkpoint
+from builders.synthetic import build_bigram_draft, build_checkpoint
 from coordinator.dataplane.dispatch import RemoteSwitch
 from coordinator.decoding.draft_policy import DraftPolicy
 from coordinator.decoding.generate import RemoteModel, generate, open_remote_model
@@ -61,8 +61,8 @@ def check_drafting(remote: RemoteModel, expected: list[int], workers: int) -> No
     ("glm4_moe", None, "hf"), ("glm4_moe", 4, "mlx"),
 ])
 def test_mtp_drafting_gives_mlx_lm_greedy_ids(family, bits, layout, tmp_path, secret_file):
-    source = build_mtp_checkpoint(tmp_path / "source", family, quantize_bits=bits,
-                                  layout=layout)
+    source = build_checkpoint(tmp_path / "source", family, quantize_bits=bits,
+                              layout=layout, mtp="random")
     expected = mlx_lm_ids(source)
     sharded = tmp_path / "sharded"
     manifest = shard(source, sharded, workers=2, progress=False)
@@ -89,10 +89,10 @@ def test_mtp_drafting_gives_mlx_lm_greedy_ids(family, bits, layout, tmp_path, se
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_a_module_right_by_construction_is_accepted(family, tmp_path):
-    """The main model made a bigram model and the module its copy (builders/synthetic_mtp.py):
+    """The main model made a bigram model and the module its copy (builders/synthetic.py):
     every guess is the main model's own next token, so every drafted token stands, as for a
     one-layer draft model made as right."""
-    source = build_mtp_checkpoint(tmp_path / "source", family, bigram=True)
+    source = build_checkpoint(tmp_path / "source", family, mtp="bigram")
     shard(source, tmp_path / "sharded", progress=False)
     remote = open_remote_model(tmp_path / "sharded", [], b"",
                                local_stores=[tmp_path / "sharded" / "experts"])
@@ -107,7 +107,7 @@ def test_a_module_right_by_construction_is_accepted(family, tmp_path):
             assert spec.acceptance >= 0.95, spec
             # the first token reads the prompt; then n + 1 tokens a forward
             assert spec.verify_steps <= -(-(NEW_TOKENS - 1) // (n + 1)) + 1, spec
-            # A draft model as right (builders/synthetic_mtp.py) takes as many forwards.
+            # A draft model as right (builders/synthetic.py) takes as many forwards.
             other = generate(remote.model, remote.tokenizer, PROMPT, max_tokens=NEW_TOKENS,
                              draft=Draft(bigram_draft, DraftPolicy(n, adaptive=False)))
             assert other.token_ids == expected
@@ -118,7 +118,7 @@ def test_a_module_right_by_construction_is_accepted(family, tmp_path):
 
 
 def test_a_random_module_is_stopped_and_keeps_the_output(tmp_path):
-    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", seed=3)
+    source = build_checkpoint(tmp_path / "source", "deepseek_v3", seed=3, mtp="random")
     shard(source, tmp_path / "sharded", progress=False)
     remote = open_remote_model(tmp_path / "sharded", [], b"",
                                local_stores=[tmp_path / "sharded" / "experts"])
@@ -157,7 +157,8 @@ def test_a_split_without_mtp_weights_is_refused_clearly(tiny_checkpoint, tmp_pat
 def test_chat_with_the_module_gives_the_plain_replies_turn_by_turn(bigram, tmp_path):
     """`shoal chat --draft mtp` on a pipe: the KV cache carries over between turns, guesses
     past an end of reply are dropped from it, and every reply is the plain one."""
-    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", bigram=bigram)
+    source = build_checkpoint(tmp_path / "source", "deepseek_v3",
+                              mtp="bigram" if bigram else "random")
     shard(source, tmp_path / "sharded", progress=False)
 
     def chat(*extra: str) -> subprocess.CompletedProcess:
@@ -180,7 +181,7 @@ def test_chat_with_the_module_gives_the_plain_replies_turn_by_turn(bigram, tmp_p
 def test_sampling_with_the_module_is_seeded_like_plain_sampling(tmp_path):
     """mlx-lm's rule: module and main model each sample, and a guess stands when it equals the
     main model's sample; a seed repeats a run with a fixed N."""
-    source = build_mtp_checkpoint(tmp_path / "source", "glm4_moe", bigram=True)
+    source = build_checkpoint(tmp_path / "source", "glm4_moe", mtp="bigram")
     shard(source, tmp_path / "sharded", progress=False)
     remote = open_remote_model(tmp_path / "sharded", [], b"",
                                local_stores=[tmp_path / "sharded" / "experts"])
@@ -196,7 +197,7 @@ def test_sampling_with_the_module_is_seeded_like_plain_sampling(tmp_path):
 
 
 def test_generate_command_drafts_with_the_module_and_reports_it(tmp_path):
-    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", bigram=True)
+    source = build_checkpoint(tmp_path / "source", "deepseek_v3", mtp="bigram")
     shard(source, tmp_path / "sharded", progress=False)
 
     def shoal_generate(*extra: str) -> subprocess.CompletedProcess:

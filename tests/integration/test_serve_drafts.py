@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
 
-from builders.synthetic_mtp import build_mtp_checkpoint
+from builders.synthetic import build_checkpoint
 from coordinator.decoding.generate import encode_messages
 from coordinator.ops.local_processes import start_server, start_workers, stop_workers
 from engine.mtp import model_classes
@@ -145,7 +145,7 @@ def test_draft_mtp_without_mtp_weights_is_refused_at_start(cluster, secret_file)
 
 
 def test_draft_mtp_in_serve_equals_mlx_lm(secret_file, tmp_path):
-    source = build_mtp_checkpoint(tmp_path / "source", "deepseek_v3", bigram=True)
+    source = build_checkpoint(tmp_path / "source", "deepseek_v3", mtp="bigram")
     shard(source, tmp_path / "sharded", workers=1, progress=False)
     workers = start_workers([[tmp_path / "sharded" / "worker-0"]], secret_file,
                             tmp_path / "logs")

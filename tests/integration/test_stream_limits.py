@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.scale_members import holders_of
 from benchmarks.stream_limits import CGROUP_ROOT, MemberLimits, block_device
-from benchmarks.streaming_scale import holders_of
 from engine.sharding import shard
 
 needs_cgroups = pytest.mark.skipif(

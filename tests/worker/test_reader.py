@@ -160,3 +160,50 @@ def test_a_digest_is_fed_every_chunk_in_file_order_as_they_arrive(two_drives):
                 assert job.digested == len(data) and calls == [expected]
         finally:
             pool.close()
+
+
+def test_a_drive_reads_one_prefetch_at_a_time_and_demand_reads_pass_it(two_drives):
+    data, folders = two_drives
+    copies = [(0, folders[0] / "L000" / "E0000.safetensors")]
+    pool = ReaderPool(folders[:1], len(data), 8, readers_per_drive=4)
+    read_chunk, lock = pool._read_chunk, threading.Lock()
+    state = {"prefetching": 0, "most": 0}
+    demand_done, release = threading.Event(), threading.Event()
+
+    def watched(job, chunk):
+        if job.demand:
+            return read_chunk(job, chunk)
+        with lock:
+            state["prefetching"] += 1
+            state["most"] = max(state["most"], state["prefetching"])
+        release.wait(30)  # a slow drive: the prefetch is still being read
+        try:
+            return read_chunk(job, chunk)
+        finally:
+            with lock:
+                state["prefetching"] -= 1
+
+    pool._read_chunk = watched
+    finished = []
+
+    def on_done(job):
+        finished.append(job.demand)
+        if job.demand:
+            demand_done.set()
+        pool.release(job)
+
+    try:
+        for _ in range(3):
+            pool.submit((0, 0), len(data), copies, demand=False, on_done=on_done)
+        pool.submit((0, 0), len(data), copies, demand=True, on_done=on_done)
+        assert demand_done.wait(30), "the demand read waited behind prefetches"
+        assert finished == [True]
+        release.set()
+        for _ in range(200):
+            if len(finished) == 4:
+                break
+            threading.Event().wait(0.05)
+        assert len(finished) == 4 and state["most"] == 1
+    finally:
+        release.set()
+        pool.close()
