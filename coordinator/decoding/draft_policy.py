@@ -137,8 +137,6 @@ class SpeculativeStats:
     changes: list[tuple[int, int]] = field(default_factory=list)  # (token index, new N)
     draft: str = "model"  # what drafted: "model" (a draft model) or "mtp" (the model's own)
     draft_forwards: int = 0  # the MTP module's forwards: one round trip to its experts each
-    # where the policy starts and stands: serve carries it from one request to the next
-    policy_state: Acceptance = field(default_factory=Acceptance)
 
     @property
     def acceptance(self) -> float:

@@ -14,6 +14,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
 from coordinator.decoding.draft_policy import (
+    Acceptance,
     DraftPolicy,
     SpeculativeStats,
     draft_count,
@@ -143,7 +144,7 @@ def mtp_tokens(
             mx.eval(hidden, [c.state for c in cache])
             drafter.add(hidden, ids[start + 1:start + 1 + len(piece)])
     feed = mx.array(ids[-1:], mx.uint32)
-    state, counted, made = stats.policy_state, None, 0
+    state, counted, made = Acceptance(), None, 0
     while made < max_tokens:
         n = next_draft(policy, state) if drafter.ready else 0
         n = min(n, max_tokens - made - 1)
@@ -175,8 +176,7 @@ def mtp_tokens(
             stats.verify_steps += 1
         else:
             stats.plain_steps += 1
-        state = stats.policy_state = observe(policy, state, n, accepted,
-                                           None if state.steps == 0 else seconds)
+        state = observe(policy, state, n, accepted, None if state.steps == 0 else seconds)
         given = 0
         try:
             for i in range(accepted + 1):

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load
 
 from coordinator.decoding.draft_policy import (
+    Acceptance,
     DraftPolicy,
     SpeculativeStats,
     draft_count,
@@ -101,7 +102,7 @@ def speculative_tokens(
     draft_start = 0  # the draft's cache holds history[draft_start:]
     pending = prompt.astype(mx.uint32)  # not yet in the target's cache
     window = CONTEXT_WINDOW  # the first catch-up reads the context, as a prompt is read
-    state = stats.policy_state
+    state = Acceptance()
     counted = None
     made = 0
     while made < max_tokens:
@@ -142,8 +143,8 @@ def speculative_tokens(
                     if not from_draft or made == max_tokens:
                         break
                 first = state.steps == 0  # its time includes reading the prompt
-                state = stats.policy_state = observe(draft.policy, state, proposed, accepted,
-                                                   None if first else seconds)
+                state = observe(draft.policy, state, proposed, accepted,
+                                None if first else seconds)
                 if next_draft(draft.policy, state) != n:
                     break
         finally:

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from coordinator.decoding.draft_policy import Acceptance, SpeculativeStats
+from coordinator.decoding.draft_policy import SpeculativeStats
 from coordinator.decoding.mtp_draft import MtpDraft
 from coordinator.decoding.speculative import Draft
 from coordinator.server.answer_text import AnswerText
@@ -81,12 +81,11 @@ class _Solo:
     """The stream decoding alone: the draft's token generator over its carried cache."""
 
     def __init__(self, uid: int, answer: AnswerText, tokens: list[int], cache: list,
-                 tokens_of: Callable[..., Generator], model: nn.Module,
-                 acceptance: Acceptance) -> None:
+                 tokens_of: Callable[..., Generator], model: nn.Module) -> None:
         self.uid, self.answer, self.cache = uid, answer, cache
         self.history = tokens  # every token of the stream; the cache holds all but the last
         self.left = answer.handle.sampling.max_tokens - answer.generated
-        self.spec = SpeculativeStats(policy_state=acceptance)
+        self.spec = SpeculativeStats()
         sampler = make_request_sampler(answer.handle.sampling) or _greedy
         self.tokens = tokens_of(mx.array(tokens[-1:], mx.uint32), model, max_tokens=self.left,
                                 sampler=sampler, stats=self.spec, cache=cache,
@@ -125,9 +124,6 @@ class Drafting:
         self.model, self.draft, self.eos = model, draft, set(eos)
         self.stats = DraftingStats(draft=draft.kind)
         self._solo: _Solo | None = None
-        # The policy's estimate (acceptance, step times) is the draft's and the model's, not
-        # a request's: each stream that leaves the batch starts where the last one stopped.
-        self._acceptance = Acceptance()
         # uid -> tokens it had generated when it rejoined: until it has one more, the batch
         # has not read its last token yet, and its cache is not the one _leave expects
         self._rejoined: dict[int, int] = {}
@@ -145,7 +141,6 @@ class Drafting:
         s = solo.spec
         counted = (s.verify_steps, s.plain_steps, s.proposed, s.accepted)
         rows = solo.step(self.eos)
-        self._acceptance = s.policy_state
         t = self.stats
         self.stats = replace(
             t, verify_steps=t.verify_steps + s.verify_steps - counted[0],
@@ -195,7 +190,6 @@ class Drafting:
         # The batch has fed the stream's latest token and sampled the next, which is dropped:
         # the draft's path reads that token again as its first input.
         trim_prompt_cache(cache, 1)
-        self._solo = _Solo(uid, answer, list(tokens), cache, self.draft.tokens, self.model,
-                           self._acceptance)
+        self._solo = _Solo(uid, answer, list(tokens), cache, self.draft.tokens, self.model)
         self.stats = replace(self.stats, solo_runs=self.stats.solo_runs + 1)
         return True
