@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="models: the demo model with draft models (default); mtp: a "
                         "synthetic DeepSeek-V3 with its own MTP module drafting "
                         "(benchmarks/mtp_speedup.py)")
-    parser.add_argument("--size", choices=["tiny", "bench"], default="bench",
-                        help="with --draft mtp: the synthetic model's size (default bench)")
+    parser.add_argument("--size", choices=["tiny", "bench", "deep"], default="bench",
+                        help="with --draft mtp: the synthetic model's size (default bench: 11 "
+                        "MoE layers; deep: 24, narrow)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.tokens < 2 or not 1 <= args.workers <= 16:
@@ -170,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     except ShoalError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    write_record(what="mtp-speedup" if args.draft == "mtp" else "draft-speedup",
+    what = "draft-speedup" if args.draft != "mtp" else \
+        "mtp-speedup" + ("" if args.size == "bench" else f"-{args.size}")
+    write_record(what=what,
                  figures=report["results"], **report)
     print(json.dumps(report, indent=1) if args.json else text)
 

@@ -22,7 +22,8 @@ from engine.sharding import shard
 
 PROMPT = list(range(5, 37))  # token ids: the synthetic tokenizer's text means nothing
 USELESS_TOLERANCE = 0.05  # a useless module may cost at most this share of plain decode speed
-SAME_SPEEDUP_TOLERANCE = 0.10  # the two draft paths' speed-ups at the same acceptance
+# The MTP module's speed-up, at least this share of the draft model's at the same acceptance.
+SAME_SPEEDUP_SHARE = 0.9
 
 
 def prepared(size: str, dtype: str, workers: int) -> dict[str, tuple[Path, Path | None]]:
@@ -78,11 +79,16 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
             row["ratio_vs_plain"] = row["decode_tps"] / base if base else None
         report.update(rows)
     useless = report["random_mtp_adaptive"]["ratio_vs_plain"]
-    mtp, model = (report[f"right_{key}_fixed"]["ratio_vs_plain"] for key in ("mtp", "model"))
+    shares = {}
+    for policy in ("adaptive", "fixed"):
+        mtp, model = (report[f"right_{key}_{policy}"]["ratio_vs_plain"]
+                      for key in ("mtp", "model"))
+        shares[policy] = mtp / model if mtp and model else None
+    share = shares["adaptive"]  # the depth users get; both at the same acceptance
     targets = {
         "useless_module_within_5pct": useless is not None and useless >= 1 - USELESS_TOLERANCE,
-        "mtp_speedup_within_10pct_of_draft_model": bool(mtp and model) and
-            abs(mtp / model - 1) <= SAME_SPEEDUP_TOLERANCE,
+        "mtp_speedup_at_least_90pct_of_draft_model": share is not None and
+            share >= SAME_SPEEDUP_SHARE,
         "greedy_tokens_identical": all(row["same_tokens"] for row in report.values()
                                        if "same_tokens" in row),
     }
@@ -92,6 +98,8 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
                      "workers": workers, "prompt": f"{len(PROMPT)} token ids",
                      "tokens": tokens, "runs": runs, "num_draft_tokens": max_draft},
         "results": report,
+        "ratios": {f"mtp_speedup_over_draft_model_speedup_{policy}": value
+                   for policy, value in shares.items()},
         "targets": targets,
         "seconds": time.perf_counter() - started,
     }
@@ -99,6 +107,11 @@ def run(*, runs: int, tokens: int, max_draft: int, workers: int, size: str = "be
 
 def table(report: dict) -> str:
     lines = result_lines("--draft mtp", report, "run", 22)
+    for policy in ("adaptive", "fixed"):
+        share = report["ratios"][f"mtp_speedup_over_draft_model_speedup_{policy}"]
+        if share is not None:
+            lines.append(f"  the MTP module's speed-up is {share:.2f}x the draft model's "
+                         f"({policy}, same acceptance)")
     for name, met in report["targets"].items():
         lines.append(f"  target {name}: {'met' if met else 'MISSED'}")
     return "\n".join(lines)

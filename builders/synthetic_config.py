@@ -10,7 +10,7 @@ from engine.errors import ShoalError
 
 # The families with every size; the others of TINY are built tiny only.
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "deepseek_v3")
-SIZES: tuple[str, ...] = ("tiny", "bench")
+SIZES: tuple[str, ...] = ("tiny", "bench", "deep")
 
 _HF_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -73,6 +73,24 @@ SHAPES: dict[str, Shape] = {
         qk_rope_head_dim=64,
         n_group=8,
         topk_group=4,
+    ),
+    # Deep and narrow: 24 MoE layers (deepseek_v3's first is dense), for what depth changes
+    # (an MTP guess costs one MoE layer of 24) at a size a CPU decodes.
+    "deep": Shape(
+        hidden_size=256,
+        num_layers=25,
+        num_experts=16,
+        top_k=4,
+        moe_intermediate_size=128,
+        dense_intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+        n_group=4,
+        topk_group=2,
     ),
 }
 

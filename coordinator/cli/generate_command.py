@@ -14,19 +14,21 @@ from coordinator.cli.connect import members_secret, remote_model
 from coordinator.cli.options import (
     AddParser,
     check_model_args,
+    draft_options,
+    draft_policy,
+    drafting,
     kv_cache_options,
     kv_cache_settings,
+    load_draft_of,
     model_options,
     secret_option,
 )
-from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
+from coordinator.decoding.draft_policy import DraftPolicy
 from engine.errors import InvalidInput
 from engine.manifest import read_manifest
 
 if TYPE_CHECKING:
     from coordinator.decoding.generate import RemoteModel
-    from coordinator.decoding.mtp_draft import MtpDraft
-    from coordinator.decoding.speculative import Draft
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -61,25 +63,6 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.set_defaults(main=main)
 
 
-def draft_options(p: argparse.ArgumentParser) -> None:
-    """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
-    drafts = p.add_mutually_exclusive_group()
-    drafts.add_argument("--draft", choices=["mtp"],
-                        help="speculative decoding with the model's own multi-token-prediction "
-                        "module (DeepSeek-V3 and its family, GLM-4.5 MoE), run here with its "
-                        "experts on the workers: no second model (docs/speculative.md)")
-    drafts.add_argument("--draft-model", type=Path, metavar="PATH",
-                        help="speculative decoding: a small mlx-lm model with the same "
-                        "tokenizer, run here, proposes tokens that the sharded model checks "
-                        "several at a time (same greedy output, fewer round trips; "
-                        "docs/speculative.md)")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N",
-                   help=f"most tokens the draft proposes per step (default "
-                   f"{DEFAULT_DRAFT_TOKENS}); fewer, or none, while it is seldom accepted")
-    p.add_argument("--fixed-draft", action="store_true",
-                   help="always propose N tokens, however few are accepted")
-
-
 def main(args: argparse.Namespace) -> None:
     policy = draft_policy(args)  # the draft options, then the rest, before anything loads
     check_generate_args(args)
@@ -92,38 +75,6 @@ def main(args: argparse.Namespace) -> None:
         from coordinator.decoding.report import summary_lines
 
         print("\n".join(summary_lines(report)), file=sys.stderr)
-
-
-def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
-    """The drafting policy that --draft or --draft-model and friends ask for, or None without
-    a draft."""
-    if not drafting(args):
-        if args.num_draft_tokens is not None or args.fixed_draft:
-            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft or "
-                               "--draft-model")
-        return None
-    if args.draft_model is not None and not args.draft_model.is_dir():
-        raise InvalidInput(f"--draft-model {args.draft_model} is not a model folder")
-    n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
-    return DraftPolicy(max_draft=n, adaptive=not args.fixed_draft)
-
-
-def drafting(args: argparse.Namespace) -> bool:
-    return args.draft is not None or args.draft_model is not None
-
-
-def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
-                  policy: DraftPolicy) -> Draft | MtpDraft:
-    """The draft the options name: the model's own MTP module, or a draft model."""
-    if args.draft == "mtp":
-        # lazy: start-up
-        from coordinator.decoding.mtp_draft import mtp_draft
-
-        return mtp_draft(remote.model, policy)
-    # lazy: start-up
-    from coordinator.decoding.speculative import load_draft
-
-    return load_draft(args.draft_model, remote.tokenizer, policy)
 
 
 def check_generate_args(args: argparse.Namespace) -> None:

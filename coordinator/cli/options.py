@@ -1,16 +1,23 @@
-"""The options several commands share: where the workers come from (--workers, --cluster,
---cluster-config, --interface, --wait), the coordinator's own experts (--local-store,
---memory-budget), the cluster secret (--secret-file) and mlx-lm's KV-cache bits (--kv-bits)."""
+"""The options several commands share: the workers (--workers, --cluster, --cluster-config,
+--interface, --wait), the coordinator's own experts (--local-store, --memory-budget), the secret
+(--secret-file), mlx-lm's KV-cache bits (--kv-bits) and the draft (--draft, --draft-model)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from coordinator.decoding.draft_policy import DEFAULT_DRAFT_TOKENS, DraftPolicy
 from engine.auth import load_secret, secret_path
 from engine.errors import InvalidInput
 from engine.manifest import not_written_by_shard
+
+if TYPE_CHECKING:
+    from coordinator.decoding.generate import RemoteModel
+    from coordinator.decoding.mtp_draft import MtpDraft
+    from coordinator.decoding.speculative import Draft
 
 # How long to listen for Bonjour answers at least. A responder that multicast an answer in the
 # last second (to another browser: every worker runs one) sends it again only after a second
@@ -181,3 +188,54 @@ def kv_cache_settings(args: argparse.Namespace) -> dict:
         return {}
     return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
             "quantized_kv_start": args.quantized_kv_start}
+
+
+def draft_options(p: argparse.ArgumentParser) -> None:
+    """--draft mtp, --draft-model, --num-draft-tokens and --fixed-draft: speculative decoding."""
+    drafts = p.add_mutually_exclusive_group()
+    drafts.add_argument("--draft", choices=["mtp"],
+                        help="speculative decoding with the model's own multi-token-prediction "
+                        "module (DeepSeek-V3 and its family, GLM-4.5 MoE), run here with its "
+                        "experts on the workers: no second model (docs/speculative.md)")
+    drafts.add_argument("--draft-model", type=Path, metavar="PATH",
+                        help="speculative decoding: a small mlx-lm model with the same "
+                        "tokenizer, run here, proposes tokens that the sharded model checks "
+                        "several at a time (same greedy output, fewer round trips; "
+                        "docs/speculative.md)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help=f"most tokens the draft proposes per step (default "
+                   f"{DEFAULT_DRAFT_TOKENS}); fewer, or none, while it is seldom accepted")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="always propose N tokens, however few are accepted")
+
+
+def draft_policy(args: argparse.Namespace) -> DraftPolicy | None:
+    """The drafting policy that --draft or --draft-model and friends ask for, or None without
+    a draft."""
+    if not drafting(args):
+        if args.num_draft_tokens is not None or args.fixed_draft:
+            raise InvalidInput("--num-draft-tokens and --fixed-draft need --draft or "
+                               "--draft-model")
+        return None
+    if args.draft_model is not None and not args.draft_model.is_dir():
+        raise InvalidInput(f"--draft-model {args.draft_model} is not a model folder")
+    n = DEFAULT_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
+    return DraftPolicy(max_draft=n, adaptive=not args.fixed_draft)
+
+
+def drafting(args: argparse.Namespace) -> bool:
+    return args.draft is not None or args.draft_model is not None
+
+
+def load_draft_of(args: argparse.Namespace, remote: RemoteModel,
+                  policy: DraftPolicy) -> Draft | MtpDraft:
+    """The draft the options name: the model's own MTP module, or a draft model."""
+    if args.draft == "mtp":
+        # lazy: start-up
+        from coordinator.decoding.mtp_draft import mtp_draft
+
+        return mtp_draft(remote.model, policy)
+    # lazy: start-up
+    from coordinator.decoding.speculative import load_draft
+
+    return load_draft(args.draft_model, remote.tokenizer, policy)

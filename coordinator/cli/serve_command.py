@@ -23,6 +23,9 @@ from coordinator.cli.options import (
     check_one_worker_source,
     cluster_secret,
     discovery_options,
+    draft_options,
+    draft_policy,
+    load_draft_of,
     local_store_options,
     secret_option,
     transport_options,
@@ -49,7 +52,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
         "Requests in flight are decoded together, so each "
         "MoE layer costs one round trip per worker for all of them; a multi-turn chat reuses "
         "the KV cache of its earlier turns, kept in memory and on disk across restarts, and "
-        "a long prompt is computed in pieces between decode steps. Listens on loopback "
+        "a long prompt is computed in pieces between decode steps. With --draft mtp or "
+        "--draft-model, a request decoding alone goes through speculative decoding (same "
+        "output, fewer round trips). Listens on loopback "
         "unless --host says otherwise; see docs/serving.md.",
     )
     p.add_argument("--model", type=Path, required=True, metavar="OUT_DIR",
@@ -115,6 +120,7 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    choices=["debug", "info", "warning", "error"],
                    help="what the server logs to stderr: info (the default) logs a line per "
                    "request; warning and up only problems")
+    draft_options(p)
     secret_option(p)
     p.set_defaults(main=main)
 
@@ -211,8 +217,10 @@ def main(args: argparse.Namespace) -> None:
     from coordinator.server.answering import Service
     from coordinator.server.batching import BatchEngine
     from coordinator.server.dashboard import Dashboard
+    from coordinator.server.drafting import Drafting
     from coordinator.server.http_server import listen, read_api_key, serve
 
+    policy = draft_policy(args)  # the draft options, checked before anything loads
     cache_bytes = check_serve_args(args)
     limits = serve_limits(args, raise_file_limit())  # after mlx-lm's import, which sets one
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -232,11 +240,13 @@ def main(args: argparse.Namespace) -> None:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log, local_stores=stores,
                                    memory_budget=memory_budget)
+        drafting = None if policy is None else Drafting(
+            remote.model, load_draft_of(args, remote, policy), remote.tokenizer.eos_token_ids)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
                              prompt_cache_disk=prompt_cache_disk(args, remote.model, manifest),
                              prefill_step_size=args.prefill_step,
-                             prefill_budget=args.prefill_budget)
+                             prefill_budget=args.prefill_budget, drafting=drafting)
         name = args.model_id or Path(args.model).resolve().name
         # the members health reads: the workers, and the coordinator's own experts
         service = Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,

@@ -39,7 +39,9 @@ class MtpDraft:
 
     def tokens(self, prompt: mx.array, model: nn.Module, *, max_tokens: int,
                sampler: Callable[[mx.array], mx.array], stats: SpeculativeStats,
-               cache: list | None = None) -> Generator[tuple[int, mx.array, bool], None, None]:
+               cache: list | None = None, context: list[int] | None = None,
+               ) -> Generator[tuple[int, mx.array, bool], None, None]:
+        """`context`, the tokens in `cache`, is not needed: the module reads only `prompt`."""
         return mtp_tokens(prompt, model, self.policy, max_tokens=max_tokens, sampler=sampler,
                           stats=stats, cache=cache)
 

@@ -32,6 +32,8 @@ from coordinator.decoding.draft_policy import (
 from coordinator.decoding.mtp_draft import MtpDraft
 from engine.errors import InvalidInput, NotFound
 
+CONTEXT_WINDOW = 4096  # the most tokens of a continued cache's context the draft reads first
+
 
 @dataclass
 class Draft:
@@ -44,12 +46,15 @@ class Draft:
 
     def tokens(self, prompt: mx.array, model: nn.Module, *, max_tokens: int,
                sampler: Callable[[mx.array], mx.array], stats: SpeculativeStats,
-               cache: list | None = None) -> Generator[tuple[int, mx.array, bool], None, None]:
-        if cache is not None:
+               cache: list | None = None, context: list[int] | None = None,
+               ) -> Generator[tuple[int, mx.array, bool], None, None]:
+        """`cache`, the target's, may hold `context` (the tokens before `prompt`), which the
+        draft reads first: without them it cannot continue a cache."""
+        if cache is not None and context is None:
             raise InvalidInput("a draft model starts from an empty KV cache; the MTP module "
                                "(--draft mtp) can continue one")
         return speculative_tokens(prompt, model, self, max_tokens=max_tokens, sampler=sampler,
-                                  stats=stats)
+                                  stats=stats, cache=cache, context=context)
 
 
 def load_draft(path: Path, tokenizer: TokenizerWrapper, policy: DraftPolicy) -> Draft:
@@ -78,19 +83,25 @@ def speculative_tokens(
     max_tokens: int,
     sampler: Callable[[mx.array], mx.array],
     stats: SpeculativeStats,
+    cache: list | None = None,
+    context: list[int] | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """(token, logprobs, from_draft), as mlx-lm's speculative_generate_step yields them, with
-    the number of drafted tokens chosen again after every verification step."""
-    target_cache = make_prompt_cache(model)
+    the number of drafted tokens chosen again after every verification step. `cache`, the
+    target's, holds `context` when given (serve's stream leaving its batch); however the
+    consumer stops between steps, it is left holding every token but the last handed on."""
+    target_cache = make_prompt_cache(model) if cache is None else cache
     draft_cache = make_prompt_cache(draft.model)
     if len(target_cache) != len(model.layers):  # mlx-lm splits the joint cache by layers
         raise InvalidInput("speculative decoding needs one KV cache per layer of the model")
     if not can_trim_prompt_cache(target_cache) or not can_trim_prompt_cache(draft_cache):
         raise InvalidInput("speculative decoding needs models whose KV cache can be trimmed; "
                            "this model's cache cannot")
-    history = [int(t) for t in prompt.tolist()]  # every token either model will have seen
+    # every token either model will have seen
+    history = list(context or []) + [int(t) for t in prompt.tolist()]
     draft_start = 0  # the draft's cache holds history[draft_start:]
-    pending = mx.array(history, mx.uint32)  # not yet in the target's cache
+    pending = prompt.astype(mx.uint32)  # not yet in the target's cache
+    window = CONTEXT_WINDOW  # the first catch-up reads the context, as a prompt is read
     state = Acceptance()
     counted = None
     made = 0
@@ -102,8 +113,9 @@ def speculative_tokens(
         if n > 0:
             draft_cache, draft_start = catch_up(
                 draft.model, draft_cache, draft_start, history, target_cache[0].offset,
-                window=draft.policy.probe_every,
+                window=window,
             )
+            window = draft.policy.probe_every
         segment = speculative_generate_step(
             pending, model, draft.model, num_draft_tokens=n, max_tokens=max_tokens - made,
             sampler=sampler, prompt_cache=target_cache + draft_cache,

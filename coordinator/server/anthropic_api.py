@@ -35,7 +35,7 @@ FIELDS: dict[str, str] = {
     "model": "yes", "messages": "yes", "max_tokens": "yes", "system": "yes",
     "stop_sequences": "yes", "stream": "yes", "temperature": "yes", "top_p": "yes",
     "top_k": "yes", "tools": "yes", "tool_choice": "yes", "thinking": "yes",
-    "output_config": "yes",
+    "output_config": "yes", "speculative": "yes",  # Shoal's own: false keeps it off the draft
     "metadata": "ignored", "user_profile_id": "ignored", "workspace_id": "ignored",
     "service_tier": "'service_tier': Shoal has one tier: send auto or standard_only",
     "cache_control": "'cache_control': Shoal's prompt cache keeps shared prefixes while "
@@ -166,7 +166,9 @@ def parse_messages(body: object) -> CompletionRequest:
         raise InvalidInput("'top_k' must be at least 0")
     sampling = Sampling(max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0,
                                                                    0, 1),
-                        top_p=top_p, top_k=top_k, stop=tuple(stops))
+                        top_p=top_p, top_k=top_k, stop=tuple(stops),
+                        speculative=json_field(body, "speculative", (bool,), "true or false",
+                                               True))
     json_field(body, "model", (str,), "a string")
     output = json_field(body, "output_config", (dict,), "an object", {})
     for name in output:

@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import (
 )
 
 from coordinator.server.answer_text import AnswerText, Event, Handle
+from coordinator.server.drafting import Drafting
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
 from coordinator.server.prefill_pacing import BUDGET_STEPS, PrefillPacer, paced_step
@@ -40,7 +41,7 @@ class EngineStats:
     """Counters since the engine started (for the benchmark and `/health`)."""
 
     decode_steps: int = 0
-    decode_rows: int = 0  # rows over all decode steps: decode_rows / decode_steps = batch
+    decode_rows: int = 0  # tokens of all decode steps (a drafted step gives one row several)
     widest_step: int = 0  # the most rows one decode step carried
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     cached_tokens: int = 0  # prompt tokens served from the prompt cache (either tier)
@@ -70,6 +71,7 @@ class BatchEngine:
         prompt_cache_disk: DiskTier | None = None,
         prefill_step_size: int = 512,
         prefill_budget: float = BUDGET_STEPS,
+        drafting: Drafting | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -79,6 +81,7 @@ class BatchEngine:
         self.pacer = PrefillPacer(budget_steps=prefill_budget)
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
+        self.drafting = drafting  # a stream alone decodes through the draft (drafting.py)
         self.latencies = Latencies()
         self._grammars = Grammars(tokenizer)
         self._prompt_cache = PromptCache(cache_key, prompt_cache_bytes, prompt_cache_disk)
@@ -95,6 +98,10 @@ class BatchEngine:
     def prompt_cache(self) -> dict:
         """Entries and bytes in the prompt cache's tiers, and their bounds (a snapshot)."""
         return self._prompt_cache.stats()
+
+    def drafting_stats(self) -> dict | None:
+        """What the draft did (drafting.py's DraftingStats), None without a draft."""
+        return None if self.drafting is None else self.drafting.stats.as_json()
 
     @property
     def alive(self) -> bool:
@@ -177,6 +184,8 @@ class BatchEngine:
         )
 
     def _admit(self, generator: BatchGenerator, arrivals: list[Handle]) -> None:
+        if self.drafting is not None:
+            self.drafting.rejoin(generator, self._live)
         gone = [uid for uid, live in self._live.items() if live.handle.cancelled]
         if gone:
             generator.remove(gone)
@@ -207,12 +216,17 @@ class BatchEngine:
         self._prompt_cache.trim_to(self.prompt_cache_bytes - active)
 
     def _step(self, generator: BatchGenerator) -> None:
-        streams = any(live.last_token is not None for live in self._live.values())
-        responses = paced_step(self.pacer, generator, streams=streams)
+        rows = None if self.drafting is None else self.drafting.step(generator, self._live)
+        if rows is None:
+            streams = any(live.last_token is not None for live in self._live.values())
+            responses = paced_step(self.pacer, generator, streams=streams)
+        else:
+            responses = rows
         if responses:
             self._count(decode_steps=1, decode_rows=len(responses))
-            if len(responses) > self.stats.widest_step:
-                self.stats = replace(self.stats, widest_step=len(responses))
+            width = len({r.uid for r in responses})  # a drafted step gives one row several
+            if width > self.stats.widest_step:
+                self.stats = replace(self.stats, widest_step=width)
         stopped = []
         now = time.monotonic()
         for r in responses:
@@ -236,6 +250,9 @@ class BatchEngine:
                 live.handle.deliver(event)
         if stopped:
             kept = generator.remove(stopped, return_prompt_caches=True)
+            if self.drafting is not None:
+                kept.update({uid: taken for uid in stopped
+                             if (taken := self.drafting.take(uid)) is not None})
             for cache, tokens in kept.values():
                 self._keep(tokens, cache)
 
@@ -245,6 +262,8 @@ class BatchEngine:
     def _fail_all(self, error: ShoalError, arrivals: list[Handle]) -> None:
         """End every request in the batch, and those that arrived but were not admitted,
         with `error`."""
+        if self.drafting is not None:
+            self.drafting.reset()
         for live in list(self._live.values()):
             self._end(live.handle, Event(error=error, usage=live.usage()))
         self._live.clear()

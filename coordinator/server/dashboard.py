@@ -211,7 +211,7 @@ class Dashboard:
         return Figures(engine.stats, engine.in_flight, last.get("batch_width", 0.0),
                        last.get("decode_tps", 0.0), self.service.membership.snapshot(), stats,
                        self.rebalance.status(), engine.latencies.histograms(),
-                       engine.prompt_cache)
+                       engine.prompt_cache, engine.drafting_stats())
 
     # the views -----------------------------------------------------------------------
 
@@ -228,7 +228,8 @@ class Dashboard:
                 model=s.model_id, manifest=s.manifest, context=s.context,
                 max_batch=engine.max_batch, in_flight=engine.in_flight, problem=s.health(),
                 started=s.started, batching=engine.stats.as_json(),
-                prompt_cache=engine.prompt_cache, latency=engine.latencies.summary()),
+                prompt_cache=engine.prompt_cache, latency=engine.latencies.summary(),
+                drafting=engine.drafting_stats()),
             "workers": worker_cards(members, stats, reads, since),
         }
 

@@ -114,7 +114,8 @@ def worker_cards(
 
 def coordinator_card(*, model: str, manifest: Manifest, context: int, max_batch: int,
                      in_flight: int, problem: str | None, started: int, batching: dict,
-                     prompt_cache: dict, latency: dict | None = None) -> dict:
+                     prompt_cache: dict, latency: dict | None = None,
+                     drafting: dict | None = None) -> dict:
     return {
         "model": model,
         "model_type": manifest.model_type,
@@ -129,6 +130,7 @@ def coordinator_card(*, model: str, manifest: Manifest, context: int, max_batch:
         "batching": batching,
         "prompt_cache": prompt_cache,
         "latency": latency or {},
+        "drafting": drafting,  # None without a draft
         "time": time.time(),
     }
 

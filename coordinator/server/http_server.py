@@ -87,6 +87,7 @@ def make_app(service: Service, *, mount: Callable[[Guard], list[BaseRoute]] | No
                 "requests_in_flight": service.engine.in_flight,
                 "batching": service.engine.stats.as_json(),
                 "prompt_cache": service.engine.prompt_cache,
+                "drafting": service.engine.drafting_stats(),
                 "connections": service.guard.as_json()}
         if problem is not None:
             body["detail"] = problem

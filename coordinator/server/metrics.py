@@ -53,6 +53,7 @@ class Figures:
     rebalance: dict  # the dashboard's rebalance run (state, steps_done, ...)
     latencies: dict = field(default_factory=dict)  # Latencies.histograms()
     prompt_cache: dict = field(default_factory=dict)  # BatchEngine.prompt_cache
+    drafting: dict | None = None  # BatchEngine.drafting_stats(), None without a draft
 
 
 class Metrics:
@@ -147,6 +148,8 @@ class _Collector:
                      b.widest_step)
         yield _gauge("shoal_decode_tokens_per_second", "Tokens decoded per second over the "
                      "last second", f.decode_tps)
+        if f.drafting is not None:
+            yield from _drafting_families(f.drafting)
         yield from _worker_families(f.members, f.worker_stats)
         r = f.rebalance
         yield _gauge("shoal_rebalance_running", "1 while a live rebalance runs",
@@ -189,6 +192,24 @@ def _worker_families(members: Sequence[Member],
             resident.add_metric(names, s.resident_bytes)
             budget.add_metric(names, s.memory_budget)
     yield from (healthy, rtt, hits, demands, reads, resident, budget)
+
+
+def _drafting_families(d: dict) -> Iterator[Metric]:
+    """The draft's figures (serve --draft): a stream decoding alone goes through it."""
+    steps = CounterMetricFamily("shoal_draft_steps", "Forwards of the model for a stream "
+                                "decoding with the draft, by kind", labels=["kind"])
+    steps.add_metric(["verify"], d["verify_steps"])
+    steps.add_metric(["plain"], d["plain_steps"])
+    yield steps
+    yield _counter("shoal_draft_proposed_tokens", "Tokens the draft proposed", d["proposed"])
+    yield _counter("shoal_draft_accepted_tokens", "Proposed tokens the model agreed with",
+                   d["accepted"])
+    yield _counter("shoal_draft_decoded_tokens", "Tokens decoded through the draft's path",
+                   d["tokens"])
+    yield _gauge("shoal_draft_acceptance", "Accepted over proposed tokens, since the start",
+                 d["acceptance_rate"])
+    yield _gauge("shoal_draft_tokens_per_step", "Tokens per forward of the model on the "
+                 "draft's path, since the start", d["tokens_per_step"])
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

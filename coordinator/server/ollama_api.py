@@ -54,7 +54,7 @@ OPTIONS = {
     "num_predict": "yes", "temperature": "yes", "top_p": "yes", "top_k": "yes",
     "min_p": "yes", "seed": "yes", "stop": "yes", "repeat_penalty": "yes",
     "repeat_last_n": "yes", "presence_penalty": "yes", "frequency_penalty": "yes",
-    "num_ctx": "yes",
+    "num_ctx": "yes", "speculative": "yes",  # Shoal's own: false keeps it off the draft
     **{name: f"option '{name}': {_HARDWARE}" for name in (
         "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "numa", "use_mmap",
         "use_mlock", "num_thread", "logits_all", "vocab_only", "embedding_only")},
@@ -104,7 +104,8 @@ def _sampling(options: dict, grammar: str | None) -> tuple[Sampling, bool]:
                                       0.0)),
         frequency_penalty=float(json_field(options, "frequency_penalty", (int, float), "a number",
                                        0.0)),
-        grammar=grammar), given
+        grammar=grammar,
+        speculative=json_field(options, "speculative", (bool,), "true or false", True)), given
 
 
 def _format(value: object) -> str | None:

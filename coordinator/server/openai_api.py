@@ -71,6 +71,7 @@ MLX_LM_FIELDS: dict[str, str] = {  # mlx-lm's server takes these on both routes
     "top_k": "yes", "min_p": "yes", "repetition_penalty": "yes",
     "repetition_context_size": "yes", "presence_context_size": "yes",
     "frequency_context_size": "yes", "chat_template_kwargs": "yes",
+    "speculative": "yes",  # Shoal's own: false keeps the request off the draft
 }
 NEUTRAL: dict[str, tuple] = {  # values of refused fields that ask for what Shoal does anyway
     "store": (False,), "service_tier": ("auto", "default"),
@@ -249,6 +250,7 @@ def _sampling_knobs(body: dict) -> dict:
         "presence_context_size": _count(body, "presence_context_size", 20),
         "frequency_penalty": number_field(body, "frequency_penalty", 0.0, -2, 2),
         "frequency_context_size": _count(body, "frequency_context_size", 20),
+        "speculative": json_field(body, "speculative", (bool,), "true or false", True),
     }
 
 

@@ -34,7 +34,7 @@ FIELDS: dict[str, str] = {
     "temperature": "yes", "top_p": "yes", "tools": "yes", "tool_choice": "yes",
     "parallel_tool_calls": "yes", "previous_response_id": "yes", "stream": "yes",
     "stream_options": "yes", "store": "yes", "metadata": "yes", "text": "yes",
-    "reasoning": "yes",
+    "reasoning": "yes", "speculative": "yes",  # Shoal's own, as on /v1/chat/completions
     "user": "ignored", "safety_identifier": "ignored", "prompt_cache_key": "ignored",
     "top_logprobs": "'top_logprobs' is not supported on /v1/responses: "
     "/v1/chat/completions has log-probabilities",
@@ -180,7 +180,7 @@ def parse_response_request(body: object, history: list[dict]) -> CompletionReque
                 body.get("tool_choice")), "parallel_tool_calls": body.get("parallel_tool_calls"),
             "response_format": _response_format(json_field(body, "text", (dict,), "an object",
                                                            {})),
-            "reasoning_effort": reasoning.get("effort")}
+            "reasoning_effort": reasoning.get("effort"), "speculative": body.get("speculative")}
     return parse_request({k: v for k, v in chat.items() if v is not None}, chat=True)
 
 

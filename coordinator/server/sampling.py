@@ -42,6 +42,7 @@ class Sampling:
     # A text completion continues its prompt, so the first token's leading space is part of
     # the answer; a chat reply's is not (mlx-lm's detokenizers drop it).
     keep_leading_space: bool = False
+    speculative: bool = True  # False: never through the draft (`shoal serve --draft`)
 
 
 def make_request_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array] | None:

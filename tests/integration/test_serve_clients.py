@@ -188,6 +188,7 @@ SAMPLES = {  # a value for each field of the OpenAI schemas that is not its neut
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "repetition_context_size": 8,
     "presence_context_size": 8, "frequency_context_size": 8,
     "chat_template_kwargs": {"reasoning_effort": "low"},
+    "speculative": False,  # Shoal's own
 }
 COMPANIONS = {"top_logprobs": {"logprobs": True}}  # fields that need another with them
 TEXT_SAMPLES = {"logprobs": 2, "chat_template_kwargs": {"x": 1}}  # where completions differ
@@ -451,6 +452,7 @@ ANTHROPIC_SAMPLES = {  # a value for each field of the Messages API that is not 
     "service_tier": "priority", "cache_control": {"type": "ephemeral", "ttl": "1h"},
     "diagnostics": {"previous_message_id": None}, "inference_geo": "us", "speed": "fast",
     "container": "c", "mcp_servers": [{"type": "url", "url": "x"}], "context_management": {},
+    "speculative": False,  # Shoal's own
 }
 
 
@@ -603,7 +605,7 @@ OPTION_SAMPLES = {
     "main_gpu": 1, "low_vram": True, "f16_kv": True, "logits_all": True, "vocab_only": True,
     "use_mmap": True, "use_mlock": True, "embedding_only": True, "num_thread": 2,
     "num_keep": 4, "tfs_z": 0.5, "typical_p": 0.5, "mirostat": 1, "mirostat_tau": 4.0,
-    "mirostat_eta": 0.2, "penalize_newline": True,
+    "mirostat_eta": 0.2, "penalize_newline": True, "speculative": False,
 }
 QUIET = {"temperature": 0, "num_predict": 3}
 

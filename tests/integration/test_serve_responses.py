@@ -32,6 +32,7 @@ SAMPLES = {  # a value for each field that is not its neutral one
     "service_tier": "flex", "prompt_cache_retention": "24h",
     "prompt_cache_options": {"mode": "explicit"}, "context_management": [{"type": "x"}],
     "moderation": {"model": "m"}, "access_programs": ["x"], "image": {"size": "auto"},
+    "speculative": False,  # Shoal's own
     "previous_response_id": None,  # test_previous_response_id_continues_the_conversation
 }
 

@@ -78,6 +78,8 @@ function renderCluster(body) {
           c.prompt_cache.disk ? `; on disk ${c.prompt_cache.disk.entries}, ${bytes(c.prompt_cache.disk.bytes)}` : ""}</dd>
         <dt>first token p50 / p99</dt><dd data-metric="first-token">${seconds(c.latency?.first_token)}</dd>
         <dt>token gap p50 / p99</dt><dd data-metric="token-gap">${seconds(c.latency?.gap)}</dd>
+        ${c.drafting ? `<dt>draft (${esc(c.drafting.draft)}) acceptance</dt><dd data-metric="draft-acceptance">${
+          (100 * c.drafting.acceptance_rate).toFixed(0)}%, ${c.drafting.tokens_per_step.toFixed(2)} tokens per step</dd>` : ""}
         <dt>up</dt><dd>${esc(uptime(c.started))}</dd>
       </dl>
       ${c.detail ? `<div class="detail">${esc(c.detail)}</div>` : ""}
