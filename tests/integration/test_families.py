@@ -86,7 +86,9 @@ def _check_family(family, bits, tmp_path: Path, secret_file: Path) -> str:
             served = remote.dispatcher.stats.worker_requests
         finally:
             remote.close()
-        # and with the first store served by the coordinator itself, in process
+        # and with the first store served by the coordinator itself, in process: a store is
+        # served by one process at a time (engine/store_lock.py), so its worker stops first
+        stop_workers(workers[:1])
         beside = open_remote_model(sharded, [workers[1].address], load_secret(secret_file),
                                    local_stores=[stores[0]])
         try:
