@@ -147,10 +147,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # Which shared fixture to take (each saves a build or a process start per test):
 # - tiny_checkpoint(family, bits, layout): a tiny random checkpoint, built once per session;
-#   read-only (copy it before changing it). Sharding it (engine.sharding.shard) takes ~0.2 s.
+#   read-only (copy it before changing it). Shard it (engine.sharding.shard) per test.
 # - replicated_stores: qwen3_moe over two stores where the first holds every expert.
-# - start_worker([store], *args): a real worker, forked (~0.2 s a start), stopped after the
-#   test; forked=False for a worker that needs its own environment or the command itself.
+# - start_worker([store], *args): a real worker, forked (no imports paid again), stopped after
+#   the test; forked=False for a worker that needs its own environment or the command itself.
 #   Module fixtures that start a cluster: coordinator.ops.local_processes.start_workers(...,
 #   forked=True), then stop_workers. A worker a test kills or restarts is the test's own.
 # - demo_cache: the demo's real SmolLM2 models, built once (a minute and a few GB); point

@@ -234,15 +234,20 @@ class Terminal:
         raise AssertionError("the chat did not end")
 
 
+def _chat_in_terminal(cluster, secret_file) -> Terminal:
+    """`shoal chat` over the module's workers in a terminal, replies long enough to stop."""
+    _, sharded, workers = cluster
+    return Terminal([sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
+                     "--workers", ",".join(w.address for w in workers), "--secret-file",
+                     str(secret_file), "--max-tokens", "100000"])
+
+
 def test_ctrl_c_stops_the_reply_not_the_session_and_the_line_edits(cluster, secret_file):
     """In a terminal: Ctrl-C mid-reply stops that reply and the chat goes on (the workers'
     lanes still answer), readline's Ctrl-A and Up arrow edit and recall a line, /help lists
     the commands, and a message of several lines between two lines of three quotes is one
     message."""
-    _, sharded, workers = cluster
-    chat = Terminal([sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
-                     "--workers", ",".join(w.address for w in workers), "--secret-file",
-                     str(secret_file), "--max-tokens", "100000"])
+    chat = _chat_in_terminal(cluster, secret_file)
     try:
         chat.expect(">> ")
         chat.send(b"Tell me everything\r")
@@ -358,14 +363,11 @@ def test_typing_during_a_reply_is_not_echoed_into_it_and_ctrl_d_ends_the_line(
 ):
     """In a terminal: keys typed while a reply streams do not show inside it, and Ctrl-D at
     the prompt leaves the shell a line of its own."""
-    _, sharded, workers = cluster
-    chat = Terminal([sys.executable, "-m", "coordinator.cli", "chat", "--model", str(sharded),
-                     "--workers", ",".join(w.address for w in workers), "--secret-file",
-                     str(secret_file), "--max-tokens", "100000"])
+    chat = _chat_in_terminal(cluster, secret_file)
     try:
         chat.expect(">> ")
         chat.send(b"Tell me everything\r")
-        time.sleep(2)
+        chat.shows_more(250)
         chat.send(b"qqzz")  # typed mid-reply
         time.sleep(1)
         chat.send(b"\x03")
