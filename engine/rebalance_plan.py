@@ -132,8 +132,8 @@ def propose(
 ) -> Proposal:
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
-    serves every expert as it is; a rebalance leaves it when the gain is not worth the bytes
-    it copies (`worth_moving`).
+    serves every expert as it is; a rebalance whose whole move is not worth the bytes it
+    copies (`worth_moving`) runs its most useful part that is (`cheaper_target`), else none.
     Without heat (or with none counted yet) every expert weighs the same.
 
     Every worker with room for an expert counts, the ones holding nothing too (just added:
@@ -166,10 +166,13 @@ def propose(
     # A worker just added (holding nothing) was added to be used: its share is worth any bytes.
     joined = any(not (w.serving | w.draining) for w in workers if w.name in counted)
     moved = 0 if joined else copied_bytes(current, target, sizes)
-    if not resumed and now is not None and (
-            deploy or not worth_moving(now, after, moved, sum(sizes.values()))):
-        target = dict(current)
-        after = now
+    total = sum(sizes.values())
+    if not resumed and now is not None and not deploy and not worth_moving(now, after, moved,
+                                                                           total):
+        # The whole move is not worth its bytes: its most useful part may be.
+        target, after = cheaper_target(current, target, sizes, weights, measure, now, moved)
+    elif not resumed and now is not None and deploy:
+        target, after = dict(current), now
     order = sorted(target, key=lambda k: (-weights.get(k, 0.0), k))
     room = {w.name: w.free_disk for w in workers}
     plan = plan_migration(state, target, sizes, room=room, order=order)
@@ -191,6 +194,25 @@ def streaming_measure(
         return None
     speeds = {c.name: c.read_gbps * 1e9 for c in able}
     return lambda holders: read_imbalance(holders, memory, speeds, sizes, weights, top_k=top_k)
+
+
+def cheaper_target(
+    current: Mapping[ExpertKey, Sequence[str]], target: Mapping[ExpertKey, Sequence[str]],
+    sizes: Mapping[ExpertKey, int], weights: Mapping[ExpertKey, float],
+    measure: Callable[[Mapping[ExpertKey, Sequence[str]]], float], now: float, moved: int,
+) -> tuple[dict[ExpertKey, tuple[str, ...]], float]:
+    """The hottest moves of `target` within half its bytes, then a quarter, and so on
+    (engine/migration.py: limit_moves), the first worth its bytes with its predicted
+    imbalance; else `current` as it is."""
+    total, smallest = sum(sizes.values()), min(sizes.values(), default=0)
+    budget = moved // 2
+    while smallest and budget >= smallest:
+        trial = limit_moves(current, target, sizes, weights, budget)
+        after = measure(trial)
+        if worth_moving(now, after, copied_bytes(current, trial, sizes), total):
+            return trial, after
+        budget //= 2
+    return {key: tuple(names) for key, names in current.items()}, now
 
 
 def copied_bytes(

@@ -14,6 +14,7 @@ from engine.rebalance_plan import (
     STICKINESS,
     LiveWorker,
     capacities,
+    copied_bytes,
     copy_sources,
     propose,
     state_of,
@@ -169,6 +170,26 @@ def test_a_rebalance_that_gains_under_one_percent_is_not_run():
     p = propose(state, workers, sizes, heat)
     assert p.plan.steps == () and p.target == current
     assert p.imbalance_after == p.imbalance_now == pytest.approx(130 / 112)
+
+
+def test_when_the_whole_move_is_not_worth_its_bytes_its_most_useful_part_is_run():
+    keys = [(0, e) for e in range(6)]
+    sizes = dict.fromkeys(keys, 100)
+    current = {(0, 0): ("a",), (0, 1): ("a",), (0, 5): ("a",), (0, 3): ("b",), (0, 4): ("b",),
+               (0, 2): ("c",)}
+    workers = [worker(n, serving=[k for k, h in current.items() if h == (n,)]) for n in "abc"]
+    state = state_of(workers, sizes, local=())
+    heat = {(0, 0): 13.0, (0, 1): 32.0, (0, 2): 41.0, (0, 3): 32.0, (0, 4): 12.0, (0, 5): 31.0}
+    whole = plan_placement(capacities(workers, sizes), sizes, heat, current=current,
+                           stickiness=STICKINESS).holders
+    now = imbalance(current, heat)
+    whole_bytes = copied_bytes(current, whole, sizes)
+    assert not worth_moving(now, imbalance(whole, heat), whole_bytes, 600)
+    p = propose(state, workers, sizes, heat)
+    assert p.plan.steps and p.imbalance_after == pytest.approx(imbalance(p.target, heat))
+    assert copied_bytes(current, p.target, sizes) < whole_bytes
+    assert worth_moving(now, p.imbalance_after, copied_bytes(current, p.target, sizes), 600)
+    check_steps(state, p.plan.steps)
 
 
 def test_an_even_cluster_is_left_as_it_is():

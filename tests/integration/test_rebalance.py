@@ -158,7 +158,8 @@ def test_rebalance_while_another_process_generates(cluster, tmp_path, secret_fil
         generating.wait(60)
 
     kinds = {s["kind"] for s in report["steps"]}
-    assert {"copy", "verify"} <= kinds and report["imbalance_after"] < report["imbalance_now"]
+    assert {"copy", "verify"} <= kinds and report["imbalance_after"] < report["imbalance_now"], \
+        json.dumps({k: v for k, v in report.items() if k not in ("steps", "target")})
     assert all(line["tokens"] == cluster["expected"][line["prompt"]] for line in lines)
     overlapping = [line for line in lines if line["start"] < finished and line["end"] > started]
     assert overlapping, "no generation ran while the experts moved"
