@@ -61,10 +61,12 @@ def open_membership(
     # a command that computes (generate, serve) says how its Compute requests travel
     transport = transport_of(args) if hasattr(args, "transport") else LANE
     if getattr(args, "workers", None):
+        addresses = parse_addresses(args.workers)
         membership = Membership(secret, cluster=DEFAULT_CLUSTER, manifest=manifest,
-                                interface=args.interface, log=log, transport=transport)
+                                interface=args.interface, log=log, transport=transport,
+                                listed=addresses)
         candidates = []
-        for address in parse_addresses(args.workers):
+        for address in addresses:
             host, _, port = address.rpartition(":")
             candidates.append(Candidate(key=address, endpoints=((host, int(port)),)))
         membership.add_static(candidates)

@@ -75,7 +75,9 @@ def check_one_worker_source(args: argparse.Namespace) -> None:
 
 def browse_seconds(args: argparse.Namespace, *, static: bool = False) -> float:
     """How long to listen for Bonjour answers at least: not at all for listed workers."""
-    return 0.0 if static or args.cluster_config else min(args.wait, BROWSE_SECONDS)
+    if static or args.cluster_config:
+        return 0.0
+    return BROWSE_SECONDS if args.wait is None else min(args.wait, BROWSE_SECONDS)
 
 
 def transport_options(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from coordinator.cli.connect import (
 )
 from coordinator.cli.options import (
     AddParser,
+    browse_seconds,
     check_local_store_args,
     check_one_worker_source,
     cluster_secret,
@@ -36,9 +37,15 @@ from engine.manifest import read_manifest
 from engine.process import raise_file_limit
 
 if TYPE_CHECKING:
+    from coordinator.cluster.snapshot import Cluster
     from coordinator.server.http_limits import Limits
     from coordinator.server.prompt_cache_tiers import DiskTier
 
+
+# Without --wait: the most seconds the workers found at start may take to answer (a dead
+# one: until it counts as unreachable) before the server answers, so that a healthy cluster's
+# first request is served rather than refused.
+FIRST_ANSWERS = 5.0
 
 def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
@@ -63,8 +70,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    help="addresses of the running shoal-worker daemons, watched and taken "
                    "back in when they restart (default: find the workers of --cluster on the "
                    "local network with Bonjour)")
-    discovery_options(p, wait=60.0, wait_help="how long to wait at start for workers to hold "
-                      "every expert (default 60)")
+    discovery_options(p, wait=None, wait_help="wait at most this long at start for the workers "
+                      "to hold every expert, then exit with status 2 (default: start at once, "
+                      "answer model requests with 503 naming what is missing until they do, "
+                      "and keep looking)")
     transport_options(p)
     local_store_options(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -209,6 +218,25 @@ def plain_log_names(record: logging.LogRecord) -> bool:
     return True
 
 
+def say_when_served(cluster: Cluster, workers: str) -> None:
+    """Say at start whether `workers` hold every expert, and again whenever that changes: until
+    they do, model requests get 503 naming what is missing."""
+    waiting = "answering 503 until they hold every expert (--wait SECONDS exits instead)"
+    said = [not cluster.current.missing]
+    print(f"shoal serve: every expert is held by {workers}" if said[0] else
+          f"shoal serve: waiting for {workers}: {waiting}", file=sys.stderr, flush=True)
+
+    def changed() -> None:  # after the cluster's own watcher: `current` is the new snapshot
+        served = not cluster.current.missing
+        if served != said[0]:
+            said[0] = served
+            print("shoal serve: every expert has a live owner again: serving" if served
+                  else f"shoal serve: not every expert has a live owner: {waiting}",
+                  file=sys.stderr, flush=True)
+
+    cluster.members.watch(changed)
+
+
 def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     # lazy: start-up
@@ -240,6 +268,11 @@ def main(args: argparse.Namespace) -> None:
         remote = open_remote_model(args.model, [], secret, membership=membership,
                                    wait=args.wait, on_wait=stderr_log, local_stores=stores,
                                    memory_budget=memory_budget)
+        if membership is not None:
+            if args.wait is None:  # found and answering while the model loaded, mostly
+                membership.settle(FIRST_ANSWERS, at_least=browse_seconds(
+                    args, static=bool(args.workers)))
+            say_when_served(remote.cluster, membership.workers)
         drafting = None if policy is None else Drafting(
             remote.model, load_draft_of(args, remote, policy), remote.tokenizer.eos_token_ids)
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,

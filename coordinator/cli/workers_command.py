@@ -19,6 +19,7 @@ from coordinator.cli.options import (
     discovery_options,
     secret_option,
 )
+from coordinator.dataplane.link_errors import dead_worker
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
 
@@ -115,7 +116,8 @@ def format_table(rows: Sequence[dict]) -> str:
                   for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
         for line in lines
     )
-    notes = [f"{r['node_id']} ({r['address']}): {r['detail']}" for r in rows if r["detail"]]
+    notes = [dead_worker(r["node_id"], r["address"], r["detail"]) if r["state"] == "unreachable"
+             else f"{r['node_id']} ({r['address']}): {r['detail']}" for r in rows if r["detail"]]
     notes += [
         f"node id {node_id} is used by several workers ({', '.join(addresses)}): give each "
         "its own --node-id, or delete the copied ~/.config/shoal/node-id"

@@ -1,28 +1,41 @@
-"""Membership: which workers of the cluster are up, what they hold, and the path to each;
-pure transitions over frozen `Member`s, fed by a thin threaded shell (`Membership`) that
-checks health every CHECK_INTERVAL and verifies each worker with an authenticated handshake."""
+"""Membership: which workers of the cluster are up, what they hold, and the path to each; a
+thin threaded shell over member.py's pure transitions that checks health every CHECK_INTERVAL
+and verifies each worker with an authenticated handshake."""
 # Bonjour is never the liveness signal: a crashed worker stays in mDNS caches for a long time.
 # States: connecting, healthy, unreachable, incompatible (other protocol or model),
 # unauthenticated (other secret).
 
 from __future__ import annotations
 
-import math
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from coordinator.cluster.discovery import Browser, Candidate
+from coordinator.cluster.member import (
+    Member,
+    after_check,
+    duplicate_ids,
+    in_words,
+    inventory_stale,
+    member_for,
+    needs_handshake,
+    stale_twins,
+)
 from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
-from coordinator.dataplane.link_errors import held, incompatibility
-from engine.advert import DEFAULT_CLUSTER, Advert
+from coordinator.dataplane.link_errors import (
+    Unreachable,
+    dead_worker,
+    held,
+)
+from engine.advert import DEFAULT_CLUSTER
 from engine.errors import Unauthenticated, Unavailable
-from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
+from engine.interfaces import Interface, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
 
 if TYPE_CHECKING:
@@ -30,113 +43,8 @@ if TYPE_CHECKING:
 
 CHECK_INTERVAL = 0.5  # seconds between health checks of one worker
 CHECK_TIMEOUT = 1.0
-DEAD_AFTER = 2.0  # no good health check for this long: unreachable
 HANDSHAKE_TIMEOUT = 5.0
-RETRY_AFTER = 5.0  # a refused handshake (other secret, other model) is tried again this often
-# A healthy worker's inventory is fetched again this often, so experts it received (shoal
-# rebalance) are used even by a coordinator that sends it nothing; a worker that is sent work
-# says so in every reply (Cluster.reload).
-INVENTORY_REFRESH = 5.0
 SEEN_SHOWN = 3  # workers of another cluster named in an error, per cluster
-STATES = ("connecting", "healthy", "unreachable", "incompatible", "unauthenticated")
-
-
-@dataclass(frozen=True)
-class Member:
-    key: str  # Bonjour instance name or configured address
-    node_id: str
-    address: str  # HOST:PORT in use
-    route: Route
-    state: str  # one of STATES
-    detail: str = ""  # why it is not healthy, for the user
-    experts: frozenset[ExpertKey] = frozenset()  # from the handshake
-    advert: Advert | None = None
-    memory_budget: int = 0
-    free_disk: int = 0
-    rtt_ms: float | None = None  # smoothed health-check round trip
-    last_ok: float = 0.0  # monotonic time of the last good check (first: when it appeared)
-    handshake_at: float = -math.inf
-
-    @property
-    def experts_held(self) -> int:
-        if self.experts or self.advert is None:
-            return len(self.experts)
-        return self.advert.experts
-
-
-def member_for(
-    candidate: Candidate,
-    local: Sequence[Interface],
-    *,
-    prefer: str | None,
-    manifest: Manifest | None,
-    now: float,
-) -> Member:
-    """A worker just announced or configured: its path (--interface `prefer` first, then the
-    interface its cluster config names, then the ranking), and whether its advert already
-    shows it cannot serve this model (then it is never connected to)."""
-    route = choose_route([host for host, _ in candidate.endpoints], local,
-                         prefer or candidate.interface)
-    port = next(p for host, p in candidate.endpoints if host == route.address)
-    address = f"{route.address}:{port}"
-    advert = candidate.advert
-    problem = advert and incompatibility(address, advert.protocol, advert.model, manifest)
-    return Member(
-        key=candidate.key,
-        node_id=advert.node_id if advert else (candidate.node_id or address),
-        address=address,
-        route=route,
-        state="incompatible" if problem else "connecting",
-        detail=problem or "",
-        advert=advert,
-        memory_budget=advert.memory_budget if advert else 0,
-        free_disk=advert.free_disk if advert else 0,
-        last_ok=now,
-    )
-
-
-def after_check(
-    member: Member, now: float, *, rtt: float | None = None, failure: str | None = None
-) -> Member:
-    """Fold one health check into a member. A good check after an outage starts a new
-    handshake; failures mark it unreachable once no check has succeeded for DEAD_AFTER."""
-    if failure is None:
-        rtt_ms = 1e3 * (rtt or 0.0)
-        smoothed = rtt_ms if member.rtt_ms is None else 0.7 * member.rtt_ms + 0.3 * rtt_ms
-        if member.state == "unreachable":
-            return replace(member, state="connecting", detail="", last_ok=now, rtt_ms=smoothed)
-        return replace(member, last_ok=now, rtt_ms=smoothed)
-    if member.state != "unreachable" and now - member.last_ok >= DEAD_AFTER:
-        return replace(member, state="unreachable", detail=failure, rtt_ms=None)
-    return member
-
-
-def needs_handshake(member: Member, now: float) -> bool:
-    if member.state == "connecting":
-        return True
-    refused = member.state in ("unauthenticated", "incompatible")
-    return refused and now - member.handshake_at >= RETRY_AFTER
-
-
-def inventory_stale(member: Member, now: float) -> bool:
-    return member.state == "healthy" and now - member.handshake_at >= INVENTORY_REFRESH
-
-
-def stale_twins(members: Iterable[Member], newcomer: Member) -> list[str]:
-    """Keys of unreachable members with the newcomer's node id: the same worker restarted on
-    another port (its old advert outlived it when it died without a goodbye)."""
-    return [m.key for m in members if m.key != newcomer.key and m.state == "unreachable"
-            and m.node_id == newcomer.node_id]
-
-
-def duplicate_ids(members: Iterable[Member]) -> dict[str, list[str]]:
-    """Node ids claimed by more than one live worker -> their addresses. (A stale entry of a
-    worker that restarted elsewhere is unreachable, and does not count.)"""
-    by_id: dict[str, list[str]] = {}
-    for member in members:
-        if member.state != "unreachable":
-            by_id.setdefault(member.node_id, []).append(member.address)
-    return {node_id: sorted(a) for node_id, a in by_id.items() if len(a) > 1}
 
 
 class Membership:
@@ -153,8 +61,10 @@ class Membership:
         local: Sequence[Interface] | None = None,
         log: Callable[[str], None] | None = None,
         transport: Transport = LANE,
+        listed: Sequence[str] = (),
     ) -> None:
         self.cluster = cluster
+        self.listed = tuple(listed)  # the addresses the user gave (--workers), if any
         self.transport = transport
         self.manifest = manifest
         self._secret = secret
@@ -237,6 +147,8 @@ class Membership:
                     self._say(f"worker {before.node_id or key} is unauthenticated: {e}")
                 stop.wait(CHECK_INTERVAL)
                 continue
+            except Unreachable as e:
+                rtt, failure = None, e.reason
             except Unavailable as e:
                 rtt, failure = None, str(e)
             now = time.monotonic()
@@ -247,7 +159,7 @@ class Membership:
                 member = after_check(before, now, rtt=rtt, failure=failure)
                 self._set_locked(member)
             if member.state == "unreachable" and before.state != "unreachable":
-                self._say(f"worker {member.node_id} is unreachable: {failure}")
+                self._say(dead_worker(member.node_id, member.address, failure or ""))
             if failure is None and (needs_handshake(member, now) or inventory_stale(member, now)):
                 self._handshake(key, link, stop)
             stop.wait(CHECK_INTERVAL)
@@ -258,8 +170,10 @@ class Membership:
             inventory, problem = handshake(link, self.manifest, HANDSHAKE_TIMEOUT)
         except Unauthenticated as e:
             changes.update(state="unauthenticated", detail=str(e))
+        except Unreachable as e:
+            changes.update(detail=e.reason)  # the next health check decides
         except Unavailable as e:
-            changes.update(detail=str(e))  # the next health check decides
+            changes.update(detail=str(e))
         else:
             changes.update(
                 node_id=inventory.node_id,
@@ -285,7 +199,7 @@ class Membership:
                 self._say(f"worker {member.node_id} at {member.address} via "
                           f"{member.route.describe()}: {member.experts_held} experts")
             else:
-                self._say(f"worker {member.node_id} is {member.state}: {member.detail}")
+                self._say(in_words(member))
 
     def update_inventory(self, link: WorkerLink, inventory) -> None:
         """A worker's inventory changed (seen in a reply): route by the new one now."""
@@ -328,11 +242,13 @@ class Membership:
             link.close()
 
     def absent(self) -> list[str]:
-        """Workers found but not healthy, each with its node id, address, state and why."""
+        """Workers found but not healthy, each with its node id, address, state and why (or,
+        when none is found at all, that)."""
         with self._changed:
-            return [f"worker {m.node_id or m.key} at {m.address} is {m.state}"
-                    + (f" ({m.detail})" if m.detail else "")
-                    for m in sorted(self._members.values(), key=lambda m: (m.node_id, m.key))
+            if not self._members:
+                return [f"no worker of cluster {self.cluster!r} found yet"]
+            return [in_words(m) for m in sorted(self._members.values(),
+                                                key=lambda m: (m.node_id, m.key))
                     if m.state != "healthy"]
 
     def watch(self, changed: Callable[[], None]) -> None:
@@ -367,6 +283,13 @@ class Membership:
                 self._changed.wait(min(deadline - now, 0.2))
         return self.snapshot()
 
+    @property
+    def workers(self) -> str:
+        """The workers this membership looks for, as the user named them."""
+        if self.listed:
+            return f"the workers at {', '.join(self.listed)}"
+        return f"the workers of cluster {self.cluster!r}"
+
     def join(
         self, manifest: Manifest, *, wait: float, on_wait: Callable[[str], None] | None = None,
         local: LocalExperts | None = None,
@@ -387,36 +310,39 @@ class Membership:
                 healthy = sum(m.state == "healthy" for m in self._members.values())
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise Unavailable(
-                        f"waited {wait:.0f} s for the workers of cluster {self.cluster!r}: "
-                        f"{missing}; {self._seen_locked()}. Is `shoal-worker --cluster "
-                        f"{self.cluster}` running on every machine, and can multicast reach "
-                        "this one? `shoal workers` shows what is found (see "
-                        "docs/operations.md)"
-                    )
+                    raise Unavailable(f"waited {wait:g} s for {self.workers}: {missing}"
+                                      f"{self._seen_locked()}. {self._hint()}")
                 if on_wait and said != healthy:  # said once, then only as workers come
-                    on_wait(f"waiting up to {remaining:.0f} s for workers of cluster "
-                            f"{self.cluster!r} ({healthy} healthy; {missing})" if said is None
-                            else f"{healthy} worker{'s' * (healthy != 1)} of cluster "
-                            f"{self.cluster!r} healthy; not every expert held yet")
+                    on_wait(f"waiting up to {remaining:.0f} s for {self.workers} ({healthy} "
+                            f"healthy; {missing})" if said is None
+                            else f"{healthy} of {self.workers} healthy; not every expert "
+                            "held yet")
                     said = healthy
                 self._changed.wait(min(remaining, 1.0))
 
+    def _hint(self) -> str:
+        if self.listed:
+            return (f"Is shoal-worker running at each of those addresses? `shoal doctor "
+                    f"--workers {','.join(self.listed)}` checks each")
+        return (f"Is `shoal-worker --cluster {self.cluster}` running on every machine, and can "
+                "multicast reach this one? `shoal workers` shows what is found (see "
+                "docs/operations.md)")
+
     def _seen_locked(self) -> str:
-        """Every worker found, healthy or not, and those of other clusters, in words."""
-        found = [f"{m.node_id} at {m.address} {m.state}"
-                 + (f" ({m.detail})" if m.detail else f", {m.experts_held} experts")
-                 for m in sorted(self._members.values(), key=lambda m: (m.node_id, m.key))]
-        text = f"found {'; '.join(found)}" if found else "found no worker of this cluster"
+        """The healthy workers found (those that are not, `absent` names already), and those
+        of other clusters, in words; "" when there are none."""
+        parts = [f"found {m.node_id} at {m.address} healthy, {m.experts_held} experts"
+                 for m in sorted(self._members.values(), key=lambda m: (m.node_id, m.key))
+                 if m.state == "healthy"]
         by_cluster: dict[str, list[str]] = {}
         for cluster, worker in sorted(self._browser.elsewhere.values() if self._browser else ()):
             by_cluster.setdefault(cluster, []).append(worker)
         if by_cluster:
-            text += "; seen in other clusters: " + "; ".join(
+            parts.append("seen in other clusters: " + "; ".join(
                 f"{cluster!r}: {', '.join(workers[:SEEN_SHOWN])}"
                 + (f" and {len(workers) - SEEN_SHOWN} more" if len(workers) > SEEN_SHOWN else "")
-                for cluster, workers in by_cluster.items())
-        return text
+                for cluster, workers in by_cluster.items()))
+        return "".join(f"; {part}" for part in parts)
 
     def _say(self, message: str) -> None:
         if self._log is not None:

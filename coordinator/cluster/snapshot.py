@@ -14,7 +14,7 @@ from typing import Protocol
 from coordinator.cluster.discovery import parse_endpoint
 from coordinator.dataplane.hosts import ExpertHost
 from coordinator.dataplane.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
-from coordinator.dataplane.link_errors import held
+from coordinator.dataplane.link_errors import held, reason_of
 from coordinator.dataplane.local_experts import LocalExperts, WithLocal
 from engine.auth import Secret
 from engine.errors import InvalidInput, ShoalError, Unavailable
@@ -77,6 +77,12 @@ class Cluster:
         self.reloads = 0  # inventories fetched again because a worker's changed
         self._lock = threading.Lock()
         members.watch(self._follow)
+
+    @classmethod
+    def following(cls, members: Members, layers: dict[int, int]) -> Cluster:
+        """The cluster of the members' live workers now, whether or not they hold every
+        expert yet: a call made meanwhile raises Unavailable naming those none holds."""
+        return cls(members, layers, snapshot_of(members, layers))
 
     @classmethod
     def of(cls, members: Members, layers: dict[int, int]) -> Cluster:
@@ -145,7 +151,7 @@ class Cluster:
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a
         live owner (the caller then retries), else raise Unavailable naming those that do not."""
-        self.members.report_failure(self.current.links[index], str(error))
+        self.members.report_failure(self.current.links[index], reason_of(error))
         if self.current.missing:
             raise Unavailable(f"{error}; {self.current.missing}")
 

@@ -220,7 +220,7 @@ class WorkerLink:
                 health_pb2.HealthCheckRequest(service=SERVICE.full_name), timeout=timeout,
                 metadata=[(METADATA_KEY, make_credential(self.secret, HEALTH_CHECK))])
         except grpc.RpcError as e:
-            raise error_for(e, self.address, HEALTH) from None
+            raise error_for(e, self.address, HEALTH, timeout) from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise Unavailable(f"worker {self.address} is shutting down")
         return time.perf_counter() - started

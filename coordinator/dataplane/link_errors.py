@@ -1,5 +1,6 @@
 """How a failed call to a worker reads for the user: one table (`ErrorWording`) for every
-call on a link, gRPC's or an expert lane's; and why a worker cannot serve this model."""
+call on a link, gRPC's or an expert lane's; a worker nothing answers for, in the words every
+surface uses (`unreachable_reason`, `dead_worker`); and why a worker cannot serve this model."""
 
 from __future__ import annotations
 
@@ -34,6 +35,43 @@ def held(inventory: shoal_pb2.Inventory) -> frozenset[ExpertKey]:
     return frozenset((h.layer, h.expert) for h in inventory.experts)
 
 
+REFUSED = "connection refused at once: nothing listens on that port"
+
+
+def unreachable_reason(cause: str, timeout: float | None = None) -> str:
+    """Why nothing answers at a worker's address, in plain words, from gRPC's details of a
+    failed connection ("failed to connect to all addresses; last error: ...") or a socket
+    error's text: doctor, `shoal workers`, /health, 503 bodies and every log say it so."""
+    lower = cause.lower()
+    if "connection refused" in lower:
+        return REFUSED
+    if any(word in lower for word in ("deadline", "timed out", "timeout")):
+        within = f"within {timeout:g} s" if timeout else "in time"
+        return f"no answer {within}: the host is off, asleep or firewalled"
+    last = cause.rsplit(": ", 1)[-1].strip()  # gRPC's details end with the socket's words
+    return f"cannot connect: {last[:1].lower()}{last[1:]}" if last else "cannot connect"
+
+
+def dead_worker(node_id: str, address: str, reason: str) -> str:
+    """A worker nothing answers for, named by its node id where it has one of its own."""
+    name = address if node_id in ("", address) else f"{node_id} at {address}"
+    return f"worker {name} is unreachable: {reason}"
+
+
+class Unreachable(Unavailable):
+    """Nothing answered at a worker's address; `reason` is unreachable_reason's words."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(dead_worker(address, address, reason))
+        self.reason = reason
+
+
+def reason_of(error: ShoalError) -> str:
+    """What a member's `detail` keeps of a failure: an unreachable worker's reason alone (the
+    surfaces name the worker), else the whole message."""
+    return error.reason if isinstance(error, Unreachable) else str(error)
+
+
 @dataclass(frozen=True)
 class ErrorWording:
     """How one kind of call on a link words a failed gRPC call for the user.
@@ -42,12 +80,15 @@ class ErrorWording:
     (proto.ERROR_CODES read back; FAILED_PRECONDITION stands for any other), and the details
     are its message. Any other code means the call did not get through: Unavailable, worded
     by `failed`; with `identity`, a refused credential or TLS handshake is Unauthenticated
-    instead (the worker belongs to another cluster, or the clocks disagree).
+    instead (the worker belongs to another cluster, or the clocks disagree). A connection
+    that could not be made is Unreachable, in plain words; with `silence`, so is a deadline
+    that passed (a health check: nothing answered at all).
     """
 
     refusals: frozenset[grpc.StatusCode] = frozenset()
     failed: str = "worker {address}: {code}: {details}"
     identity: bool = False
+    silence: bool = False
 
 
 _REFUSALS = frozenset(code for _, code in ERROR_CODES) | {grpc.StatusCode.FAILED_PRECONDITION}
@@ -61,7 +102,7 @@ OTHER_IDENTITY = (
 # failure loses the worker for this call.
 INVENTORY = ErrorWording(identity=True)
 STATS = ErrorWording()
-HEALTH = ErrorWording(identity=True)
+HEALTH = ErrorWording(identity=True, silence=True)
 CALL = ErrorWording(_REFUSALS, failed="worker {address}: {details}")
 STREAM = ErrorWording(frozenset({grpc.StatusCode.ABORTED}),
                  failed="worker {address} failed: {code}: {details}")
@@ -83,18 +124,29 @@ def refused_certificate(details: str) -> bool:
         word in upper for word in _CERTIFICATE_WORDS)
 
 
-def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) -> ShoalError:
-    """A failed call to the worker at `address` as the ShoalError the user is shown."""
-    return error_for_code(error.code(), error.details() or error.code().name, address, wording)
+_NOT_CONNECTED = ("failed to connect", "connection refused", "no route to host",
+                  "network is unreachable", "dns resolution failed")
+
+
+def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL,
+              timeout: float | None = None) -> ShoalError:
+    """A failed call to the worker at `address` as the ShoalError the user is shown
+    (`timeout`: the call's deadline, named when nothing answered within it)."""
+    return error_for_code(error.code(), error.details() or error.code().name, address, wording,
+                          timeout)
 
 
 def error_for_code(code: grpc.StatusCode, details: str, address: str,
-                   wording: ErrorWording = CALL) -> ShoalError:
+                   wording: ErrorWording = CALL, timeout: float | None = None) -> ShoalError:
     """The same, from a status code and its details (an expert lane's ERROR frame)."""
-    if code in wording.refusals:
-        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     if wording.identity and refused_certificate(details):
         return Unauthenticated(OTHER_IDENTITY.format(address=address))
+    if code == grpc.StatusCode.UNAVAILABLE and any(
+            words in details.lower() for words in _NOT_CONNECTED) \
+            or wording.silence and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unreachable(address, unreachable_reason(details, timeout))
+    if code in wording.refusals:
+        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
     kind = Unauthenticated if refused else Unavailable
     return kind(wording.failed.format(address=address, code=code.name, details=details))

@@ -98,7 +98,7 @@ def open_remote_model(
     secret: bytes,
     *,
     membership: Membership | None = None,
-    wait: float = 30.0,
+    wait: float | None = 30.0,
     on_wait: Callable[[str], None] | None = None,
     transport: Transport = LANE,
     local_stores: Sequence[Path] = (),
@@ -106,7 +106,8 @@ def open_remote_model(
 ) -> RemoteModel:
     """The dense model here, the experts on the workers at `addresses`, or, with a
     `membership`, on whichever of its workers are healthy (waiting up to `wait` seconds
-    until every expert has an owner; workers may leave and come back afterwards); and on
+    until every expert has an owner, or with `wait` None not at once: a call made before then
+    raises Unavailable; workers may leave and come back afterwards); and on
     this Mac's own store folders, `local_stores`, served in this process under
     `memory_budget` (the worker's forms). With local stores and no workers, this Mac alone."""
     if addresses or membership is not None:  # every MoE layer evaluates: engine/process.py
@@ -122,6 +123,8 @@ def open_remote_model(
         elif membership is None:
             owned = FixedMembers(addresses, secret, transport)
             cluster = owned.join(manifest, log=on_wait, local=local)
+        elif wait is None:
+            cluster = Cluster.following(with_local(membership, local), layer_sizes(manifest))
         else:
             cluster = membership.join(manifest, wait=wait, on_wait=on_wait, local=local)
     except BaseException:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.dataplane.link import WorkerLink
+from coordinator.dataplane.link_errors import REFUSED, dead_worker, unreachable_reason
 from engine.auth import load_secret, secret_mode
 from engine.cache_policy import DEFAULT_MEMORY_SHARE, format_bytes
 from engine.errors import ShoalError
@@ -221,18 +222,16 @@ def tcp_reach(address: str, timeout: float = TCP_TIMEOUT) -> str | None:
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return None
-    except ConnectionRefusedError:
-        return "connection refused at once: nothing listens on that port"
     except TimeoutError:
-        return f"no answer within {timeout:g} s: the host is off, asleep or firewalled"
+        return unreachable_reason("timed out", timeout)
     except OSError as e:
-        return e.strerror or str(e)
+        return unreachable_reason(e.strerror or str(e), timeout)
 
 
 def refused_at_once(address: str) -> bool:
     """True when nothing listens at `address` (a refusal, told apart from a slow network)."""
     reason = tcp_reach(address, timeout=TCP_TIMEOUT)
-    return reason is not None and reason.startswith("connection refused")
+    return reason == REFUSED
 
 
 def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
@@ -243,6 +242,10 @@ def check_workers(rows: Sequence[dict], fingerprint: str | None) -> list[Check]:
     for r in rows:
         name = r["address"] if r["node_id"] == r["address"] else \
             f"{r['node_id']} at {r['address']}"
+        if r["state"] == "unreachable":  # the area says "worker" already
+            said = dead_worker(r["node_id"], r["address"], r.get("reach") or r["detail"])
+            checks.append(Check("worker", "fail", said.removeprefix("worker ")))
+            continue
         if r["state"] != "healthy":
             why = r.get("reach") or r["detail"] or r["state"]
             checks.append(Check("worker", "fail", f"{name}: {r['state']}: {why}"))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from coordinator.cluster.membership import duplicate_ids
+from coordinator.cluster.member import duplicate_ids
 from coordinator.decoding.report import worker_stats_lines
 from coordinator.ops.doctor import failed
 from engine.errors import InvalidInput
@@ -16,7 +16,7 @@ from engine.heat import heat_to_json
 from engine.placement import decode_bound, plan_placement
 
 if TYPE_CHECKING:
-    from coordinator.cluster.membership import Member
+    from coordinator.cluster.member import Member
     from coordinator.ops.doctor import Check
     from coordinator.ops.rebalancer import Report
     from engine.heat import HeatRecord

@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.dataplane.dispatch import LayerStats
 from coordinator.decoding.report import summarize_stats
 from coordinator.ops.heat_record import name_workers, summarize_heat

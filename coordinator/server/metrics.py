@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.server.batching import EngineStats
 from proto import shoal_pb2
 

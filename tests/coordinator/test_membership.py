@@ -11,7 +11,7 @@ from coordinator.cluster.discovery import (
     read_cluster_config,
     same_cluster,
 )
-from coordinator.cluster.membership import (
+from coordinator.cluster.member import (
     DEAD_AFTER,
     RETRY_AFTER,
     after_check,

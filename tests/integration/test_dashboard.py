@@ -18,7 +18,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.dataplane.dispatch import LayerStats
 from coordinator.ops.local_processes import LocalWorker, start_server, start_worker, stop_workers
 from coordinator.server.dashboard_views import (

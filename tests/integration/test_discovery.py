@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from coordinator.cluster.membership import CHECK_INTERVAL, DEAD_AFTER, Membership
+from coordinator.cluster.member import DEAD_AFTER
+from coordinator.cluster.membership import CHECK_INTERVAL, Membership
 from coordinator.decoding.generate import generate, open_remote_model
 from coordinator.ops.local_processes import start_worker as launch_worker
 from engine.auth import create_secret, load_secret

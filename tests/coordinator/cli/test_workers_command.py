@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from coordinator.cli.workers_command import format_table
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.ops.ops_report import member_rows
 from engine.interfaces import Route
 
@@ -36,4 +36,4 @@ def test_why_a_worker_is_not_healthy_is_said_under_the_table():
     rows = member_rows([member(state="unreachable", detail="no answer", rtt_ms=None)])
     table = format_table(rows)
     assert table.split("\n")[1].endswith("-")  # no round trip to show
-    assert table.endswith("\n  studio-a (169.254.3.4:50551): no answer")
+    assert table.endswith("\n  worker studio-a at 169.254.3.4:50551 is unreachable: no answer")

@@ -1,7 +1,7 @@
 """The dashboard's views as pure functions of plain data: speed samples, worker cards with
 their replicas, and the heat map's grid with each expert's owners."""
 
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.dataplane.dispatch import LayerStats
 from coordinator.server.dashboard_views import (
     Counters,

@@ -9,7 +9,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from coordinator.cluster.membership import Member
+from coordinator.cluster.member import Member
 from coordinator.server.batching import EngineStats
 from coordinator.server.latency import Latencies
 from coordinator.server.metrics import Figures, Metrics
