@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 # first request is served rather than refused.
 FIRST_ANSWERS = 5.0
 
+
 def setup_arg_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "serve", help="serve the model over the OpenAI API (chat and text completions)",
@@ -145,6 +146,8 @@ def check_serve_args(args: argparse.Namespace) -> int:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1, got "
                                f"{getattr(args, name)}")
 
+    if args.wait is not None and not args.wait >= 0:
+        raise InvalidInput(f"--wait takes seconds, 0 or more, got {args.wait:g}")
     if not 0 <= args.drain_seconds <= 3600:
         raise InvalidInput(f"--drain-seconds must be 0-3600, got {args.drain_seconds:g}")
     check_one_worker_source(args)
