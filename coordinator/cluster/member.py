@@ -20,6 +20,8 @@ RETRY_AFTER = 5.0  # a refused handshake (other secret, other model) is tried ag
 # rebalance) are used even by a coordinator that sends it nothing; a worker that is sent work
 # says so in every reply (Cluster.reload).
 INVENTORY_REFRESH = 5.0
+# unreachable: no answer to health checks for DEAD_AFTER; incompatible: another protocol or
+# model; unauthenticated: another cluster's secret
 STATES = ("connecting", "healthy", "unreachable", "incompatible", "unauthenticated")
 
 
@@ -98,8 +100,8 @@ def in_words(member: Member) -> str:
     if member.state == "unreachable":
         return dead_worker(member.node_id, member.address, member.detail or "no answer")
     name = member.node_id or member.key
-    return (f"worker {member.address if name == member.address else f'{name} at {member.address}'}"
-            f" is {member.state}" + (f" ({member.detail})" if member.detail else ""))
+    named = member.address if name == member.address else f"{name} at {member.address}"
+    return f"worker {named} is {member.state}" + (f" ({member.detail})" if member.detail else "")
 
 
 def needs_handshake(member: Member, now: float) -> bool:

@@ -2,8 +2,6 @@
 thin threaded shell over member.py's pure transitions that checks health every CHECK_INTERVAL
 and verifies each worker with an authenticated handshake."""
 # Bonjour is never the liveness signal: a crashed worker stays in mDNS caches for a long time.
-# States: connecting, healthy, unreachable, incompatible (other protocol or model),
-# unauthenticated (other secret).
 
 from __future__ import annotations
 
@@ -28,11 +26,7 @@ from coordinator.cluster.member import (
 )
 from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
-from coordinator.dataplane.link_errors import (
-    Unreachable,
-    dead_worker,
-    held,
-)
+from coordinator.dataplane.link_errors import Unreachable, dead_worker, held
 from engine.advert import DEFAULT_CLUSTER
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, local_interfaces, select_interface

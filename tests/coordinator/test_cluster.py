@@ -5,7 +5,18 @@ import grpc
 import pytest
 
 from coordinator.cluster.snapshot import Cluster, FixedMembers
-from coordinator.dataplane.link_errors import CALL, INVENTORY, STREAM, error_for
+from coordinator.dataplane.link_errors import (
+    CALL,
+    HEALTH,
+    INVENTORY,
+    REFUSED,
+    STREAM,
+    Unreachable,
+    dead_worker,
+    error_for,
+    reason_of,
+    unreachable_reason,
+)
 from engine.auth import load_secret
 from engine.errors import InvalidInput, Moved, Unauthenticated, Unavailable
 from proto import shoal_pb2
@@ -66,6 +77,32 @@ def test_a_failed_call_reads_as_the_workers_refusal_or_names_what_did_not_get_th
                             "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SYSCALL: Socket closed"), "h:1",
                     INVENTORY)
     assert type(cut) is Unavailable and "TLS identity" not in str(cut)
+
+
+def test_a_worker_nothing_answers_for_is_said_in_plain_words_never_grpcs():
+    refused = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all "
+                                "addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to "
+                                "connect to remote host: Connection refused"), "127.0.0.1:1",
+                        HEALTH, 1.0)
+    assert isinstance(refused, Unreachable) and refused.reason == REFUSED
+    assert str(refused) == f"worker 127.0.0.1:1 is unreachable: {REFUSED}"
+    assert reason_of(refused) == REFUSED and reason_of(Unavailable("busy")) == "busy"
+    silent = error_for(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1",
+                       HEALTH, 1.0)
+    assert str(silent) == ("worker h:1 is unreachable: no answer within 1 s: the host is off, "
+                           "asleep or firewalled")
+    # a deadline on the Compute stream is a slow worker, not a silent host
+    assert not isinstance(error_for(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline "
+                                            "Exceeded"), "h:1", STREAM), Unreachable)
+    routeless = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all "
+                                  "addresses; last error: UNKNOWN: ipv4:10.0.0.9:5: Failed to "
+                                  "connect to remote host: No route to host"), "10.0.0.9:5", CALL)
+    assert str(routeless) == "worker 10.0.0.9:5 is unreachable: cannot connect: no route to host"
+    # a socket's own words (doctor's TCP probe) read the same
+    assert unreachable_reason("Connection refused") == REFUSED
+    assert unreachable_reason("timed out", 2.0).startswith("no answer within 2 s")
+    assert dead_worker("studio-b", "10.0.0.9:5", REFUSED) == \
+        f"worker studio-b at 10.0.0.9:5 is unreachable: {REFUSED}"
 
 
 def _inventory(*experts: int) -> shoal_pb2.Inventory:

@@ -16,6 +16,7 @@ from coordinator.cluster.member import (
     RETRY_AFTER,
     after_check,
     duplicate_ids,
+    in_words,
     member_for,
     needs_handshake,
     stale_twins,
@@ -83,6 +84,17 @@ def test_liveness_tolerates_one_slow_check_but_not_an_outage():
     assert gone.state == "unreachable" and "refused" in gone.detail and gone.rtt_ms is None
     back = after_check(gone, 9.0, rtt=0.004)
     assert back.state == "connecting" and back.detail == "" and needs_handshake(back, 9.0)
+
+
+def test_a_member_that_is_not_healthy_is_said_by_its_address_alone_unless_it_has_a_name():
+    listed = member_for(Candidate(key="10.0.0.9:5", endpoints=(("10.0.0.9", 5),)), LOCAL,
+                        prefer=None, manifest=None, now=0.0)
+    dead = replace(listed, state="unreachable", detail="connection refused at once: nothing "
+                   "listens on that port")
+    assert in_words(dead) == ("worker 10.0.0.9:5 is unreachable: connection refused at once: "
+                              "nothing listens on that port")
+    named = replace(dead, node_id="studio-b", state="unauthenticated", detail="other secret")
+    assert in_words(named) == "worker studio-b at 10.0.0.9:5 is unauthenticated (other secret)"
 
 
 def test_refused_handshakes_are_retried_now_and_then():
