@@ -226,14 +226,14 @@ def say_when_served(cluster: Cluster, workers: str) -> None:
     they do, model requests get 503 naming what is missing."""
     waiting = "answering 503 until they hold every expert (--wait SECONDS exits instead)"
     said = [not cluster.current.missing]
-    print(f"shoal serve: every expert is held by {workers}" if said[0] else
+    print("shoal serve: every expert has a live owner" if said[0] else
           f"shoal serve: waiting for {workers}: {waiting}", file=sys.stderr, flush=True)
 
     def changed() -> None:  # after the cluster's own watcher: `current` is the new snapshot
         served = not cluster.current.missing
         if served != said[0]:
             said[0] = served
-            print("shoal serve: every expert has a live owner again: serving" if served
+            print("shoal serve: every expert has a live owner now: serving" if served
                   else f"shoal serve: not every expert has a live owner: {waiting}",
                   file=sys.stderr, flush=True)
 

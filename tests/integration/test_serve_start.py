@@ -118,7 +118,7 @@ def test_a_server_starts_without_its_workers_says_why_in_each_api_and_serves_onc
         expected = generate(mlx_model, tokenizer, encode_messages(tokenizer, HI), max_tokens=8)
         assert reply.choices[0].message.content == expected.text
         assert reply.usage.completion_tokens == len(expected.token_ids)
-        assert "every expert has a live owner again: serving" in \
+        assert "every expert has a live owner now: serving" in \
             (tmp_path / "serve.log").read_text()
     finally:
         server.stop()
