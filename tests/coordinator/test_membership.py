@@ -21,6 +21,7 @@ from coordinator.cluster.member import (
     needs_handshake,
     stale_twins,
 )
+from coordinator.cluster.membership import Membership
 from coordinator.cluster.snapshot import parse_addresses
 from engine.advert import Advert
 from engine.errors import InvalidInput
@@ -181,3 +182,11 @@ def test_a_config_may_name_the_coordinators_own_stores_relative_to_itself(tmp_pa
 def test_a_worker_address_says_what_is_wrong_with_it(text, message):
     with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_addresses(text)
+
+
+def test_what_a_membership_waits_for_is_named_as_the_user_gave_it():
+    found = Membership(b"", cluster="desk", local=LOCAL)
+    assert found.workers == "the workers of cluster 'desk'"
+    assert found.absent() == ["no worker of cluster 'desk' found yet"]  # in /health and 503s
+    listed = Membership(b"", local=LOCAL, listed=["10.0.0.9:5", "10.0.0.8:5"])
+    assert listed.workers == "the workers at 10.0.0.9:5, 10.0.0.8:5"
