@@ -23,13 +23,18 @@ WORKERS = 2
 def log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
+FAMILY = "deepseek_v3"  # the bench's; `settings["family"]` names another, built beside it
+
+
 def prepare(settings: dict, root: Path) -> tuple[Path, Path]:
+    family = settings.get("family", FAMILY)
+    root = root if family == FAMILY else root / family
     source = build_once(
         root / "source",
-        lambda out: build_checkpoint(out, "deepseek_v3", size=settings["size"],
+        lambda out: build_checkpoint(out, family, size=settings["size"],
                                      quantize_bits=settings["bits"],
                                      group_size=settings["group_size"]),
-        f"the {settings['size']} DeepSeek-V3-style checkpoint",
+        f"the {settings['size']} {family} checkpoint",
     )
     sharded = build_once(root / f"sharded-w{WORKERS}",
                          lambda out: shard(source, out, workers=WORKERS, progress=False),

@@ -207,6 +207,7 @@ def call_cost(label: str, name: str) -> Row:
 
 
 PREFILL, INTERLEAVE = (CPU, "bench-quick-prefill"), (CPU, "long-prompts-quick")
+INTERLEAVE_GQA = (CPU, "long-prompts-quick-qwen3_moe")
 
 
 def prefill_rows(slot: Slot, what: str) -> tuple[Row, ...]:
@@ -216,11 +217,11 @@ def prefill_rows(slot: Slot, what: str) -> tuple[Row, ...]:
                      "mlx-lm, one process") for n in (512, 4096))
 
 
-def interleave_rows(slot: Slot) -> tuple[Row, ...]:
+def interleave_rows(slot: Slot, what: str) -> tuple[Row, ...]:
     """`shoal serve` while a 4,096-token prompt arrives beside four decoding streams."""
     return (
-        Row("serve, 4 streams decoding while a 4,096-token prompt is prefilled: their longest "
-            "gap between tokens (ms)", Cell(slot, "figures.gap_longest_during_ms", ".0f"),
+        Row(f"serve, {what}, 4 streams decoding while a 4,096-token prompt is prefilled: their "
+            "longest gap between tokens (ms)", Cell(slot, "figures.gap_longest_during_ms", ".0f"),
             Cell(slot, "figures.gap_median_before_ms", ".1f"), "their median gap before"),
         Row("the same: their median gap while it is prefilled (ms)",
             Cell(slot, "figures.gap_median_during_ms", ".1f"),
@@ -243,7 +244,8 @@ CPU_ROWS = bench_rows(CPU) + prefill_rows(PREFILL, "tiny checkpoint") + tuple(
     Row(f"prefill tok/s, {n:,}-token prompt, two workers, the pass pipelined over chunks of "
         "256 tokens (the same run)", Cell(PIECES, f"figures.pipelined.{n}", ".0f"),
         Cell(PIECES, f"baselines.mlx_lm_single.{n}", ".0f"), "mlx-lm, one process")
-    for n in (512, 4096)) + interleave_rows(INTERLEAVE) + (
+    for n in (512, 4096)) + interleave_rows(INTERLEAVE, "tiny checkpoint (latent attention)") \
+    + interleave_rows(INTERLEAVE_GQA, "tiny qwen3_moe (grouped-query attention)") + (
     Row("tiny checkpoint: a layer's overhead beyond the slowest worker (ms), lane against "
         "gRPC", Cell((CPU, "bench-quick"), "layer_overhead_ms", ".2f"),
         Cell((CPU, "bench-quick-grpc"), "layer_overhead_ms", ".2f"), "gRPC stream"),

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from benchmarks.checkpoints import FULL, QUICK, WORKERS, bench_files
+from benchmarks.checkpoints import FAMILY, FULL, QUICK, WORKERS, bench_files
 from benchmarks.measure import bench_prompt
 from benchmarks.records import machine, write_record
 from coordinator.ops.local_processes import start_server, start_workers, stop_workers
@@ -21,6 +21,7 @@ from engine.errors import ShoalError
 from engine.manifest import read_manifest
 
 STREAMS = 4
+FAMILIES = (FAMILY, "qwen3_moe")
 
 
 def log(message: str) -> None:
@@ -98,14 +99,15 @@ def gaps_during_prefill(client, long_prompt: list[int], vocab: int, ends: set[in
     return {"arriving": arriving, "before": percentiles(before), "during": percentiles(during)}
 
 
-def run(*, quick: bool, tokens: int | None, prefill_step: int, budget: float) -> dict:
+def run(*, quick: bool, tokens: int | None, prefill_step: int, budget: float,
+        family: str = FAMILY) -> dict:
     import openai
 
-    settings = QUICK if quick else FULL
+    settings = dict(QUICK if quick else FULL, family=family)
     tokens = tokens or (4096 if quick else 8192)
     from mlx_lm.utils import load_tokenizer
 
-    source, sharded, secret_file, log_dir = bench_files(quick)
+    source, sharded, secret_file, log_dir = bench_files(quick, settings=settings)
     ends = set(load_tokenizer(source).eos_token_ids)
     vocab = int(read_manifest(sharded).config["vocab_size"])
     cache_dir = log_dir / "prompt-cache"
@@ -150,7 +152,7 @@ def run(*, quick: bool, tokens: int | None, prefill_step: int, budget: float) ->
             server.stop()
         stop_workers(workers)
     return {"machine": machine(),
-            "checkpoint": {"family": "deepseek_v3", "size": settings["size"],
+            "checkpoint": {"family": family, "size": settings["size"],
                            "bits": settings["bits"], "workers": WORKERS},
             "prompt_tokens": tokens, "prefill_step": prefill_step, "prefill_budget": budget,
             "first_token": rows,
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="shoal serve's --prefill-step (default 256)")
     parser.add_argument("--prefill-budget", type=float, default=BUDGET_STEPS, metavar="STEPS",
                         help=f"shoal serve's --prefill-budget (default {BUDGET_STEPS:g})")
+    parser.add_argument("--family", choices=FAMILIES, default=FAMILY,
+                        help=f"the checkpoint's architecture (default {FAMILY}, the bench's: "
+                        "multi-head latent attention; qwen3_moe: grouped-query attention)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.tokens is not None and args.tokens < 512:
@@ -224,14 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prefill-budget must be above 0")
     try:
         report = run(quick=args.quick, tokens=args.tokens, prefill_step=args.prefill_step,
-                     budget=args.prefill_budget)
+                     budget=args.prefill_budget, family=args.family)
     except ShoalError as e:
         print(f"bench long prompts: error: {e}", file=sys.stderr)
         sys.exit(2)
     figures, ratios = interleave_figures(report)
     budget = "" if args.prefill_budget == BUDGET_STEPS else f"-budget{args.prefill_budget:g}"
-    write_record(what="long-prompts" + ("-quick" if args.quick else "") + budget, figures=figures,
-                 ratios=ratios, report=report)
+    family = "" if args.family == FAMILY else f"-{args.family}"
+    write_record(what="long-prompts" + ("-quick" if args.quick else "") + family + budget,
+                 figures=figures, ratios=ratios, report=report)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

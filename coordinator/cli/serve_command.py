@@ -244,6 +244,7 @@ def main(args: argparse.Namespace) -> None:
     """Validate everything, bind, load, then answer until interrupted."""
     # lazy: start-up
     from coordinator.cluster.membership import stderr_log
+    from coordinator.dataplane.merged_calls import MergedCalls
     from coordinator.decoding.generate import open_remote_model
     from coordinator.server.answering import Service
     from coordinator.server.batching import BatchEngine
@@ -278,11 +279,13 @@ def main(args: argparse.Namespace) -> None:
             say_when_served(remote.cluster, membership.workers)
         drafting = None if policy is None else Drafting(
             remote.model, load_draft_of(args, remote, policy), remote.tokenizer.eos_token_ids)
+        merged = remote.dispatcher.merged = MergedCalls()
         engine = BatchEngine(remote.model, remote.tokenizer, cache_key=manifest.fingerprint,
                              max_batch=args.max_batch, prompt_cache_bytes=cache_bytes,
                              prompt_cache_disk=prompt_cache_disk(args, remote.model, manifest),
                              prefill_step_size=args.prefill_step,
-                             prefill_budget=args.prefill_budget, drafting=drafting)
+                             prefill_budget=args.prefill_budget, drafting=drafting,
+                             merged=merged)
         name = args.model_id or Path(args.model).resolve().name
         # the members health reads: the workers, and the coordinator's own experts
         service = Service(engine, remote.tokenizer, manifest, remote.cluster.members, name,

@@ -26,6 +26,7 @@ from coordinator.dataplane.dispatch_stats import DispatchStats, LayerStats
 from coordinator.dataplane.hosts import ExpertHost, LayerCall, Share
 from coordinator.dataplane.link import FIRST_REPLY_TIMEOUT, MIN_REPLY_TIMEOUT
 from coordinator.dataplane.lookahead import Lookahead
+from coordinator.dataplane.merged_calls import MergedCalls
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
@@ -99,6 +100,9 @@ class Dispatcher:
         # Called between a call's requests and its replies (a pipelined prompt pass hands
         # over to its next chunk there: coordinator/decoding/pipelined_prefill.py).
         self.between: Callable[[], None] | None = None
+        # Forwards on several threads whose layer calls go together (serve's decode step
+        # and a prompt piece: coordinator/server/prefill_overlap.py).
+        self.merged: MergedCalls | None = None
 
     def _pace_of(self, address: str) -> Pace:
         pace = self._pace.get(address)
@@ -139,6 +143,14 @@ class Dispatcher:
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
         sync = time.perf_counter() - before
+        if self.merged is not None and self.merged.taking_part_now():
+            return self.merged.call(layer, x, inds, lambda at, rows, picks: self._remote(
+                self._members_now(), at, rows, picks, None, sync))
+        return self._remote(members, layer, x, inds, shared, sync)
+
+    def _remote(self, members: Snapshot, layer: int, x: mx.array, inds: mx.array,
+                shared: SharedAhead | None, sync: float) -> mx.array:
+        """One layer call to the members; a lost member routed around, a moved expert re-read."""
         attempts = 1
         while True:  # a lost member is routed around, a moved expert re-read: MAX_ATTEMPTS
             try:

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
@@ -18,10 +19,12 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
+from coordinator.dataplane.merged_calls import MergedCalls
 from coordinator.server.answer_text import AnswerText, Event, Handle
 from coordinator.server.drafting import Drafting
 from coordinator.server.grammars import Grammars
 from coordinator.server.latency import Latencies
+from coordinator.server.prefill_overlap import overlapped_step
 from coordinator.server.prefill_pacing import BUDGET_STEPS, PrefillPacer, paced_step
 from coordinator.server.prompt_cache_tiers import DiskTier, PromptCache
 from coordinator.server.sampling import (
@@ -72,6 +75,7 @@ class BatchEngine:
         prefill_step_size: int = 512,
         prefill_budget: float = BUDGET_STEPS,
         drafting: Drafting | None = None,
+        merged: MergedCalls | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,6 +86,11 @@ class BatchEngine:
         self.prompt_cache_bytes = prompt_cache_bytes
         self.stats = EngineStats()
         self.drafting = drafting  # a stream alone decodes through the draft (drafting.py)
+        # the model's dispatcher merges the layer calls of forwards taking part: a prompt
+        # piece then runs beside the decode step, one round trip a layer (prefill_overlap.py)
+        self.merged = merged
+        self._decoder = None if merged is None else ThreadPoolExecutor(
+            1, thread_name_prefix="shoal decode step")
         self.latencies = Latencies()
         self._grammars = Grammars(tokenizer)
         self._prompt_cache = PromptCache(cache_key, prompt_cache_bytes, prompt_cache_disk)
@@ -128,6 +137,8 @@ class BatchEngine:
         self._inbox.put(None)
         self._thread.join(timeout)
         self._prompt_cache.close(timeout)  # the files of the last requests, written
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False)
 
     # the engine's thread ---------------------------------------------------------------
 
@@ -219,7 +230,10 @@ class BatchEngine:
         rows = None if self.drafting is None else self.drafting.step(generator, self._live)
         if rows is None:
             streams = any(live.last_token is not None for live in self._live.values())
-            responses = paced_step(self.pacer, generator, streams=streams)
+            responses = (paced_step(self.pacer, generator, streams=streams)
+                         if self.merged is None else
+                         overlapped_step(self.pacer, generator, self.merged, self._decoder,
+                                         streams=streams))
         else:
             responses = rows
         if responses:
