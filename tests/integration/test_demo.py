@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.demo_runs import demo_workers_running
+from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,22 +69,6 @@ def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(demo_cache, star
     assert "Paris" in tokenizer.decode(tokens)
 
 
-def free_port_pair() -> int:
-    """A free port whose next one is free too (a worker's expert lane takes port + 1)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no two free ports in a row")
-
-
 def chat_as_printed(command: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(command + " --max-tokens 16", shell=True, cwd=REPO, env=env, text=True,
                           input="What is the capital of France?\n", capture_output=True,
@@ -134,7 +119,7 @@ def test_the_commands_the_demo_prints_work_as_printed(demo_cache):
     assert answered.returncode == 0, answered.stderr[-3000:]
     assert "Paris" in answered.stdout
 
-    http_port = free_port_pair()
+    http_port = free_ports(1)[0]
     server = subprocess.Popen(serve.replace("--port 8080", f"--port {http_port}"), shell=True,
                               cwd=REPO, env=env, text=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, start_new_session=True)
@@ -161,7 +146,7 @@ def test_the_commands_the_demo_prints_work_as_printed(demo_cache):
     finally:
         stop(server)
 
-    worker_port = free_port_pair()
+    worker_port = free_ports(1)[0]
     worker_process = subprocess.Popen(worker.replace("--port 50561", f"--port {worker_port}"),
                                       shell=True, cwd=REPO, env=env, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

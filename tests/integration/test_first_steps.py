@@ -17,6 +17,7 @@ import pytest
 
 from engine.interfaces import kind_of, local_interfaces
 from engine.sharding import shard
+from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -34,14 +35,6 @@ def sharded(tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_workers_takes_the_readmes_worker_list_and_fails_when_none_answers(
     sharded, start_worker, secret_file
@@ -55,7 +48,7 @@ def test_workers_takes_the_readmes_worker_list_and_fails_when_none_answers(
     assert sorted((r["node_id"], r["state"]) for r in rows) == [("a", "healthy"),
                                                                 ("b", "healthy")]
 
-    gone = f"{LOOPBACK}:{free_port()}"
+    gone = f"{LOOPBACK}:{free_ports(1)[0]}"
     partly = shoal("workers", "--workers", f"{a.address},{gone}", "--secret-file",
                    str(secret_file), "--wait", "3")
     assert partly.returncode == 1, partly.stderr

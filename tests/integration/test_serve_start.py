@@ -2,7 +2,6 @@
 API's own shape with the plain reason (the addresses given, "nothing listens"), serves once
 the workers come up, without a restart; `--wait` gives up instead, in one plain line."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from coordinator.decoding.generate import encode_messages, generate
 from coordinator.ops.local_processes import start_server
 from engine.sharding import shard
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -35,22 +35,6 @@ def model(tiny_checkpoint, tmp_path_factory):
     sharded = tmp_path_factory.mktemp("serve-start") / "sharded"
     shard(source, sharded, workers=2, progress=False)
     return source, sharded
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports nothing listens on now (the kernel's choice), with the one above each free too:
-    a worker's expert lane takes the next port when it can."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as s, socket.socket() as lane:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            try:
-                lane.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            ports.append(port)
-    return ports
 
 
 def until(check, what: str, timeout: float = SETTLE):
