@@ -187,7 +187,8 @@ def load(args: argparse.Namespace) -> Residency:
     """Scan (and verify) the stores and set up the memory budget."""
     hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
     return open_residency(args.store, args.memory_budget, verify=not args.no_verify,
-                          readers=args.readers, verify_reads=not args.no_verify_reads)
+                          readers=args.readers, verify_reads=not args.no_verify_reads,
+                          admission=args.cache_admission == "heat")
 
 
 def run(

@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
     )
     parser.add_argument(
+        "--cache-admission", choices=("heat", "every"), default="heat",
+        help="under a memory budget, which experts read from a drive stay in memory: 'heat' "
+        "(default) keeps one only if routed more, over the last ~64 tokens' half-life, than "
+        "the least routed expert kept, so a cold expert read once does not evict a hot one; "
+        "'every' keeps each one read, evicting the coldest",
+    )
+    parser.add_argument(
         "--no-verify-reads", action="store_true",
         help="do not check the checksum of each expert read from a drive while serving "
         "(by default every read is checked: a file that rotted is caught, that expert alone "

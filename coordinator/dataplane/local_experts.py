@@ -211,18 +211,20 @@ class LocalExperts:
 
 def open_local_experts(
     stores: list[Path], manifest: Manifest, *, memory_budget: str | None = None,
-    verify: bool = True, node_id: str | None = None, warm: bool = True,
+    verify: bool = True, node_id: str | None = None, warm: bool = True, admission: bool = True,
 ) -> LocalExperts:
     """This Mac's store folders (one per drive) as the coordinator's own member, under a
     memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
-    False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
+    False for a command that only moves or counts them (`shoal heat`, `rebalance`); `admission`
+    as a worker's --cache-admission (True: heat)."""
     for store in stores:
         if problem := not_written_by_shard(store):
             raise InvalidInput(f"--local-store: {problem}")
     locks = hold_for_serving(stores, COORDINATOR)  # a worker's lock: one server per store
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
-                                   out=sys.stderr, warm=warm)  # stdout is the generated text's
+                                   out=sys.stderr,  # stdout is the generated text's
+                                   warm=warm, admission=admission)
     except BaseException:
         for fd in locks:
             os.close(fd)
