@@ -83,16 +83,17 @@ class LocalExperts:
 
     # -- the compute path ------------------------------------------------------------------
 
-    def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+    def whole(self, layer: int, x: mx.array, inds: mx.array,
+              timing: Timing | None = None) -> mx.array | None:
         """mlx-lm's own switch call over this layer's experts, when every one is held here in
         memory (lazy, like the single-process model's), or read into memory now when the
-        budget cannot hold them all; else None."""
+        budget cannot hold them all (`timing`: its picks' evaluation and reads); else None."""
         if self.residency.streaming:
             ahead = None if self.lookahead is None else \
                 self.lookahead.ahead(layer, x, inds.shape[-1])
             return self.residency.whole_streamed(
                 layer, x, inds, lambda: self._prefetch(ahead),
-                [ahead[1]] if ahead is not None else [])
+                [ahead[1]] if ahead is not None else [], timing)
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._computer = threading.current_thread()
