@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
     )
     parser.add_argument(
+        "--read-limit", metavar="RATE",
+        help="read expert files from each store folder at most this fast, bytes/s (e.g. 40M): "
+        "leaves the drive to other work, or stands in for a slower drive (a cgroup's read "
+        "throttle lets a read after an idle spell through at full speed)",
+    )
+    parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
         help=f"reader threads per store folder (default {READERS_PER_DRIVE})",
     )
@@ -173,6 +179,8 @@ def check_args(args: argparse.Namespace) -> None:
         parse_budget(args.memory_budget)
     if args.scrub:
         parse_rate(args.scrub)
+    if args.read_limit:
+        parse_rate(args.read_limit, "--read-limit")
     for folder in args.store:
         check_store_folder(folder)
 

@@ -213,11 +213,12 @@ class LocalExperts:
 def open_local_experts(
     stores: list[Path], manifest: Manifest, *, memory_budget: str | None = None,
     verify: bool = True, node_id: str | None = None, warm: bool = True, admission: bool = True,
+    read_limit: int | None = None,
 ) -> LocalExperts:
     """This Mac's store folders (one per drive) as the coordinator's own member, under a
     memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
     False for a command that only moves or counts them (`shoal heat`, `rebalance`); `admission`
-    as a worker's --cache-admission (True: heat)."""
+    as a worker's --cache-admission (True: heat), `read_limit` as its --read-limit."""
     for store in stores:
         if problem := not_written_by_shard(store):
             raise InvalidInput(f"--local-store: {problem}")
@@ -225,7 +226,7 @@ def open_local_experts(
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
                                    out=sys.stderr,  # stdout is the generated text's
-                                   warm=warm, admission=admission)
+                                   warm=warm, admission=admission, read_limit=read_limit)
     except BaseException:
         for fd in locks:
             os.close(fd)
