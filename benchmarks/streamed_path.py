@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from coordinator.decoding.generate import open_remote_model  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
 from engine.auth import ensure_secret, load_secret  # noqa: E402
 from engine.sharding import shard  # noqa: E402
+from engine.store_lock import LOCK_NAME, SERVING_NAME  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -159,6 +162,16 @@ def main() -> None:
                                          "runs": runs}, indent=1))
 
 
+def worker_store(sharded: Path) -> Path:
+    """worker-0's files hard-linked into a folder of its own (its locks left out) for the
+    worker that runs beside the own store: one process serves a store at a time."""
+    copy = sharded.parent / f"{sharded.name}-worker-store"
+    if not copy.exists():
+        shutil.copytree(sharded / "worker-0", copy, copy_function=os.link,
+                        ignore=shutil.ignore_patterns(LOCK_NAME, SERVING_NAME))
+    return copy
+
+
 def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens: int,
                 rounds: int) -> dict:
     """mlx-lm, the own store and a worker in one process, one generation each in turn, the
@@ -166,7 +179,7 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
     generations seconds apart."""
     secret = sharded.parent / "secret"
     ensure_secret(secret)
-    worker = start_worker([sharded / "worker-0"], secret, sharded.parent / "worker.log",
+    worker = start_worker([worker_store(sharded)], secret, sharded.parent / "worker.log",
                           ["--memory-budget", f"{share}%"])
     models = {"mlx-lm": load(str(source))}
     try:
