@@ -80,23 +80,32 @@ class Heat:
         self.clock = 0  # forward passes seen
         self._value = np.zeros(count, dtype=np.float64)
         self._stamp = np.zeros(count, dtype=np.int64)
+        self._values: np.ndarray | None = None  # `values()` until the next change
 
     def advance(self, passes: int = 1) -> None:
         self.clock += passes
+        self._values = None
 
     def grow(self, count: int) -> None:
         """Room for `count` more experts (a worker that received new ones), at zero heat."""
         self._value = np.concatenate([self._value, np.zeros(count)])
         self._stamp = np.concatenate([self._stamp, np.full(count, self.clock, dtype=np.int64)])
+        self._values = None
 
     def add(self, index: np.ndarray, tokens: np.ndarray) -> None:
         """Count `tokens[i]` more tokens routed to expert `index[i]` in the current pass."""
         index = np.asarray(index)
         self._value[index] = self._decayed(index) + np.asarray(tokens, dtype=np.float64)
         self._stamp[index] = self.clock
+        self._values = None
 
     def values(self) -> np.ndarray:
-        return self._decayed(slice(None))
+        """Every expert's value now (read-only: kept for the calls until the next change,
+        as the cache asks several times a request)."""
+        if self._values is None:
+            self._values = self._decayed(slice(None))
+            self._values.flags.writeable = False
+        return self._values
 
     def _decayed(self, index: np.ndarray | slice) -> np.ndarray:
         age = self.clock - self._stamp[index]
