@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cache-admission", choices=("heat", "every"), default="heat",
         help="under a memory budget, which experts read from a drive stay in memory: 'heat' "
-        "(default) keeps one only if routed more, over the last ~64 tokens' half-life, than "
+        "(default) keeps one only if routed more (counted with a 64-token half-life) than "
         "the least routed expert kept, so a cold expert read once does not evict a hot one; "
         "'every' keeps each one read, evicting the coldest",
     )
