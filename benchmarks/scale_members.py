@@ -61,13 +61,15 @@ def placed_stores(whole: Path, holders: dict[tuple[int, int], tuple[str, ...]],
 
 
 def member_once(sharded: str, addresses: list[str], secret_file: str, budget: int,
-                ids: list[int], tokens: int, lookahead: bool, cpu_files: list) -> None:
+                ids: list[int], tokens: int, lookahead: bool, cpu_files: list,
+                admission: bool = True, read_limit: int | None = None) -> None:
     """The coordinator, in a process (and cgroup) of its own: member 0's store here, the rest
     on the workers at `addresses`; prints one JSON line of decode-only figures, the members'
     CPU seconds (their cgroups' counters, `cpu_files`) taken over the decode too."""
     remote = open_remote_model(Path(sharded), addresses, load_secret(Path(secret_file)),
                                local_stores=[Path(sharded) / "worker-0"],
-                               memory_budget=str(budget))
+                               memory_budget=str(budget), admission=admission,
+                               read_limit=read_limit)
     if not lookahead:
         remote.dispatcher.lookahead = None
     taken: list = []
@@ -109,9 +111,13 @@ def member_once(sharded: str, addresses: list[str], secret_file: str, budget: in
 
 def run_point(sharded: Path, members: int, budget: int, read_bps: list[int | None],
               ids: list[int], tokens: int, secret_file: Path, log_dir: Path,
-              device: str | None, cpu: float | None, lookahead: bool = True) -> dict:
+              device: str | None, cpu: float | None, lookahead: bool = True,
+              admission: bool = True) -> dict:
     """One layout of `members` members, member i reading at `read_bps[i]` with `cpu` cores:
-    page cache dropped, each member in its own cgroup, decode timed."""
+    page cache dropped, each member in its own cgroup, decode timed; `admission` False: every
+    member keeps each expert it reads (`--cache-admission every`). The read rate is each
+    member's `--read-limit` as well as its cgroup's: the cgroup throttle lets an expert's read
+    after an idle spell through at the device's speed (benchmarks/probes/throttle_burst.py)."""
     how = drop_page_cache(sorted(sharded.glob("worker-*/L*/E*.safetensors")))
     manifest = read_manifest(sharded)
     mean_size = sum(e.bytes for e in manifest.experts) / len(manifest.experts)
@@ -126,12 +132,17 @@ def run_point(sharded: Path, members: int, budget: int, read_bps: list[int | Non
             limits.append(limit)
             workers.append(start_worker([sharded / f"worker-{i}"], secret_file,
                                         log_dir / f"worker-{members}-{i}.log",
-                                        ["--memory-budget", str(budget)], prefix=limit.wrap([])))
+                                        ["--memory-budget", str(budget), "--cache-admission",
+                                         "heat" if admission else "every",
+                                         *(["--read-limit", str(read_bps[i])]
+                                           if read_bps[i] else [])],
+                                        prefix=limit.wrap([])))
         cpu_files = [[str(limit.cpu_usage), limit.cpu_v2] if limit.cpu_usage else [None, False]
                      for limit in limits]
         code = ("from benchmarks.scale_members import member_once; member_once("
                 f"{str(sharded)!r}, {[w.address for w in workers]!r}, {str(secret_file)!r}, "
-                f"{budget}, {ids!r}, {tokens}, {lookahead}, {cpu_files!r})")
+                f"{budget}, {ids!r}, {tokens}, {lookahead}, {cpu_files!r}, {admission}, "
+                f"{read_bps[0]})")
         proc = subprocess.run(coordinator.wrap([sys.executable, "-c", code]), capture_output=True,
                               text=True, timeout=3600, cwd=REPO)
         if proc.returncode != 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -15,19 +17,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
-import worker.lease  # noqa: E402
 from benchmarks.measure import bench_prompt, greedy_generation  # noqa: E402
 from benchmarks.mlx_lm_process import run_mlx_lm  # noqa: E402
 from benchmarks.streaming import run_local  # noqa: E402
 from builders.demo_models import build_once, cache_root  # noqa: E402
 from builders.synthetic import build_checkpoint  # noqa: E402
+from coordinator.dataplane.dispatch_stats import DispatchStats  # noqa: E402
 from coordinator.decoding.generate import open_remote_model  # noqa: E402
 from coordinator.ops.local_processes import start_worker  # noqa: E402
 from engine.auth import ensure_secret, load_secret  # noqa: E402
 from engine.sharding import shard  # noqa: E402
+from engine.store_lock import LOCK_NAME, SERVING_NAME  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -71,40 +73,27 @@ def worker_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
     }))
 
 
+def own_breakdown(stats: DispatchStats) -> dict:
+    """The own store's streamed decode layer calls as `--stats` breaks them down, us a call:
+    the router's picks evaluated (sync), the waits for reads, the rest (bookkeeping)."""
+    parts = stats.decode.breakdown()
+    return {"calls": stats.decode.calls, "sync_us": parts["sync_us"],
+            "reads_us": parts["worker_reads_us"], "bookkeeping_us": parts["worker_bookkeeping_us"]}
+
+
 def local_bookkeeping_once(sharded: str, share: int, ids: list[int], tokens: int) -> None:
-    """Run in a process of its own: the coordinator's own store at `share`%, each decode layer
-    call's time in `LocalExperts.whole` with the router's picks already evaluated, less the
-    waits for reads; prints one JSON line."""
+    """Run in a process of its own: the coordinator's own store at `share`%, its decode layer
+    calls' breakdown (none at 100%: every layer's call is mlx-lm's, lazy); one JSON line."""
     root = Path(sharded)
     remote = open_remote_model(root, [], b"", local_stores=[root / "worker-0"],
                                memory_budget=f"{share}%")
-    local, spent = remote.local, {"whole": 0.0, "reads": 0.0, "calls": 0}
-    whole, take = local.whole, worker.lease.Lease.take
-
-    def timed_whole(layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
-        mx.eval(inds)  # the sync that the streamed path makes: not bookkeeping
-        before = time.perf_counter()
-        out = whole(layer, x, inds)
-        spent["whole"] += time.perf_counter() - before
-        spent["calls"] += 1
-        return out
-
-    def timed_take(lease: worker.lease.Lease) -> list[int]:
-        before = time.perf_counter()
-        ready = take(lease)
-        spent["reads"] += time.perf_counter() - before
-        return ready
-
-    local.whole, worker.lease.Lease.take = timed_whole, timed_take
     try:
         run = greedy_generation(remote.model, remote.tokenizer, ids, tokens,
-                                lambda: spent.update(whole=0.0, reads=0.0, calls=0))
+                                remote.dispatcher.stats.reset)
     finally:
         remote.close()
-    calls = max(spent["calls"], 1)
     print(json.dumps({"share": share, "tokens": run.tokens, "decode_tps": run.generation_tps,
-                      "bookkeeping_us": (spent["whole"] - spent["reads"]) / calls * 1e6,
-                      "reads_us": spent["reads"] / calls * 1e6}))
+                      **own_breakdown(remote.dispatcher.stats)}))
 
 
 def run_worker(sharded: Path, share: int, ids: list[int], tokens: int,
@@ -163,13 +152,24 @@ def main() -> None:
         ratios = [r["decode_tps"] / m["decode_tps"] for r, m in zip(rows, runs["mlx-lm"],
                                                                      strict=True)]
         extra = "".join(f" {key} {statistics.median(r[key] for r in rows):.0f}"
-                        for key in ("bookkeeping_us", "parse_us", "matrix_us") if key in rows[0])
+                        for key in ("sync_us", "reads_us", "bookkeeping_us", "parse_us",
+                                    "matrix_us") if key in rows[0])
         print(f"{config:>8}: {statistics.median(r['decode_tps'] for r in rows):6.2f} tok/s, "
               f"x mlx-lm {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), "
               f"same tokens {all(r['tokens'] == expected for r in rows)}{extra}")
     if args.json:
         args.json.write_text(json.dumps({"family": args.family, "share": args.share,
                                          "runs": runs}, indent=1))
+
+
+def worker_store(sharded: Path) -> Path:
+    """worker-0's files hard-linked into a folder of its own (its locks left out) for the
+    worker that runs beside the own store: one process serves a store at a time."""
+    copy = sharded.parent / f"{sharded.name}-worker-store"
+    if not copy.exists():
+        shutil.copytree(sharded / "worker-0", copy, copy_function=os.link,
+                        ignore=shutil.ignore_patterns(LOCK_NAME, SERVING_NAME))
+    return copy
 
 
 def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens: int,
@@ -179,7 +179,7 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
     generations seconds apart."""
     secret = sharded.parent / "secret"
     ensure_secret(secret)
-    worker = start_worker([sharded / "worker-0"], secret, sharded.parent / "worker.log",
+    worker = start_worker([worker_store(sharded)], secret, sharded.parent / "worker.log",
                           ["--memory-budget", f"{share}%"])
     models = {"mlx-lm": load(str(source))}
     try:
@@ -193,9 +193,11 @@ def interleaved(source: Path, sharded: Path, share: int, ids: list[int], tokens:
         for round_ in range(rounds + 1):  # the first round warms up and is not kept
             for name in names[round_ % 3:] + names[:round_ % 3]:
                 model, tokenizer = models[name]
-                run = greedy_generation(model, tokenizer, ids, tokens)
+                run = greedy_generation(model, tokenizer, ids, tokens, own.dispatcher.stats.reset)
                 if round_:
-                    runs[name].append({"tokens": run.tokens, "decode_tps": run.generation_tps})
+                    runs[name].append({"tokens": run.tokens, "decode_tps": run.generation_tps,
+                                       **(own_breakdown(own.dispatcher.stats)
+                                          if name == "local" else {})})
         own.close()
         remote.close()
     finally:
@@ -216,8 +218,11 @@ def bookkeeping(sharded: Path, share: int, ids: list[int], tokens: int, rounds: 
             runs[(what, budget)].append(row)
     print(f"bookkeeping per decode layer call (us), {rounds} alternated rounds, median (each):")
     for (what, budget), rows in runs.items():
-        each = [round(r["bookkeeping_us"]) for r in rows]
         name = "own store" if what.startswith("local") else "worker"
+        if rows[0].get("calls") == 0:
+            print(f"{name:>10} at {budget:>3}%: no streamed call (mlx-lm's own, lazy)")
+            continue
+        each = [round(r["bookkeeping_us"]) for r in rows]
         print(f"{name:>10} at {budget:>3}%: {statistics.median(each):6.0f}  {each}  "
               f"same tokens {all(r['tokens'] == rows[0]['tokens'] for r in rows)}")
 

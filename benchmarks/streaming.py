@@ -271,6 +271,9 @@ def main() -> None:
     parser.add_argument("--placement", choices=("stream", "shard"), default="stream",
                         help="with --scale: experts placed by engine/stream_placement.py from "
                         "the decode's heat (default), or as `shoal shard --workers N` splits them")
+    parser.add_argument("--admission-ab", action="store_true",
+                        help="with --scale: run each point again with every read expert kept "
+                        "(worker --cache-admission every), alternated, to compare")
     parser.add_argument("--no-lookahead", action="store_true",
                         help="with --scale: no prefetch hints from the router's lookahead")
     parser.add_argument("--skew", type=float, default=0.0,
@@ -294,7 +297,7 @@ def main() -> None:
                            cpu_share=args.cpu_share or None, skew=args.skew,
                            json_path=args.json, lookahead=not args.no_lookahead,
                            checkpoint=args.checkpoint, mixed_drives=mixed,
-                           placement=args.placement)
+                           placement=args.placement, admission_ab=args.admission_ab)
         write_record(what="streaming-scale", figures=report)
         return
 

@@ -26,6 +26,8 @@ from engine.stream_placement import plan_streaming
 from engine.stream_speed import StreamingMember, predict_streaming, skewed_heat
 
 PROMPT = "Explain how rainbows form."
+# what `--admission-ab` keeps of the run with every read expert kept
+AB_KEYS = ("tok_s", "hit_rate", "read_bytes_per_token", "demand_bytes_per_token", "drive_busy")
 
 
 def model_stores(model: str, counts: list[int],
@@ -56,12 +58,15 @@ def model_stores(model: str, counts: list[int],
 def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
               budget_share: float, cpu_share: float | None, skew: float,
               json_path: Path | None, lookahead: bool = True, checkpoint: Path | None = None,
-              mixed_drives: list[float] | None = None, placement: str = "stream") -> dict:
+              mixed_drives: list[float] | None = None, placement: str = "stream",
+              admission_ab: bool = False) -> dict:
     """Every member count at `drive_mbps` each (0: no read limit), each first with every
     expert in memory and no read limit (a token's compute, for the forecast, and the routing
     heat); with `mixed_drives`, two members at those rates. Experts are placed by
     engine/stream_placement.py from the first point's heat (`placement` "stream"), or as
-    `shoal shard --workers N` splits them ("shard"; the mixed run is always placed)."""
+    `shoal shard --workers N` splits them ("shard"; the mixed run is always placed).
+    `admission_ab`: each point also with every read expert kept (no heat-weighted admission),
+    the two runs in alternating order, so that both see the same load."""
     source, sharded = model_stores(model, counts, checkpoint)
     manifest = read_manifest(sharded[1])
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
@@ -92,8 +97,18 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
         # same at every point, so is the routing): the heat record.
         heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
         heats.append(heat)
-        row = run_point(store, n, budget, rates, ids, tokens, secret_file, tmp, device,
-                        cpu_share, lookahead)
+        runs = [True, False] if admission_ab else [True]
+        if len(rows) % 2:  # alternate which goes first
+            runs.reverse()
+        measured = {admission: run_point(store, n, budget, rates, ids, tokens, secret_file, tmp,
+                                         device, cpu_share, lookahead, admission)
+                    for admission in runs}
+        row = measured[True]
+        if False in measured:
+            every = measured[False]
+            row["every_read_kept"] = {key: every[key] for key in AB_KEYS}
+            row["every_read_kept"]["exact"] = every["tokens"] == reference.get("tokens")
+            row["every_read_kept"]["ran_first"] = runs[0] is False
         row.pop("heat")
         row["exact"] = row["tokens"] == reference.get("tokens")
         row["all_in_memory_tok_s"] = floor["tok_s"]
@@ -111,9 +126,12 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
         # Ideal: the members' drive rates summed, against one member at the base rate.
         row["ideal_x"] = sum(rates) / read_bps if read_bps else float(n)
         row["drive_mbps"] = [None if rate is None else rate / 1e6 for rate in rates]
+        every = row.get("every_read_kept")
+        ab = "" if every is None else (f"; every read kept: {every['tok_s']:.3f} tok/s, exact "
+                                       f"{every['exact']}")
         print(f"  {n} member(s) at {'/'.join(str(r and r / 1e6) for r in rates)} MB/s: "
               f"{row['tok_s']:.3f} tok/s (forecast {row['forecast_tok_s']:.3f}), exact "
-              f"{row['exact']}, load {os.getloadavg()[0]:.1f}", flush=True)
+              f"{row['exact']}{ab}, load {os.getloadavg()[0]:.1f}", flush=True)
         return row
 
     def layout(n: int, rates: list[int], tmp: Path) -> Path:
@@ -143,6 +161,7 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
         row["of_ideal"] = row["x_one"] / row["ideal_x"]
     report = {"model": model if checkpoint is None else str(checkpoint),
               "lookahead": lookahead, "placement": placement, "drive_mbps": drive_mbps,
+              "admission_ab": admission_ab,
               "memory_budget": budget,
               "cpu_share": cpu_share, "expert_bytes": expert_total, "decode_tokens": tokens,
               "skew_assumed": skew, "rows": rows, "mixed_drives": mixed,
@@ -177,6 +196,24 @@ def _percents(values: list) -> str:
     return ",".join("-" if v is None else f"{100 * v:.0f}%" for v in values)
 
 
+def print_admission(report: dict) -> None:
+    """With --admission-ab: each point with heat-weighted admission against every read kept."""
+    rows = [r for r in [*report["rows"], *([report["mixed_drives"]] if report["mixed_drives"]
+                                          else [])] if "every_read_kept" in r]
+    if not rows:
+        return
+    print(f"\nadmission A/B (the two runs of a point back to back, alternating which first):\n"
+          f"{'members':>7} {'tok/s heat':>10} {'every':>7} {'hit heat':>8} {'every':>6} "
+          f"{'read/tok heat':>13} {'every':>10} {'exact':>6}")
+    for row in rows:
+        every = row["every_read_kept"]
+        print(f"{row['members']:>7} {row['tok_s']:>10.3f} {every['tok_s']:>7.3f} "
+              f"{100 * (row['hit_rate'] or 0):>7.1f}% {100 * (every['hit_rate'] or 0):>5.1f}% "
+              f"{format_bytes(row['read_bytes_per_token']):>13} "
+              f"{format_bytes(every['read_bytes_per_token']):>10} "
+              f"{str(row['exact'] and every['exact']):>6}")
+
+
 def print_scale(report: dict) -> None:
     cpu = report["cpu_share"]
     print(f"\neach member: drive {report['drive_mbps']:g} MB/s, memory budget "
@@ -196,6 +233,7 @@ def print_scale(report: dict) -> None:
               f"{format_bytes(row['demand_bytes_per_token']):>10} "
               f"{_percents(row['drive_busy']):>16} {_percents(row['cpu_busy']):>16} "
               f"{str(row['exact']):>6} {row['all_in_memory_tok_s']:>9.3f}")
+    print_admission(report)
     ref, lim = report["mlx_lm"], report["mlx_lm_limited"]
     print(f"mlx-lm, no limits: {ref.get('decode_tps', 0):.3f} tok/s; under one member's limits "
           f"({format_bytes(lim.get('memory_limit', 0))} memory, same read limit): "

@@ -17,6 +17,9 @@ DEFAULT_MEMORY_SHARE = 0.6
 HALF_LIFE_PASSES = 4.0  # heat halves every 4 forward passes (decode: every 4 tokens)
 PIN_HEAT = 2.0  # an expert at least this hot is pinned (about 2 tokens in its last half-life)
 PIN_SHARE = 0.5  # at most this share of the cache is pinned, so cold experts can still come in
+# Admission remembers routing this long (passes), so that it ranks experts as a heat record
+# and the forecast's hot set do, not by the last few tokens.
+ADMIT_HALF_LIFE_PASSES = 64.0
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -77,23 +80,32 @@ class Heat:
         self.clock = 0  # forward passes seen
         self._value = np.zeros(count, dtype=np.float64)
         self._stamp = np.zeros(count, dtype=np.int64)
+        self._values: np.ndarray | None = None  # `values()` until the next change
 
     def advance(self, passes: int = 1) -> None:
         self.clock += passes
+        self._values = None
 
     def grow(self, count: int) -> None:
         """Room for `count` more experts (a worker that received new ones), at zero heat."""
         self._value = np.concatenate([self._value, np.zeros(count)])
         self._stamp = np.concatenate([self._stamp, np.full(count, self.clock, dtype=np.int64)])
+        self._values = None
 
     def add(self, index: np.ndarray, tokens: np.ndarray) -> None:
         """Count `tokens[i]` more tokens routed to expert `index[i]` in the current pass."""
         index = np.asarray(index)
         self._value[index] = self._decayed(index) + np.asarray(tokens, dtype=np.float64)
         self._stamp[index] = self.clock
+        self._values = None
 
     def values(self) -> np.ndarray:
-        return self._decayed(slice(None))
+        """Every expert's value now (read-only: kept for the calls until the next change,
+        as the cache asks several times a request)."""
+        if self._values is None:
+            self._values = self._decayed(slice(None))
+            self._values.flags.writeable = False
+        return self._values
 
     def _decayed(self, index: np.ndarray | slice) -> np.ndarray:
         age = self.clock - self._stamp[index]
@@ -118,6 +130,16 @@ def pinned(
     return mask
 
 
+def admit(frequency: np.ndarray, candidates: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Which experts just read (they must be, to compute) join the kept experts; the others stay
+    on probation, the first to go when room is needed: TinyLFU's rule (Einziger et al., 2017)
+    over the long-window `frequency`. One joins when it was routed more than the least routed
+    expert of `kept` (a mask), so a cold expert read once does not displace the hot set."""
+    ranked = frequency[kept]
+    floor = ranked.min() if ranked.size else -np.inf
+    return frequency[np.asarray(candidates)] > floor
+
+
 def choose_victims(
     heat: np.ndarray,
     last_used: np.ndarray,
@@ -125,19 +147,22 @@ def choose_victims(
     evictable: np.ndarray,
     pinned_mask: np.ndarray,
     need_bytes: int,
+    probation: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """The fewest evictable experts, coldest first, that free at least `need_bytes`.
 
-    Order: unpinned before pinned, then lowest heat, then least recently used, then lowest
-    index (so the choice is deterministic). None when even evicting them all is not enough.
+    Order: on probation (not admitted) before kept, unpinned before pinned, then lowest heat,
+    then least recently used, then lowest index (so the choice is deterministic). None when
+    even evicting them all is not enough.
     """
     if need_bytes <= 0:
         return np.zeros(0, dtype=np.int64)
     candidates = np.flatnonzero(evictable)
     if candidates.size == 0 or nbytes[candidates].sum() < need_bytes:
         return None
+    kept = np.ones(candidates.size, bool) if probation is None else ~probation[candidates]
     order = np.lexsort(
-        (candidates, last_used[candidates], heat[candidates], pinned_mask[candidates])
+        (candidates, last_used[candidates], heat[candidates], pinned_mask[candidates], kept)
     )
     ranked = candidates[order]
     freed = np.cumsum(nbytes[ranked])

@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.errors import InvalidInput
 from engine.manifest import ExpertKey
+from engine.stream_placement import member_hot_sets
 
 
 @dataclass(frozen=True)
@@ -31,30 +32,6 @@ def skewed_heat(layers: Mapping[int, int], skew: float = 0.0) -> dict[ExpertKey,
             for e in range(count)}
 
 
-def hot_sets(
-    holders: Mapping[ExpertKey, Sequence[str]],
-    members: Sequence[StreamingMember],
-    sizes: Mapping[ExpertKey, int],
-    heat: Mapping[ExpertKey, float],
-) -> dict[str, set[ExpertKey]]:
-    """What each member keeps in memory once warm: its experts with the most uses per byte,
-    while they fit its memory (the steady state a heat-ranked cache converges to)."""
-    held: dict[str, list[ExpertKey]] = {m.name: [] for m in members}
-    for key, names in holders.items():
-        for name in names:
-            held[name].append(key)
-    hot: dict[str, set[ExpertKey]] = {}
-    for member in members:
-        room, chosen = member.memory, set()
-        for key in sorted(held[member.name],
-                          key=lambda k: (-heat.get(k, 0.0) / max(sizes[k], 1), k)):
-            if sizes[key] <= room:
-                chosen.add(key)
-                room -= sizes[key]
-        hot[member.name] = chosen
-    return hot
-
-
 def predict_streaming(
     holders: Mapping[ExpertKey, Sequence[str]],
     members: Sequence[StreamingMember],
@@ -72,8 +49,9 @@ def predict_streaming(
 
     Routing is drawn `samples` times per layer (top-k without replacement, in proportion to
     heat), so the layer's wait is the expected maximum over members, not the maximum of their
-    means: with few experts per member, one unlucky member sets the pace. An expert resident
-    on any holder costs no read; else it is read by the holder with the least to read so far.
+    means: with few experts per member, one unlucky member sets the pace. An expert in a
+    holder's hot set (`member_hot_sets`, the placement's rule) costs no read; else it is read
+    by the holder with the least to read so far.
     `read_factor`: bytes a drive reads per byte of those misses, as measured (prefetches that
     no token used, a cache not yet warm); 1 reads the misses alone.
     """
@@ -85,7 +63,8 @@ def predict_streaming(
         raise InvalidInput(f"the read factor must be above 0, got {read_factor}")
     index = {m.name: i for i, m in enumerate(members)}
     bps = np.array([m.read_bps for m in members], dtype=np.float64)
-    hot = hot_sets(holders, members, sizes, heat)
+    hot = member_hot_sets(holders, {m.name: m.memory for m in members}, sizes, heat,
+                          top_k=top_k)
     rng = np.random.default_rng(seed)
     by_layer: dict[int, list[int]] = {}
     for layer, expert in sizes:

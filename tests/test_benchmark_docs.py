@@ -21,6 +21,8 @@ from benchmarks.records import (
     value,
     write_record,
 )
+from benchmarks.scale_figures import DOC as STREAMING_DOC
+from benchmarks.scale_figures import render_scale
 
 REPO = Path(__file__).resolve().parents[1]
 H200_BENCH = "h200-bench-"  # every `shoal bench` record of the H200 machine
@@ -29,6 +31,12 @@ H200_BENCH = "h200-bench-"  # every `shoal bench` record of the H200 machine
 def test_the_page_is_what_the_records_render():
     text = DOC.read_text()
     assert render(text, newest(RESULTS)) == text, "run `shoal bench --report` and commit"
+
+
+def test_the_streaming_pages_scaling_tables_are_what_the_newest_scale_record_renders():
+    text = STREAMING_DOC.read_text()
+    assert "<!-- rendered: scale" in text
+    assert render_scale(text, RESULTS) == text, "run python -m benchmarks.scale_figures"
 
 
 def test_the_page_stays_a_reference_of_at_most_400_lines():

@@ -13,7 +13,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.cache_policy import PIN_SHARE, Heat, choose_victims, pinned
+from engine.cache_policy import (
+    ADMIT_HALF_LIFE_PASSES,
+    PIN_SHARE,
+    Heat,
+    admit,
+    choose_victims,
+    pinned,
+)
 from engine.errors import ShoalError, Unavailable
 from engine.manifest import ExpertFile, ExpertKey
 from worker.lease import Lease
@@ -77,6 +84,7 @@ class ExpertCache:
         report: Callable[[str], None],
         on_lost: Callable[[ExpertKey, str], None] = lambda key, why: None,
         slot_bytes: int = 0,
+        admission: bool = True,
     ) -> None:
         self.keys = keys
         self.index = {key: i for i, key in enumerate(keys)}
@@ -88,8 +96,7 @@ class ExpertCache:
         self._copies = copies
         self._reader = reader
         self._checks = ReadChecks(checks, decode, self.copies, self.lose_copy)
-        self._report = report
-        self._on_lost = on_lost
+        self._report, self._on_lost = report, on_lost
         n = len(keys)
         self._state = np.zeros(n, dtype=np.int8)
         self._users = np.zeros(n, dtype=np.int32)
@@ -100,10 +107,11 @@ class ExpertCache:
         # with a SlotPool (every expert one slot): the slots no entry holds
         slots = capacity // slot_bytes if slot_bytes else 0
         self._free_slots = list(range(slots - 1, -1, -1))
-        self._used = 0
-        self._uses = 0
-        self._last_layer = sys.maxsize
+        self._used, self._uses, self._last_layer = 0, 0, sys.maxsize
         self.heat = Heat(n)
+        # admission: reads not admitted go first, the kept go by long-window routing (`admit`)
+        self.admission, self.frequency = admission, Heat(n, ADMIT_HALF_LIFE_PASSES)
+        self._probation = np.zeros(n, dtype=bool)
         self.counters = CacheCounters()
         self._cond = threading.Condition()
 
@@ -147,11 +155,11 @@ class ExpertCache:
                 self._file_sizes = np.concatenate([self._file_sizes, np.array([size], np.int64)])
                 room = self._slot_bytes or size
                 self.sizes = np.concatenate([self.sizes, np.array([room], dtype=np.int64)])
-                self._state = np.concatenate([self._state, np.zeros(1, dtype=np.int8)])
-                self._users = np.concatenate([self._users, np.zeros(1, dtype=np.int32)])
-                self._speculative = np.concatenate([self._speculative, np.zeros(1, dtype=bool)])
-                self._last_used = np.concatenate([self._last_used, np.zeros(1, dtype=np.int64)])
+                for name in ("_state", "_users", "_speculative", "_probation", "_last_used"):
+                    now = getattr(self, name)
+                    setattr(self, name, np.concatenate([now, np.zeros(1, dtype=now.dtype)]))
                 self.heat.grow(1)
+                self.frequency.grow(1)
             self._copies[key] = list(copies)
 
     def copies(self, key: ExpertKey) -> list[tuple[int, Path]]:
@@ -206,8 +214,10 @@ class ExpertCache:
             if layer <= self._last_layer:
                 self.counters.passes += 1
                 self.heat.advance()
+                self.frequency.advance()
             self._last_layer = layer
             self.heat.add(idx, tokens)
+            self.frequency.add(idx, tokens)
             self.counters.tokens += int(tokens.sum())
             self._cancel_stale(layer, set(idx.tolist()))
             self._uses += 1
@@ -246,6 +256,10 @@ class ExpertCache:
         held = np.flatnonzero(~absent)
         present = idx[held]
         self._speculative[present] = False
+        if self.admission:  # on probation and asked for again: judged again
+            again = present[self._probation[present]]
+            kept = (self._state == _READY) & ~self._probation
+            self._probation[again] = ~admit(self.frequency.values(), again, kept)
         self._users[present] += 1
         lease.held = {pos: self._entries[i] for pos, i in
                       zip(held.tolist(), present.tolist(), strict=True)}
@@ -340,6 +354,7 @@ class ExpertCache:
                 if not self._reserve(i, demand=False):
                     return
                 self._speculative[i] = True
+                self._probation[i] = self.admission  # a guess is judged when asked for
                 self.counters.prefetch_issued += 1
                 self._load(i, demand=False)
 
@@ -361,14 +376,18 @@ class ExpertCache:
             heat = self.heat.values()
             ready = self._state == _READY
             pins = pinned(heat, self.sizes, ready, int(PIN_SHARE * self.capacity))
+            rank = self.frequency.values() if self.admission else heat
             evictable = ready & (self._users == 0)
             if not demand:
                 evictable &= ~pins & ~self._speculative
-            victims = choose_victims(heat, self._last_used, self.sizes, evictable, pins, need)
+            if demand and self.admission:
+                self._probation[i] = not admit(rank, [i], ready & ~self._probation & ~pins)[0]
+            order = (rank, self._last_used, self.sizes, evictable, pins)
+            victims = choose_victims(*order, need, self._probation)
             if victims is None and demand:
                 self._cancel_stale(sys.maxsize, set())  # queued guesses give way to demand
                 need = self._used + int(self.sizes[i]) - self.capacity
-                victims = choose_victims(heat, self._last_used, self.sizes, evictable, pins, need)
+                victims = choose_victims(*order, need, self._probation)
             if victims is None:
                 return False
             for v in victims.tolist():
@@ -398,6 +417,7 @@ class ExpertCache:
         entry.tensors = None
         self._state[i] = _ABSENT
         self._speculative[i] = False
+        self._probation[i] = False
         self._users[i] = 0  # leases holding a failed entry see its error, not a count
         self._used -= int(self.sizes[i])
 

@@ -187,7 +187,10 @@ def load(args: argparse.Namespace) -> Residency:
     """Scan (and verify) the stores and set up the memory budget."""
     hold_for_serving(args.store)  # `shoal shard` will not write them while this runs
     return open_residency(args.store, args.memory_budget, verify=not args.no_verify,
-                          readers=args.readers, verify_reads=not args.no_verify_reads)
+                          readers=args.readers, verify_reads=not args.no_verify_reads,
+                          admission=args.cache_admission == "heat",
+                          read_limit=parse_rate(args.read_limit, "--read-limit")
+                          if args.read_limit else None)
 
 
 def run(

@@ -44,12 +44,15 @@ def choose_budget(memory_budget: str | None, expert_bytes: int) -> tuple[int, st
 def open_residency(
     stores: list[Path], memory_budget: str | None, *, verify: bool = True,
     readers: int = READERS_PER_DRIVE, verify_reads: bool = True, name: str = "shoal-worker",
-    out: TextIO | None = None, warm: bool = True,
+    out: TextIO | None = None, warm: bool = True, admission: bool = True,
+    read_limit: int | None = None,
 ) -> Residency:
     """Scan (and verify) store folders and hold their experts under a memory budget
     (--memory-budget's text, or None for the default), saying so as `name` (a worker, or the
     coordinator for its own experts: coordinator/dataplane/local_experts.py), the budget on `out`
-    (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now."""
+    (default stdout), warnings on stderr. `warm`: read the experts that fit into memory now;
+    `admission` False: every expert read is kept like a hot one (engine/cache_policy.admit);
+    `read_limit`: bytes/s at most from each store folder (worker/reader.py's pacing)."""
     scan = scan_stores(stores, verify=verify)
     for problem in scan.problems:
         print(f"{name}: warning: {problem}", file=sys.stderr, flush=True)
@@ -70,6 +73,8 @@ def open_residency(
         scan, budget=budget, readers_per_drive=readers, verify_reads=verify_reads, warm=warm,
         report=lambda m: print(f"{name}: warning: {m}", file=sys.stderr, flush=True),
     )
+    residency.cache.admission = admission
+    residency.reader.read_bps = read_limit
     if residency.streaming:
         # Evicted experts' memory goes back to the system instead of MLX's buffer cache.
         mx.set_cache_limit(4 * residency.reader.buffer_bytes)

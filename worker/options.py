@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DEFAULT_MEMORY_SHARE:.0%}% of physical memory)",
     )
     parser.add_argument(
+        "--cache-admission", choices=("heat", "every"), default="heat",
+        help="under a memory budget, which experts read from a drive stay in memory: 'heat' "
+        "(default) keeps one only if routed more (counted with a 64-token half-life) than "
+        "the least routed expert kept, so a cold expert read once does not evict a hot one; "
+        "'every' keeps each one read, evicting the coldest",
+    )
+    parser.add_argument(
         "--no-verify-reads", action="store_true",
         help="do not check the checksum of each expert read from a drive while serving "
         "(by default every read is checked: a file that rotted is caught, that expert alone "
@@ -122,6 +129,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="re-check every expert file against the manifest's checksum in the background, "
         "reading at most RATE bytes/s (e.g. 16M, 200M; default "
         f"{format_rate(DEFAULT_RATE)}); a file that rotted is reported and no longer served",
+    )
+    parser.add_argument(
+        "--read-limit", metavar="RATE",
+        help="read expert files from each store folder at most this fast, bytes/s (e.g. 40M): "
+        "leaves the drive to other work, or stands in for a slower drive (a cgroup's read "
+        "throttle lets a read after an idle spell through at full speed)",
     )
     parser.add_argument(
         "--readers", type=int, default=READERS_PER_DRIVE, metavar="N",
@@ -166,6 +179,8 @@ def check_args(args: argparse.Namespace) -> None:
         parse_budget(args.memory_budget)
     if args.scrub:
         parse_rate(args.scrub)
+    if args.read_limit:
+        parse_rate(args.read_limit, "--read-limit")
     for folder in args.store:
         check_store_folder(folder)
 

@@ -140,6 +140,7 @@ class _Drive:
         self.in_flight = 0
         self.prefetching = 0  # prefetch chunks in flight
         self.active_since = 0.0
+        self.free_at = 0.0  # with a read limit: when the paced drive has read what it was given
 
 
 class ReaderPool:
@@ -169,6 +170,7 @@ class ReaderPool:
         self._waiting = {True: deque(), False: deque()}  # jobs waiting for a buffer, by demand
         self._cond = threading.Condition()
         self._closed = False
+        self.read_bps: float | None = None  # a limit on each drive's bytes/s (`_pace`)
         self._threads = [
             threading.Thread(target=self._serve, args=(drive,), daemon=True,
                              name=f"shoal-reader-{drive.index}-{n}")
@@ -341,10 +343,21 @@ class ReaderPool:
             error = None
             try:
                 self._read_chunk(job, chunk)
+                self._pace(drive, chunk.length, started)
             except OSError as e:
                 error = e
             elapsed = time.perf_counter() - started
             self._finish_chunk(drive, job, chunk, error, elapsed, demand)
+
+    def _pace(self, drive: _Drive, length: int, started: float) -> None:
+        """Under a read limit, finish the chunk no sooner than a drive of that speed would,
+        reading one chunk at a time: after the ones before it, `length / read_bps` later."""
+        if not self.read_bps:
+            return
+        with self._cond:
+            drive.free_at = max(started, drive.free_at) + length / self.read_bps
+            done = drive.free_at
+        time.sleep(max(0.0, done - time.perf_counter()))
 
     def _read_chunk(self, job: ReadJob, chunk: ReadChunk) -> None:
         file = open_uncached(chunk.path)

@@ -54,6 +54,7 @@ class Timing:
     matrix: float = 0.0
     waited: float = 0.0
     reads: float = 0.0
+    sync: float = 0.0  # a whole layer's call (`whole_streamed`): evaluating the router's picks
 
 
 SMALL = 64  # values from which numpy's calls are quicker than Python's over a list
@@ -337,18 +338,22 @@ class Residency:
             return self.runners[layer].whole(stack.params, x, inds)
 
     def whole_streamed(self, layer: int, x: mx.array, inds: mx.array,
-                       then: Callable[[], None] = lambda: None,
-                       along: list[mx.array] = ()) -> mx.array | None:
+                       then: Callable[[], None] = lambda: None, along: list[mx.array] = (),
+                       timing: Timing | None = None) -> mx.array | None:
         """`whole` while the budget cannot hold every expert: mlx-lm's call over the slots
         with the router's picks (evaluated now) turned into slot numbers, lazily, once the
         missing experts are read; their heat and hits counted now. None when the layer is not
         all held here or its picks need more slots than there are. `then` runs once the
         missing experts' reads are queued (the caller's prefetch hints go behind them), and
-        `along` is evaluated with the picks (the caller's guess of the next layer's)."""
+        `along` is evaluated with the picks (the caller's guess of the next layer's); `timing`
+        gets that evaluation's time (sync) and the waits for reads."""
         held = self._held_mask.get(layer)
         if self.pool is None or held is None or not held.all():
             return None
+        timing = timing or Timing()
+        before = time.perf_counter()
         mx.eval(inds, *along)
+        timing.sync += time.perf_counter() - before
         experts = np.asarray(inds).reshape(-1)
         unique, inverse, counts = np.unique(experts, return_inverse=True, return_counts=True)
         if unique.size > self.pool.slots:
@@ -357,7 +362,7 @@ class Residency:
         try:
             then()
             picks = mx.array(all_in_slots(lease, self.cache, self.pool, self._lock,
-                                          unique.size)[inverse.reshape(inds.shape)])
+                                          unique.size, timing)[inverse.reshape(inds.shape)])
             with self._lock:
                 # the lease ends before this is evaluated: a slot taken over meanwhile is
                 # copied, not overwritten, as MLX keeps an array the graph still refers to
@@ -432,10 +437,8 @@ class Residency:
         with self._problems_lock:
             problems = list(self.problems)
         return WorkerSnapshot(
-            budget=self.budget,
-            expert_bytes=self.expert_bytes,
-            resident_bytes=resident,
-            resident_experts=count,
+            budget=self.budget, expert_bytes=self.expert_bytes,
+            resident_bytes=resident, resident_experts=count,
             held_experts=int(sum(int(mask.sum()) for mask in self._held_mask.values())),
             buffer_bytes=self.reader.buffer_bytes * self.reader.buffer_count,
             counters=self.cache.snapshot_counters(),

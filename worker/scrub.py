@@ -17,14 +17,14 @@ DEFAULT_RATE = 32 << 20  # bytes/s: a few percent of one SSD; 100 GB are checked
 PASS_PAUSE = 1.0  # seconds between passes (the rate already bounds the drive's load)
 
 
-def parse_rate(text: str) -> int:
-    """--scrub's RATE in bytes per second: '32M', '200M', '1G', or a plain byte count."""
+def parse_rate(text: str, flag: str = "--scrub") -> int:
+    """A RATE in bytes per second (`flag`'s): '32M', '200M', '1G', or a plain byte count."""
     try:
         spec = parse_budget(text)
     except InvalidInput:
         spec = None
     if spec is None or spec.bytes is None:
-        raise InvalidInput(f"--scrub {text!r} is not a rate in bytes per second like 32M or 1G")
+        raise InvalidInput(f"{flag} {text!r} is not a rate in bytes per second like 32M or 1G")
     return spec.bytes
 
 

@@ -78,12 +78,12 @@ def over_slots(
 
 
 def all_in_slots(lease: Lease, cache: ExpertCache, pool: SlotPool, lock: threading.Lock,
-                 distinct: int) -> np.ndarray:
-    """Wait for every expert of the lease and copy each into its slot as it arrives (under
-    the MLX lock); their slots, by position."""
+                 distinct: int, timing) -> np.ndarray:
+    """Wait for every expert of the lease (`timing.reads`) and copy each into its slot as it
+    arrives (under the MLX lock); their slots, by position."""
     slots = np.full(distinct, -1, dtype=np.int32)
     while (slots < 0).any():
-        ready = np.array(lease.take(), dtype=np.int64)
+        ready = np.array(_take(lease, timing), dtype=np.int64)
         with lock:
             cache.install(pool.put, lease, ready.tolist())
             slots[ready] = lease.slots(ready)

@@ -33,7 +33,7 @@ class _Link:
         self.inventory = None
         self._requests: list[bytes] = []
 
-    def whole(self, layer, x, inds) -> None:
+    def whole(self, layer, x, inds, timing=None) -> None:
         return None
 
     def submit(self, share, timeout: float) -> int:

@@ -30,6 +30,7 @@ from coordinator.dataplane.merged_calls import MergedCalls
 from engine.errors import Moved, ShoalError, Unavailable
 from engine.manifest import Manifest
 from engine.moe_layers import SWITCH_LINEARS, get_module
+from worker.residency import Timing
 
 MAX_ATTEMPTS = 3  # per layer call: a lost worker is routed around at most this often
 
@@ -137,8 +138,7 @@ class Dispatcher:
         members = self._members_now()
         # The coordinator's own experts hold the whole layer in memory: mlx-lm's own call, lazy,
         # as in one process (dataplane/local_experts.py; the member is first when present).
-        if self._whole is not None and (out := self._whole(layer, x, inds)) is not None:
-            self.stats.whole_calls += 1
+        if self._whole is not None and (out := self._whole_call(layer, x, inds)) is not None:
             return out
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
@@ -166,6 +166,24 @@ class Dispatcher:
                 self.cluster.reload(stale.worker)
             attempts += 1
             members = self._members_now()
+
+    def _whole_call(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+        """The own experts' whole-layer call; one under a memory budget (its picks evaluated,
+        its misses read) is timed as a dispatched call is: sync, reads, the rest bookkeeping."""
+        before, timing = time.perf_counter(), Timing()
+        out = self._whole(layer, x, inds, timing)
+        if out is None:
+            return None
+        self.stats.whole_calls += 1
+        if timing.sync > 0:  # a resident layer's call stays lazy: nothing of it to time
+            seconds = time.perf_counter() - before - timing.sync
+            stats = self.stats.slot(layer, decode=inds.ndim < 2 or inds.shape[-2] == 1)
+            stats.calls += 1
+            stats.sync_seconds += timing.sync
+            stats.seconds += seconds
+            stats.worker_reads_seconds += timing.reads
+            stats.worker_bookkeeping_seconds += seconds - timing.reads
+        return out
 
     def _call(self, members: Snapshot, layer: int, x: mx.array, inds: mx.array,
               shared: SharedAhead | None, sync: float) -> mx.array:

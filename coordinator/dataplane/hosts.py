@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.tensors import dtype_name, to_numpy
 from proto import shoal_pb2
+from worker.residency import Timing
 
 IN_PROCESS, LANE_PATH, GRPC_PATH = "in process", "lane", "grpc"  # how a share travels
 
@@ -80,9 +81,11 @@ class ExpertHost(Protocol):
         """How its shares travel (IN_PROCESS, LANE_PATH, GRPC_PATH), for --stats."""
         ...
 
-    def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+    def whole(self, layer: int, x: mx.array, inds: mx.array,
+              timing: Timing | None = None) -> mx.array | None:
         """The layer's call as mlx-lm's own module makes it, lazily, when every expert of the
-        layer is held here in memory; else None."""
+        layer is held here in memory, or, under a memory budget, once the missing ones are read
+        (their picks' evaluation and the waits for reads go in `timing`); else None."""
         ...
 
     def submit(self, share: Share, timeout: float) -> int:

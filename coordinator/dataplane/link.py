@@ -238,7 +238,7 @@ class WorkerLink:
         return f"{GRPC_PATH} (lane refused: {self.lane_refused})" if self.lane_refused \
             else GRPC_PATH
 
-    def whole(self, layer: int, x, inds) -> None:
+    def whole(self, layer: int, x, inds, timing=None) -> None:
         return None  # a worker's experts are reached with requests, never in this graph
 
     def _compute_channel(self, index: int) -> LaneChannel | StreamChannel:

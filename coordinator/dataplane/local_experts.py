@@ -83,16 +83,17 @@ class LocalExperts:
 
     # -- the compute path ------------------------------------------------------------------
 
-    def whole(self, layer: int, x: mx.array, inds: mx.array) -> mx.array | None:
+    def whole(self, layer: int, x: mx.array, inds: mx.array,
+              timing: Timing | None = None) -> mx.array | None:
         """mlx-lm's own switch call over this layer's experts, when every one is held here in
         memory (lazy, like the single-process model's), or read into memory now when the
-        budget cannot hold them all; else None."""
+        budget cannot hold them all (`timing`: its picks' evaluation and reads); else None."""
         if self.residency.streaming:
             ahead = None if self.lookahead is None else \
                 self.lookahead.ahead(layer, x, inds.shape[-1])
             return self.residency.whole_streamed(
                 layer, x, inds, lambda: self._prefetch(ahead),
-                [ahead[1]] if ahead is not None else [])
+                [ahead[1]] if ahead is not None else [], timing)
         out = self.residency.whole(layer, x, inds)
         if out is not None:
             self._computer = threading.current_thread()
@@ -211,18 +212,21 @@ class LocalExperts:
 
 def open_local_experts(
     stores: list[Path], manifest: Manifest, *, memory_budget: str | None = None,
-    verify: bool = True, node_id: str | None = None, warm: bool = True,
+    verify: bool = True, node_id: str | None = None, warm: bool = True, admission: bool = True,
+    read_limit: int | None = None,
 ) -> LocalExperts:
     """This Mac's store folders (one per drive) as the coordinator's own member, under a
     memory budget in the worker's forms (bytes, 40G, 25%; default as for a worker); `warm`
-    False for a command that only moves or counts them (`shoal heat`, `rebalance`)."""
+    False for a command that only moves or counts them (`shoal heat`, `rebalance`); `admission`
+    as a worker's --cache-admission (True: heat), `read_limit` as its --read-limit."""
     for store in stores:
         if problem := not_written_by_shard(store):
             raise InvalidInput(f"--local-store: {problem}")
     locks = hold_for_serving(stores, COORDINATOR)  # a worker's lock: one server per store
     try:
         residency = open_residency(list(stores), memory_budget, verify=verify, name="shoal",
-                                   out=sys.stderr, warm=warm)  # stdout is the generated text's
+                                   out=sys.stderr,  # stdout is the generated text's
+                                   warm=warm, admission=admission, read_limit=read_limit)
     except BaseException:
         for fd in locks:
             os.close(fd)

@@ -103,20 +103,24 @@ def open_remote_model(
     transport: Transport = LANE,
     local_stores: Sequence[Path] = (),
     memory_budget: str | None = None,
+    admission: bool = True,
+    read_limit: int | None = None,
 ) -> RemoteModel:
     """The dense model here, the experts on the workers at `addresses`, or, with a
     `membership`, on whichever of its workers are healthy (waiting up to `wait` seconds
     until every expert has an owner, or with `wait` None not at once: a call made before then
     raises Unavailable; workers may leave and come back afterwards); and on
     this Mac's own store folders, `local_stores`, served in this process under
-    `memory_budget` (the worker's forms). With local stores and no workers, this Mac alone."""
+    `memory_budget` (the worker's forms; `admission`: its --cache-admission heat, `read_limit`:
+    its --read-limit). With local stores and no workers, this Mac alone."""
     if addresses or membership is not None:  # every MoE layer evaluates: engine/process.py
         launch_directly()
     manifest = read_manifest(Path(model_dir))
     model, tokenizer = load_dense(model_dir, manifest)
     local = owned = None
     if local_stores:
-        local = open_local_experts(list(local_stores), manifest, memory_budget=memory_budget)
+        local = open_local_experts(list(local_stores), manifest, memory_budget=memory_budget,
+                                   admission=admission, read_limit=read_limit)
     try:
         if membership is None and not addresses and local is not None:
             cluster = Cluster.of(with_local(None, local), layer_sizes(manifest))

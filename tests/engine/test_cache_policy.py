@@ -4,6 +4,7 @@ import pytest
 from engine.cache_policy import (
     BudgetSpec,
     Heat,
+    admit,
     choose_victims,
     parse_budget,
     pinned,
@@ -55,3 +56,22 @@ def test_victims_are_unpinned_cold_then_least_recently_used_and_as_few_as_needed
     assert choose_victims(heat, last_used, sizes, evictable, pins, 0).size == 0
     in_use = np.array([True, True, False, False, False])
     assert choose_victims(heat, last_used, sizes, ~in_use, pins, need_bytes=55) is None
+
+
+def test_an_expert_read_joins_the_kept_only_if_routed_more_than_the_least_routed_kept_one():
+    frequency = np.array([5.0, 3.0, 1.0, 4.0, 3.0])
+    kept = np.array([True, True, False, False, False])
+    assert admit(frequency, np.array([2, 3, 4]), kept).tolist() == [False, True, False]
+    assert admit(frequency, np.array([2]), np.zeros(5, dtype=bool)).tolist() == [True]  # room
+
+
+def test_experts_on_probation_go_before_any_kept_one_however_cold():
+    heat = np.array([0.0, 7.0, 9.0])
+    last_used = np.array([1, 2, 3])
+    sizes = np.full(3, 10)
+    evictable = np.ones(3, dtype=bool)
+    no_pins = np.zeros(3, dtype=bool)
+    probation = np.array([False, True, True])
+    victims = choose_victims(heat, last_used, sizes, evictable, no_pins, 15, probation)
+    assert victims.tolist() == [1, 2]
+    assert choose_victims(heat, last_used, sizes, evictable, no_pins, 15).tolist() == [0, 1]

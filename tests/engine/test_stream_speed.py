@@ -1,10 +1,10 @@
 import pytest
 
 from engine.errors import InvalidInput
+from engine.stream_placement import member_hot_sets
 from engine.stream_speed import (
     StreamingMember,
     active_compute_seconds,
-    hot_sets,
     predict_streaming,
     skewed_heat,
 )
@@ -62,12 +62,15 @@ def test_a_replicated_expert_is_read_where_it_is_resident():
     assert got["hit_rate"] == 1.0 and got["tokens_per_second"] == pytest.approx(1.0)
 
 
-def test_hot_sets_keep_the_hottest_experts_per_byte():
+def test_the_forecast_keeps_in_memory_what_the_placement_calls_hot():
     heat = skewed_heat({0: 4}, skew=1.0)
     sizes = {(0, e): 10 for e in range(4)}
-    hot = hot_sets({k: ("a",) for k in sizes}, [StreamingMember("a", 25, 1.0)], sizes, heat)
-    assert hot == {"a": {(0, 0), (0, 1)}}
-    assert heat[(0, 0)] == 1.0 and heat[(0, 3)] == pytest.approx(0.25)
+    holders = {k: ("a",) for k in sizes}
+    assert member_hot_sets(holders, {"a": 25}, sizes, heat, top_k=1) == {
+        "a": frozenset({(0, 0), (0, 1)})}
+    got = predict_streaming(holders, [StreamingMember("a", 25, 1.0)], sizes, heat, top_k=1,
+                            compute_seconds=0.0, samples=4096)
+    assert got["hit_rate"] == pytest.approx((1 + 1 / 2) / (1 + 1 / 2 + 1 / 3 + 1 / 4), abs=0.03)
 
 
 def test_bad_inputs_are_named():

@@ -40,7 +40,8 @@ def checks_for(data: dict) -> dict:
             for key, b in data.items()}
 
 
-def make_cache(folders, copies, capacity, *, buffers=4, readers=2, checks=None, lost=None):
+def make_cache(folders, copies, capacity, *, buffers=4, readers=2, checks=None, lost=None,
+               admission=True):
     pool = ReaderPool(folders, SIZE, buffers, readers_per_drive=readers, chunk_bytes=ALIGN)
     keys = sorted(copies)
     problems: list[str] = []
@@ -48,6 +49,7 @@ def make_cache(folders, copies, capacity, *, buffers=4, readers=2, checks=None, 
         keys, np.full(len(keys), SIZE, dtype=np.int64), copies, capacity, pool, decode,
         checks=checks, report=problems.append,
         on_lost=(lambda key, why: lost.append(key)) if lost is not None else (lambda k, w: None),
+        admission=admission,
     )
     return cache, pool, problems
 
@@ -95,6 +97,38 @@ def test_under_the_budget_the_coldest_expert_goes_first_then_the_least_recently_
             assert not resident(cache2, 0) and resident(cache2, 1) and resident(cache2, 2)
         finally:
             pool2.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_cold_experts_read_once_do_not_evict_a_hot_one_under_admission(tmp_path, admission):
+    folder, data, copies = one_drive(tmp_path, 14)
+    cache, pool, _ = make_cache([folder], copies, capacity=3 * SIZE, admission=admission)
+    try:
+        use(cache, 0, tokens=4)  # the hot expert: 4 tokens of one pass
+        for e in range(1, 14):  # then 13 passes of a cold expert each, read once
+            assert use(cache, e) == data[(0, e)]
+        # Without admission the recent heat of 0 (half-life 4 passes) falls below a newcomer's.
+        assert resident(cache, 0) == admission
+        assert resident(cache, 13)  # the last one read is in memory either way
+    finally:
+        pool.close()
+
+
+def test_an_expert_on_probation_routed_more_than_a_kept_one_is_kept(tmp_path):
+    folder, data, copies = one_drive(tmp_path, 5)
+    cache, pool, _ = make_cache([folder], copies, capacity=2 * SIZE)
+    try:
+        use(cache, 0, tokens=6)
+        use(cache, 1, tokens=4)
+        use(cache, 2)  # routed less than 0 and 1: on probation (it still needs 1's room)
+        assert resident(cache, 0) and resident(cache, 2) and not resident(cache, 1)
+        use(cache, 2, tokens=8)  # now routed more than 0, the least routed kept one: kept
+        use(cache, 3)  # on probation, and with none other on probation, 0 makes room
+        assert resident(cache, 2) and resident(cache, 3) and not resident(cache, 0)
+        use(cache, 4)  # 3, on probation, goes first
+        assert resident(cache, 2) and resident(cache, 4) and not resident(cache, 3)
     finally:
         pool.close()
 

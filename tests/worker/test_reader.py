@@ -3,6 +3,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -206,4 +207,20 @@ def test_a_drive_reads_one_prefetch_at_a_time_and_demand_reads_pass_it(two_drive
         assert len(finished) == 4 and state["most"] == 1
     finally:
         release.set()
+        pool.close()
+
+
+def test_under_a_read_limit_a_drive_reads_no_faster_even_after_idling(two_drives):
+    data, folders = two_drives
+    path = Path("L000/E0000.safetensors")
+    pool = ReaderPool(folders[:1], len(data), 2, readers_per_drive=2, chunk_bytes=ALIGN)
+    pool.read_bps = 500_000.0  # the 50 KB file in 0.1 s at the least
+    try:
+        for _ in range(2):  # the second after the drive sat idle: no burst
+            started = time.perf_counter()
+            assert read(pool, (0, 0), len(data), [(0, folders[0] / path)])["bytes"] == data
+            assert time.perf_counter() - started >= len(data) / pool.read_bps
+            time.sleep(0.2)
+        assert pool.drive_stats()[0].active_seconds >= 2 * len(data) / pool.read_bps
+    finally:
         pool.close()
