@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from coordinator.cluster.discovery import Browser, Candidate
 from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
-from coordinator.dataplane.link_errors import held, incompatibility
+from coordinator.dataplane.link_errors import held, incompatibility, reason_of
 from engine.advert import DEFAULT_CLUSTER, Advert
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, Route, choose_route, local_interfaces, select_interface
@@ -238,7 +238,7 @@ class Membership:
                 stop.wait(CHECK_INTERVAL)
                 continue
             except Unavailable as e:
-                rtt, failure = None, str(e)
+                rtt, failure = None, reason_of(str(e), link.address)
             now = time.monotonic()
             with self._changed:
                 if stop.is_set():
@@ -259,7 +259,7 @@ class Membership:
         except Unauthenticated as e:
             changes.update(state="unauthenticated", detail=str(e))
         except Unavailable as e:
-            changes.update(detail=str(e))  # the next health check decides
+            changes.update(detail=reason_of(str(e), link.address))  # the next check decides
         else:
             changes.update(
                 node_id=inventory.node_id,
@@ -301,7 +301,8 @@ class Membership:
             for key, known in self._links.items():
                 if known is link and self._members[key].state != "unreachable":
                     self._set_locked(replace(self._members[key], state="unreachable",
-                                             detail=detail, rtt_ms=None))
+                                             detail=reason_of(detail, link.address),
+                                             rtt_ms=None))
 
     # state ---------------------------------------------------------------------------
 

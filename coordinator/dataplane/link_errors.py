@@ -3,6 +3,7 @@ call on a link, gRPC's or an expert lane's; and why a worker cannot serve this m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -83,6 +84,32 @@ def refused_certificate(details: str) -> bool:
         word in upper for word in _CERTIFICATE_WORDS)
 
 
+# How grpcio says a connection could not be made: the OS's reason comes last, after the
+# address and grpcio's own codes ("failed to connect to all addresses; last error: UNKNOWN:
+# ipv4:h:1: Failed to connect to remote host: Connection refused").
+_UNREACHED = re.compile(r"failed to connect to all addresses|connections to all backends "
+                        r"failing|errors resolving|DNS resolution failed", re.IGNORECASE)
+
+
+def unreached(details: str) -> str | None:
+    """The one reason grpcio's `details` give for a connection it could not make (as in
+    "connection refused"), or None when they tell of something else."""
+    if not _UNREACHED.search(details):
+        return None
+    last = details.rsplit(": ", 1)[-1].strip(" []")
+    return last[:1].lower() + last[1:] if last else "no connection"
+
+
+def reason_of(message: str, address: str) -> str:
+    """What a message about the worker at `address` says after naming it: how a line that
+    names the worker itself quotes the message without naming it twice."""
+    for lead in (f"worker {address} unreachable: ", f"worker {address} failed: ",
+                 f"worker {address}: "):
+        if message.startswith(lead):
+            return message[len(lead):]
+    return message
+
+
 def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) -> ShoalError:
     """A failed call to the worker at `address` as the ShoalError the user is shown."""
     return error_for_code(error.code(), error.details() or error.code().name, address, wording)
@@ -91,10 +118,15 @@ def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL) 
 def error_for_code(code: grpc.StatusCode, details: str, address: str,
                    wording: ErrorWording = CALL) -> ShoalError:
     """The same, from a status code and its details (an expert lane's ERROR frame)."""
-    if code in wording.refusals:
-        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     if wording.identity and refused_certificate(details):
         return Unauthenticated(OTHER_IDENTITY.format(address=address))
+    reason = unreached(details) if code == grpc.StatusCode.UNAVAILABLE else None
+    if reason is not None:  # grpcio's words, not the worker's: it was never reached
+        return Unavailable(f"worker {address} unreachable: {reason}")
+    if code in wording.refusals:
+        return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
-    kind = Unauthenticated if refused else Unavailable
-    return kind(wording.failed.format(address=address, code=code.name, details=details))
+    text = wording.failed.format(address=address, code=code.name, details=details)
+    if details.replace(" ", "_").upper() == code.name:  # "Deadline Exceeded": the code again
+        text = text.replace(f"{code.name}: {details}", details.lower())
+    return (Unauthenticated if refused else Unavailable)(text)
