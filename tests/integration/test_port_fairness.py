@@ -30,6 +30,7 @@ from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     processes,
 )
 from worker.lane_server import THREADS_PER_HOST
+from worker.lobby import BACKLOG
 
 FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
 FLOOD_SECONDS = 90  # its own end, well beyond the handshakes even on a busy machine (it is
@@ -49,6 +50,15 @@ def rss_mb(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines()
                     if line.startswith("VmRSS:"))) / 1024
+
+
+def listen_overflows(host: Host) -> int:
+    """Connections `host`'s kernel dropped for a full accept queue (a dropped SYN is tried
+    again only a second later)."""
+    netstat = subprocess.run([*host.prefix(), "cat", "/proc/net/netstat"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.splitlines()
+    names, values = (line.split() for line in netstat if line.startswith("TcpExt:"))
+    return int(values[names.index("ListenOverflows")])
 
 
 def start_limited_worker(host: Host, store: Path, secret: Path, log: Path,
@@ -82,6 +92,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
     worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
                                   tmp_path / "worker.log", processes)
     rss_before = rss_mb(worker.proc.pid)
+    overflows = listen_overflows(worker_host)
     flood = subprocess.Popen(
         [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
          worker_host.address, str(PORT), "--sockets", str(FLOOD_SOCKETS), "--source",
@@ -97,6 +108,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
         assert probe.returncode == 0, probe.stderr
         flooding = flood.poll() is None  # the flood outlasted the handshakes
         rss_flooded = rss_mb(worker.proc.pid)
+        overflows = listen_overflows(worker_host) - overflows
         flood.send_signal(signal.SIGINT)  # ends it, with its report
         out, _ = flood.communicate(timeout=30)
     finally:
@@ -105,10 +117,14 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
             flood.wait(10)
     handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
     print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
-                      "worker_rss_mb": [rss_before, rss_flooded]}))
+                      "worker_rss_mb": [rss_before, rss_flooded],
+                      "listen_overflows": overflows}))
     assert flooding
     assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
     assert handshakes["succeeded"] >= 0.9 * HANDSHAKES, handshakes
+    # the flood's sockets wait in the accept queue (worker/lobby.py: BACKLOG), which has room
+    # for all of them: no SYN of the other host is dropped, to be tried again a second later
+    assert FLOOD_SOCKETS < BACKLOG and overflows == 0, overflows
     assert rss_flooded - rss_before < 64  # the flood costs the worker little memory
 
 
