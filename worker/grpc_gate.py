@@ -178,10 +178,12 @@ class Gate:
         TLS record (its ClientHello), returned to be relayed: one stalled before it never
         costs the gRPC server a connection. None while they are arriving, or when the
         connection was closed (not TLS, too long, or beyond its caps)."""
-        if pipe in self._silent:  # unproven from its first byte
-            self._silent.remove(pipe)
-            self._count(pipe)
         early = pipe.early + data
+        if pipe in self._silent:  # unproven from its first byte, unless it is garbage
+            self._silent.remove(pipe)
+            if early[:1] != b"C" and not begins_tls(early):
+                return self._garbage(pipe)
+            self._count(pipe)
         if not pipe.answered and early[:1] == b"C":
             end = ends_request(early)
             if end is None:
@@ -200,14 +202,16 @@ class Gate:
             if pipe not in self._pipes:
                 return None
         if early and not begins_tls(early):
-            self._say("garbage", f"gRPC port: closing a connection from {pipe.host} that "
-                      "does not begin with TLS")
-            self._close(pipe)
-            return None
+            return self._garbage(pipe)
         if not whole_record(early):
             return self._wait(pipe, early)
         pipe.early = b""
         return early
+
+    def _garbage(self, pipe: _Pipe) -> None:
+        self._say("garbage", f"gRPC port: closing a connection from {pipe.host} that "
+                  "does not begin with TLS")
+        self._close(pipe)
 
     def _wait(self, pipe: _Pipe, early: bytes) -> None:
         if len(early) > _EARLY_LIMIT:
