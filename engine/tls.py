@@ -4,7 +4,10 @@ encrypted and mutually authenticated."""
 
 from __future__ import annotations
 
+import base64
 import datetime
+import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 
@@ -22,6 +25,42 @@ class Identity:
 
     def to_pem(self) -> str:
         return (self.authority + self.certificate + self.key).decode()
+
+
+def door_pass(identity: Identity) -> str:
+    """What a cluster member shows a worker's front doors before its TLS handshake, so that
+    they keep it a place no stranger can take: made from the cluster's private key."""
+    return hmac.new(identity.key, b"shoal: a worker's front door", hashlib.sha256).hexdigest()
+
+
+# The pass travels as an HTTP CONNECT's Proxy-Authorization, which grpcio sends by itself
+# to a proxy named with a user (its channel option "grpc.http_proxy"): the worker's front
+# door plays that proxy, and the expert lane's client sends the same request.
+def door_proxy(address: str, identity: Identity) -> str:
+    return f"http://{NAME}:{door_pass(identity)}@{address}"
+
+
+def door_request(target: str, identity: Identity) -> bytes:
+    user = base64.b64encode(f"{NAME}:{door_pass(identity)}".encode()).decode()
+    return (f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+            f"Proxy-Authorization: Basic {user}\r\n\r\n").encode()
+
+
+def shown_pass(request: bytes) -> str:
+    """The pass in a CONNECT request's head ("" if it shows none)."""
+    for line in request.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        kind, _, user = value.strip().partition(b" ")
+        if name.strip().lower() == b"proxy-authorization" and kind.lower() == b"basic":
+            try:
+                return base64.b64decode(user, validate=True).decode().partition(":")[2]
+            except ValueError:
+                return ""
+    return ""
+
+
+def shows_pass(request: bytes, identity: Identity) -> bool:
+    return hmac.compare_digest(shown_pass(request).encode(), door_pass(identity).encode())
 
 
 # The authority's own key is thrown away once it has signed, so no one, not even the holder of

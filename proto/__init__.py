@@ -5,7 +5,7 @@ import grpc
 from google.protobuf import message_factory
 
 from engine.errors import CorruptData, InvalidInput, Moved, NotFound, Unauthenticated, Unavailable
-from engine.tls import NAME, Identity
+from engine.tls import NAME, Identity, door_proxy
 from proto import shoal_pb2
 from proto.wire import TensorMessage
 
@@ -70,10 +70,14 @@ TLS_CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", NAME)]
 
 
 def secure_channel(address: str, identity: Identity, options: list) -> grpc.Channel:
+    """A channel to a worker that shows its front door the cluster's pass on each connection
+    (worker/grpc_gate.py), then proves the cluster's certificate."""
     credentials = grpc.ssl_channel_credentials(
         root_certificates=identity.authority, private_key=identity.key,
         certificate_chain=identity.certificate)
-    return grpc.secure_channel(address, credentials, options=[*options, *TLS_CHANNEL_OPTIONS])
+    door = [] if "%" in address else [("grpc.http_proxy", door_proxy(address, identity))]
+    return grpc.secure_channel(address, credentials,
+                               options=[*options, *door, *TLS_CHANNEL_OPTIONS])
 
 
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from engine.errors import MAX_MESSAGE, InvalidInput, Unavailable, clip
-from engine.tls import NAME, Identity
+from engine.tls import NAME, Identity, door_request
 
 # A frame is a 5-byte header (the payload's length, uint32 little-endian, and its kind), then
 # the payload. A lane opens with HELLO (a `shoal-auth` credential for LANE_METHOD) answered by
@@ -66,12 +66,17 @@ def server_context(identity: Identity) -> ssl.SSLContext:
     return _context(identity, ssl.Purpose.CLIENT_AUTH)
 
 
-def connect(host: str, port: int, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
-    """A TLS lane to host:port, handshake done, with Nagle off (frames are latency-bound)."""
+def connect(host: str, port: int, context: ssl.SSLContext, timeout: float,
+            identity: Identity | None = None) -> ssl.SSLSocket:
+    """A TLS lane to host:port, handshake done, with Nagle off (frames are latency-bound).
+    With `identity`, the cluster's pass is shown first (engine/tls.py), so that the worker
+    keeps this connection a place no stranger can take."""
     raw = socket.create_connection((host, port), timeout=timeout)
     try:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(raw)
+        if identity is not None:
+            raw.sendall(door_request(f"{host}:{port}", identity))
         return context.wrap_socket(raw, server_hostname=NAME)
     except BaseException:
         raw.close()

@@ -89,8 +89,8 @@ def bind(
     off its file limit, where it could open no expert file.
     """
     log = lambda m: print(f"shoal-worker: {m}", file=sys.stderr, flush=True)  # noqa: E731
-    gate = Gate(host, port, proving=HANDSHAKE_SECONDS + 1, max_connections=max_connections,
-                log=log)
+    gate = Gate(host, port, proving=HANDSHAKE_SECONDS + 1, identity=identity,
+                max_connections=max_connections, log=log)
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 0)]
     if max_connections:
         options.append(("grpc.max_allowed_incoming_connections", max_connections))
@@ -132,7 +132,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         if not args.no_lane:
             lane = open_lane(args, port, lambda lane_port: LaneServer(
-                args.host, lane_port, server_context(identity), checker,
+                args.host, lane_port, server_context(identity), checker, identity,
                 log=lambda m: print(f"shoal-worker: {m}", file=sys.stderr, flush=True),
                 spin=args.spin_us / 1e6, idle_seconds=args.lane_idle_seconds,
                 message_seconds=args.lane_message_seconds))

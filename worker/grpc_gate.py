@@ -14,12 +14,17 @@ from collections.abc import Callable
 
 from engine.errors import ShoalError
 from engine.interfaces import busy_port
-from worker.lobby import Lobby, begins_tls, first_bytes
+from engine.tls import Identity, shows_pass
+from worker.lobby import BACKLOG, Lobby, begins_tls, ends_request, first_bytes, whole_record
 
 SILENT_PER_HOST = 128  # connections that have sent no byte yet, from one host
 SILENT = 512  # ... from every host together (beyond either, the oldest silent is closed)
 OPENING_PER_HOST = 8  # connections in their TLS handshake, younger than the proving time
 OPENING = 64  # ... from every host together (beyond either, the oldest is closed)
+PASSED_PER_HOST = 16  # ... of those, ones that showed the cluster's pass, counted apart
+PASSED = 64
+_EARLY_LIMIT = 2048 + (1 << 14) + 5  # a CONNECT request's head and one TLS record
+_ANSWER = b"HTTP/1.1 200 OK\r\n\r\n"
 _CHUNK = 1 << 18
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
 
@@ -35,6 +40,9 @@ class _Pipe:
         self.connected = False
         self.opened = time.monotonic()
         self.pending: dict[socket.socket, memoryview] = {client: memoryview(b"")}
+        self.early = b""  # its bytes before the relay opens, as they arrive
+        self.answered = False  # its CONNECT request was answered
+        self.passed = False  # ... and showed the cluster's pass
         self.ended: set[socket.socket] = set()  # sides that sent their last byte
         self.shut: set[socket.socket] = set()  # sides told there is no more
 
@@ -50,24 +58,30 @@ class Gate:
     cluster's certificate has not ended by then). Silent ones are held by the door alone
     (a `Lobby`) and closed first: each host may have SILENT_PER_HOST, all SILENT; unproven
     ones OPENING_PER_HOST and OPENING; and `max_connections` in all (beyond it a silent one
-    makes room, or a new connection is closed)."""
+    makes room, or a new connection is closed). A cluster member first shows the cluster's
+    pass (an HTTP CONNECT, engine/tls.py): its unproven connections are counted apart
+    (PASSED_PER_HOST, PASSED), so no one without the secret file can push them out, even
+    from the member's own address."""
 
-    def __init__(self, host: str, port: int, proving: float, max_connections: int = 0,
-                 log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, host: str, port: int, proving: float, identity: Identity,
+                 max_connections: int = 0, log: Callable[[str], None] | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._listener = socket.create_server((host, port), family=family, backlog=1024)
+            self._listener = socket.create_server((host, port), family=family,
+                                                   backlog=BACKLOG)
         except OSError:
             raise ShoalError(busy_port(host, port)) from None
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self.upstream: tuple[str, int] | None = None
         self.proving, self.max_connections = proving, max_connections
+        self._identity = identity
         self._log = log or (lambda message: None)
         self._selector = selectors.DefaultSelector()
         self._pipes: set[_Pipe] = set()
         self._silent: Lobby[_Pipe] = Lobby(SILENT_PER_HOST, SILENT)
         self._opening: dict[str, list[_Pipe]] = {}  # by host, oldest first
+        self._passed: dict[str, list[_Pipe]] = {}  # ... of those that showed the pass
         self._relays: dict[int, _Pipe] = {}  # by the relay's local port
         self._called: queue.SimpleQueue[int] = queue.SimpleQueue()  # relays that made a call
         self._said: dict[str, float] = {}
@@ -158,23 +172,77 @@ class Gate:
             self._relay(pipe, pipe.client, selectors.EVENT_READ)
         return pipe.server is not None or pipe not in self._pipes
 
-    def _begun(self, pipe: _Pipe, data: bytes) -> bool:
-        """A silent connection's first bytes came: on to the unproven ones if they open a
-        TLS handshake (the oldest unproven closed beyond their caps), else closed."""
-        self._silent.remove(pipe)
-        if not begins_tls(data):
-            self._say("garbage", f"gRPC port: closing a connection from {pipe.host} that "
-                      "does not begin with TLS")
+    def _before_tls(self, pipe: _Pipe, data: bytes) -> bytes | None:
+        """A client's bytes before its relay opens: a CONNECT request showing the cluster's
+        pass (answered, the connection then counted among the passed), then the first whole
+        TLS record (its ClientHello), returned to be relayed: one stalled before it never
+        costs the gRPC server a connection. None while they are arriving, or when the
+        connection was closed (not TLS, too long, or beyond its caps)."""
+        early = pipe.early + data
+        if pipe in self._silent:  # unproven from its first byte, unless it is garbage
+            self._silent.remove(pipe)
+            if early[:1] != b"C" and not begins_tls(early):
+                return self._garbage(pipe)
+            self._count(pipe)
+        if not pipe.answered and early[:1] == b"C":
+            end = ends_request(early)
+            if end is None:
+                return self._wait(pipe, early)
+            request, early = early[:end], early[end:]
+            if not request.startswith(b"CONNECT "):
+                self._close(pipe)
+                return None
+            # a wrong pass goes on unpassed: its TLS handshake then says "another cluster"
+            pipe.client.send(_ANSWER)  # a few bytes on a socket that has sent none yet
+            pipe.answered = True
+            if shows_pass(request, self._identity):
+                self._uncount(pipe)
+                pipe.passed = True
+                self._count(pipe)
+            if pipe not in self._pipes:
+                return None
+        if early and not begins_tls(early):
+            return self._garbage(pipe)
+        if not whole_record(early):
+            return self._wait(pipe, early)
+        pipe.early = b""
+        return early
+
+    def _garbage(self, pipe: _Pipe) -> None:
+        self._say("garbage", f"gRPC port: closing a connection from {pipe.host} that "
+                  "does not begin with TLS")
+        self._close(pipe)
+
+    def _wait(self, pipe: _Pipe, early: bytes) -> None:
+        if len(early) > _EARLY_LIMIT:
             self._close(pipe)
-            return False
-        opening = self._opening.setdefault(pipe.host, [])
+        pipe.early = early
+
+    def _kind(self, pipe: _Pipe) -> tuple[dict[str, list[_Pipe]], int, int]:
+        """The unproven connections `pipe` is counted among, and their caps per host and
+        in all."""
+        if pipe.passed:
+            return self._passed, PASSED_PER_HOST, PASSED
+        return self._opening, OPENING_PER_HOST, OPENING
+
+    def _count(self, pipe: _Pipe) -> None:
+        """Count `pipe` as unproven, closing the oldest of its kind beyond their caps."""
+        kind, per_host, total = self._kind(pipe)
+        opening = kind.setdefault(pipe.host, [])
         opening.append(pipe)
-        if len(opening) > OPENING_PER_HOST:
+        if len(opening) > per_host:
             self._evict(opening[0])
-        elif sum(map(len, self._opening.values())) > OPENING:
-            busiest = max(self._opening, key=lambda h: len(self._opening[h]))
-            self._evict(self._opening[busiest][0])
-        return pipe in self._pipes
+        elif sum(map(len, kind.values())) > total:
+            busiest = max(kind, key=lambda h: len(kind[h]))
+            self._evict(kind[busiest][0])
+
+    def _uncount(self, pipe: _Pipe) -> None:
+        kind = self._kind(pipe)[0]
+        opening = kind.get(pipe.host, [])
+        if pipe in opening:
+            opening.remove(pipe)
+            if not opening:
+                del kind[pipe.host]
 
     def _evict(self, pipe: _Pipe) -> None:
         # the oldest, not the newest: a client slow to prove itself gives way, so that
@@ -190,16 +258,16 @@ class Gate:
             self._close(pipe)
         while not self._called.empty():
             pipe = self._relays.get(self._called.get())
-            opening = self._opening.get(pipe.host, []) if pipe is not None else []
-            if pipe in opening:
-                opening.remove(pipe)
+            if pipe is not None:
+                self._uncount(pipe)
         proven = time.monotonic() - self.proving
-        for host in list(self._opening):
-            opening = self._opening[host]
-            while opening and opening[0].opened <= proven:
-                opening.pop(0)
-            if not opening:
-                del self._opening[host]
+        for kind in (self._opening, self._passed):
+            for host in list(kind):
+                opening = kind[host]
+                while opening and opening[0].opened <= proven:
+                    opening.pop(0)
+                if not opening:
+                    del kind[host]
 
     def _connect(self, pipe: _Pipe) -> None:
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -222,12 +290,15 @@ class Gate:
                 pipe.connected = True
             if mask & selectors.EVENT_READ and sock not in pipe.ended and not pipe.pending[sock]:
                 data = sock.recv(_CHUNK)
+                if data and pipe.server is None:
+                    data = self._before_tls(pipe, data)
+                    if data is None:  # a CONNECT request under way, or the pipe closed
+                        if pipe in self._pipes:
+                            self._interest(pipe)
+                        return
+                    self._connect(pipe)
                 if data:
                     pipe.pending[sock] = memoryview(data)
-                    if pipe.server is None:
-                        if not self._begun(pipe, data):
-                            return
-                        self._connect(pipe)
                 else:
                     pipe.ended.add(sock)
             self._flush(pipe)
@@ -287,11 +358,7 @@ class Gate:
             return
         self._pipes.discard(pipe)
         self._silent.remove(pipe)
-        opening = self._opening.get(pipe.host, [])
-        if pipe in opening:
-            opening.remove(pipe)
-            if not opening:
-                del self._opening[pipe.host]
+        self._uncount(pipe)
         for sock in (pipe.client, pipe.server):
             if sock is None:
                 continue

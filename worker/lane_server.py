@@ -16,6 +16,7 @@ import grpc
 
 from engine.auth import CredentialChecker
 from engine.errors import ShoalError, Unauthenticated
+from engine.tls import Identity, shows_pass
 from proto import REQUEST_LIMIT
 from proto.lane import (
     HELLO,
@@ -33,7 +34,7 @@ from proto.lane import (
     write_frame,
 )
 from worker.compute_answers import ComputeAnswers, Refused
-from worker.lobby import Lobby, begins_tls, first_bytes
+from worker.lobby import BACKLOG, Lobby, begins_tls, ends_request, first_bytes
 from worker.threads import ThreadPool
 
 HELLO_SECONDS = 5.0  # from accept to a checked credential
@@ -51,6 +52,7 @@ IDLE_SECONDS = 300.0  # a lane with no request for this long is closed (--lane-i
 # (four in a prompt pass) and would see its idle lane closed only at its next request
 KEEP_IDLE = 4
 MESSAGE_SECONDS = 30.0  # a request, once begun, must be in within this (--lane-message-seconds)
+_REQUEST_LIMIT = 2048  # bytes of the CONNECT request that shows the cluster's pass
 _QUIET_SECONDS = 60.0  # one log line per cause at most this often
 
 
@@ -58,8 +60,9 @@ class _Held:
     """One accepted connection: its socket, then the TLS socket that took its descriptor;
     `busy` while a request of it is computed or answered (a stop lets that finish)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, share: tuple[str, bool]) -> None:
         self.sock = sock
+        self.share = share  # its host, and whether it showed the cluster's pass
         self.busy = False
         self.shut = False
         self.counted = False  # among its host's lanes (past its credential, not closing)
@@ -82,30 +85,34 @@ class LaneServer:
     one), lanes past it a bounded number per host and in all, each served by a thread of a
     bounded pool of which a host holds at most THREADS_PER_HOST, so that nobody can hold the
     worker's threads or file descriptors, or another host's share, by opening connections.
+    A connection that first shows the cluster's pass (engine/tls.py) has a host's caps and
+    share of its own, apart from those of its host's others: no one without the secret file
+    can take them, even from a coordinator's own address.
     A lane that sends nothing for `idle_seconds` is closed, and so is one whose message, once
     begun, is not in within `message_seconds`."""
 
     def __init__(
         self, host: str, port: int, context: ssl.SSLContext, checker: CredentialChecker,
-        log: Callable[[str], None] | None = None, spin: float = 0.0,
+        identity: Identity, log: Callable[[str], None] | None = None, spin: float = 0.0,
         idle_seconds: float = IDLE_SECONDS, message_seconds: float = MESSAGE_SECONDS,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._listener = socket.create_server((host, port), family=family, backlog=1024)
+            self._listener = socket.create_server((host, port), family=family,
+                                                   backlog=BACKLOG)
         except OSError as e:
             raise ShoalError(f"cannot listen for the expert lane on {host}:{port}: {e.strerror}"
                              " (give another --lane-port, or --no-lane)") from None
         self.port = self._listener.getsockname()[1]
-        self._context, self._checker = context, checker
+        self._context, self._checker, self._identity = context, checker, identity
         self.spin = spin  # seconds a lane watches its socket busily before it blocks
         self.idle_seconds, self.message_seconds = idle_seconds, message_seconds
         self._answers: ComputeAnswers | None = None
         self._log = log or (lambda message: None)
         self._silent: Lobby[socket.socket] = Lobby(MAX_SILENT_PER_HOST, MAX_SILENT)
-        self._opening: dict[str, list[_Held]] = {}  # by host, oldest first
+        self._opening: dict[tuple[str, bool], list[_Held]] = {}  # by share, oldest first
         self._lanes: Counter[str] = Counter()
-        self._threads: Counter[str] = Counter()  # pool threads each host's connections hold
+        self._threads: Counter[tuple[str, bool]] = Counter()  # pool threads of each share
         self._lock = threading.Lock()
         self._connections: set[_Held] = set()
         self._said: dict[str, float] = {}
@@ -171,8 +178,9 @@ class LaneServer:
                 return False
             selector.unregister(sock)
             host = hosts.pop(sock)
-            if begins_tls(data):
-                self._begin(sock, host)
+            shown = self._shown(sock) if data[:1] == b"C" else None
+            if shown is not None or begins_tls(data):
+                self._begin(sock, (host, bool(shown)))
             else:
                 sock.close()
             return True
@@ -222,10 +230,24 @@ class LaneServer:
             accepted.append((peer[0], connection))
         return accepted
 
-    def _begin(self, connection: socket.socket, host: str) -> None:
+    def _shown(self, sock: socket.socket) -> bool | None:
+        """Whether the CONNECT request `sock` begins with shows the cluster's pass (it is
+        read); None when it begins with none (a coordinator writes it whole at once, so a
+        part is taken for none). A wrong pass goes on without one: its TLS handshake then
+        tells the coordinator it belongs to another cluster."""
+        try:
+            data = sock.recv(_REQUEST_LIMIT, socket.MSG_PEEK)
+            end = ends_request(data)
+            if end is None or not data.startswith(b"CONNECT "):
+                return None
+            return shows_pass(sock.recv(end), self._identity)
+        except OSError:
+            return None
+
+    def _begin(self, connection: socket.socket, share: tuple[str, bool]) -> None:
         connection.setblocking(True)
         try:
-            self._admit(_Held(connection), host)
+            self._admit(_Held(connection, share), share[0])
         except Exception as e:  # whatever it was, the next connection is accepted
             self._say("admit", f"expert lane: a connection failed: {type(e).__name__}: {e}")
             with contextlib.suppress(OSError):
@@ -234,9 +256,10 @@ class LaneServer:
     def _admit(self, held: _Held, host: str) -> None:
         """Count `held` as opening (closing the oldest beyond the caps) and give it a thread;
         with none to give, close it and say why."""
+        share = held.share
         with self._lock:
             self._connections.add(held)
-            opening = self._opening.setdefault(host, [])
+            opening = self._opening.setdefault(share, [])
             opening.append(held)
             evicted = opening.pop(0) if len(opening) > MAX_OPENING_PER_HOST else None
             if evicted is None and sum(map(len, self._opening.values())) > MAX_OPENING:
@@ -249,9 +272,9 @@ class LaneServer:
             self._say(f"opening {host}", "expert lane: too many connections opening at "
                       f"once (the latest from {host}); closing the oldest")
         with self._lock:
-            shared = self._threads[host] < THREADS_PER_HOST
+            shared = self._threads[share] < THREADS_PER_HOST
             if shared:
-                self._threads[host] += 1
+                self._threads[share] += 1
         try:
             given = shared and self._pool.submit(lambda: self._serve(held, host))
             why = (f"all {self._pool.size} lane threads are busy" if shared else
@@ -262,26 +285,26 @@ class LaneServer:
             self._say(f"threads {shared}", f"expert lane: refusing connections: {why}; "
                       "coordinators use the gRPC port meanwhile")
             if shared:
-                self._thread_done(host)
-            self._forget(held, host)
+                self._thread_done(held)
+            self._forget(held)
 
-    def _thread_done(self, host: str) -> None:
+    def _thread_done(self, held: _Held) -> None:
         with self._lock:
-            self._threads[host] -= 1
-            if not self._threads[host]:
-                del self._threads[host]
+            self._threads[held.share] -= 1
+            if not self._threads[held.share]:
+                del self._threads[held.share]
 
-    def _opened(self, held: _Held, host: str) -> None:
+    def _opened(self, held: _Held) -> None:
         """`held` is past its credential, or gone: no longer counted as opening."""
         with self._lock:
-            opening = self._opening.get(host, [])
+            opening = self._opening.get(held.share, [])
             if held in opening:
                 opening.remove(held)
             if not opening:
-                self._opening.pop(host, None)
+                self._opening.pop(held.share, None)
 
-    def _forget(self, held: _Held, host: str) -> None:
-        self._opened(held, host)
+    def _forget(self, held: _Held) -> None:
+        self._opened(held)
         with self._lock:
             self._connections.discard(held)
         with contextlib.suppress(OSError):
@@ -303,7 +326,7 @@ class LaneServer:
             except Unauthenticated as e:
                 write_error(lane, grpc.StatusCode.UNAUTHENTICATED, str(e))
                 return
-            self._opened(held, host)
+            self._opened(held)
             with self._lock:
                 admitted = (self._lanes[host] < MAX_LANES_PER_HOST
                             and self._lanes.total() < MAX_LANES)
@@ -327,8 +350,8 @@ class LaneServer:
         except (OSError, ShoalError):
             pass  # a handshake that failed, a peer that left: nothing to answer
         finally:
-            self._forget(held, host)
-            self._thread_done(host)
+            self._forget(held)
+            self._thread_done(held)
 
     def _answer(self, held: _Held, lane: ssl.SSLSocket, host: str) -> None:
         """Requests in, replies out, in order, until the coordinator closes the lane, it idles

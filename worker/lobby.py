@@ -10,6 +10,11 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+# Connections waiting to be accepted. When this queue is full the kernel drops a new SYN,
+# which its sender tries again only a second later: a flood of more sockets than the door
+# holds then waits here, so the queue is as long as Linux allows by default (its
+# net.core.somaxconn; macOS's kern.ipc.somaxconn is lower, and taken silently).
+BACKLOG = 4096
 _HANDSHAKE_RECORD = 0x16  # TLS's record type of a ClientHello
 _MAJOR_VERSION = 3  # TLS 1.0-1.3 all say 3.x in a record header
 
@@ -18,6 +23,17 @@ def begins_tls(data: bytes) -> bool:
     """Whether a connection's first bytes (one or more) open a TLS handshake."""
     return bool(data) and data[0] == _HANDSHAKE_RECORD and (
         len(data) < 2 or data[1] == _MAJOR_VERSION)
+
+
+def whole_record(data: bytes) -> bool:
+    """Whether `data`, which opens a TLS handshake, holds its first record whole."""
+    return len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[3:5], "big")
+
+
+def ends_request(data: bytes) -> int | None:
+    """Where an HTTP request's head (as a CONNECT's) ends in `data`; None before its end."""
+    end = data.find(b"\r\n\r\n")
+    return None if end < 0 else end + 4
 
 
 def first_bytes(sock: socket.socket) -> bytes | None:

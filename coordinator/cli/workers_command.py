@@ -20,8 +20,10 @@ from coordinator.cli.options import (
     secret_option,
 )
 from coordinator.dataplane.link_errors import dead_worker
+from engine.auth import Secret
 from engine.errors import ShoalError
 from engine.manifest import read_manifest
+from engine.tls import make_identity
 
 
 def setup_arg_parser(add_parser: AddParser) -> None:
@@ -57,7 +59,7 @@ def main(args: argparse.Namespace) -> None:
         secret = cluster_secret(args)
     except ShoalError as e:
         print(f"shoal: warning: {e}; every worker will show as unauthenticated", file=sys.stderr)
-        secret = os.urandom(32)
+        secret = Secret(os.urandom(32), make_identity())  # no cluster's: refused by all
     manifest = read_manifest(args.model) if args.model else None
     membership = open_membership(args, secret, manifest)
     try:
@@ -117,7 +119,9 @@ def format_table(rows: Sequence[dict]) -> str:
         for line in lines
     )
     notes = [dead_worker(r["node_id"], r["address"], r["detail"]) if r["state"] == "unreachable"
-             else f"{r['node_id']} ({r['address']}): {r['detail']}" for r in rows if r["detail"]]
+             else (r["address"] if r["node_id"] == r["address"] else
+                   f"{r['node_id']} ({r['address']})") + f": {r['detail']}"
+             for r in rows if r["detail"]]
     notes += [
         f"node id {node_id} is used by several workers ({', '.join(addresses)}): give each "
         "its own --node-id, or delete the copied ~/.config/shoal/node-id"

@@ -26,7 +26,7 @@ from coordinator.cluster.member import (
 )
 from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
-from coordinator.dataplane.link_errors import Unreachable, dead_worker, held
+from coordinator.dataplane.link_errors import Unreachable, dead_worker, held, reason_of
 from engine.advert import DEFAULT_CLUSTER
 from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, local_interfaces, select_interface
@@ -144,7 +144,7 @@ class Membership:
             except Unreachable as e:
                 rtt, failure = None, e.reason
             except Unavailable as e:
-                rtt, failure = None, str(e)
+                rtt, failure = None, reason_of(e, link.address)
             now = time.monotonic()
             with self._changed:
                 if stop.is_set():
@@ -167,7 +167,7 @@ class Membership:
         except Unreachable as e:
             changes.update(detail=e.reason)  # the next health check decides
         except Unavailable as e:
-            changes.update(detail=str(e))
+            changes.update(detail=reason_of(e, link.address))  # the next check decides
         else:
             changes.update(
                 node_id=inventory.node_id,
@@ -209,7 +209,8 @@ class Membership:
             for key, known in self._links.items():
                 if known is link and self._members[key].state != "unreachable":
                     self._set_locked(replace(self._members[key], state="unreachable",
-                                             detail=detail, rtt_ms=None))
+                                             detail=reason_of(detail, link.address),
+                                             rtt_ms=None))
 
     # state ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ call. Members: a `Membership` (Bonjour, config), `FixedMembers` (--workers), `wi
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,13 +47,25 @@ class Members(Protocol):
 class Snapshot:
     """The members at one moment: `links` in a fixed order (replies are read in it), what
     each holds, every copy of each expert per layer (primary first), and, when some expert
-    has no live holder, why (`missing`: the routes are then those of nothing)."""
+    has no live holder, why (`missing`: the routes are then those of nothing): the experts
+    none holds (`unheld`) and the members not serving (`absent`)."""
 
     links: tuple[ExpertHost, ...]
     holdings: tuple[frozenset[ExpertKey], ...]
     routes: dict[int, LayerRoutes]
     version: int
-    missing: str = ""
+    unheld: str = ""
+    absent: tuple[str, ...] = ()
+
+    @property
+    def missing(self) -> str:
+        return self.without("")
+
+    def without(self, address: str) -> str:
+        """`missing`, less what it says of the worker at `address` (said already)."""
+        named = re.compile(rf"{re.escape(address)}(?!\d)") if address else None
+        absent = [a for a in self.absent if named is None or not named.search(a)]
+        return f"{self.unheld}; not serving: {'; '.join(absent)}" if absent else self.unheld
 
 
 def snapshot_of(members: Members, layers: dict[int, int]) -> Snapshot:
@@ -61,9 +74,8 @@ def snapshot_of(members: Members, layers: dict[int, int]) -> Snapshot:
     try:
         routes = replica_routes(layers, holdings)
     except Unavailable as e:
-        absent = members.absent()
-        why = f"{e}; not serving: {'; '.join(absent)}" if absent else str(e)
-        return Snapshot(tuple(links), tuple(holdings), {}, version, why)
+        return Snapshot(tuple(links), tuple(holdings), {}, version, str(e),
+                        tuple(members.absent()))
     return Snapshot(tuple(links), tuple(holdings), routes, version)
 
 
@@ -151,9 +163,10 @@ class Cluster:
     def lost(self, index: int, error: ShoalError) -> None:
         """Worker `index` failed during a call: route around it if every expert still has a
         live owner (the caller then retries), else raise Unavailable naming those that do not."""
-        self.members.report_failure(self.current.links[index], reason_of(error))
-        if self.current.missing:
-            raise Unavailable(f"{error}; {self.current.missing}")
+        link = self.current.links[index]
+        self.members.report_failure(link, reason_of(error))
+        if self.current.missing:  # the error says why this one is not serving: once
+            raise Unavailable(f"{error}; {self.current.without(link.address)}")
 
 
 # Seconds a listed worker may still answer its handshake once the others hold every expert.

@@ -195,8 +195,8 @@ class LaneChannel:
         link = self.link
         host, port = link.lane_endpoint()
         try:
-            sock = lane_wire.connect(host, port, _lane_context(link.secret.require_identity()),
-                                     timeout)
+            identity = link.secret.require_identity()
+            sock = lane_wire.connect(host, port, _lane_context(identity), timeout, identity)
             credential = make_credential(link.secret, lane_wire.LANE_METHOD, node=link.node_id)
             lane_wire.write_frame(sock, lane_wire.HELLO, credential.encode())
             kind, payload = lane_wire.read_frame(sock, _HELLO_REPLIES)

@@ -48,7 +48,7 @@ def unreachable_reason(cause: str, timeout: float | None = None) -> str:
     if any(word in lower for word in ("deadline", "timed out", "timeout")):
         within = f"within {timeout:g} s" if timeout else "in time"
         return f"no answer {within}: the host is off, asleep or firewalled"
-    last = cause.rsplit(": ", 1)[-1].strip()  # gRPC's details end with the socket's words
+    last = cause.rsplit(": ", 1)[-1].strip(" []")  # gRPC's details end with the socket's words
     return f"cannot connect: {last[:1].lower()}{last[1:]}" if last else "cannot connect"
 
 
@@ -66,10 +66,17 @@ class Unreachable(Unavailable):
         self.reason = reason
 
 
-def reason_of(error: ShoalError) -> str:
-    """What a member's `detail` keeps of a failure: an unreachable worker's reason alone (the
-    surfaces name the worker), else the whole message."""
-    return error.reason if isinstance(error, Unreachable) else str(error)
+def reason_of(error: ShoalError | str, address: str = "") -> str:
+    """What a member's `detail` keeps of a failure (an error or its message): an unreachable
+    worker's reason alone, else the message less a lead naming the worker at `address` (the
+    surfaces name it once)."""
+    if isinstance(error, Unreachable):
+        return error.reason
+    message = str(error)
+    for lead in (f"worker {address} failed: ", f"worker {address}: "):
+        if address and message.startswith(lead):
+            return message[len(lead):]
+    return message
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,8 @@ def refused_certificate(details: str) -> bool:
 
 
 _NOT_CONNECTED = ("failed to connect", "connection refused", "no route to host",
-                  "network is unreachable", "dns resolution failed")
+                  "network is unreachable", "dns resolution failed", "errors resolving",
+                  "connections to all backends failing")
 
 
 def error_for(error: grpc.RpcError, address: str, wording: ErrorWording = CALL,
@@ -148,5 +156,7 @@ def error_for_code(code: grpc.StatusCode, details: str, address: str,
     if code in wording.refusals:
         return (error_class_for(code) or ShoalError)(f"worker {address}: {details}")
     refused = wording.identity and code == grpc.StatusCode.UNAUTHENTICATED
-    kind = Unauthenticated if refused else Unavailable
-    return kind(wording.failed.format(address=address, code=code.name, details=details))
+    text = wording.failed.format(address=address, code=code.name, details=details)
+    if details.replace(" ", "_").upper() == code.name:  # "Deadline Exceeded": the code again
+        text = text.replace(f"{code.name}: {details}", details.lower())
+    return (Unauthenticated if refused else Unavailable)(text)

@@ -47,10 +47,13 @@ def test_a_failed_listed_worker_keeps_its_place_and_is_routed_around(secret_file
         cluster.lost(1, Unavailable("worker b failed"))
         assert cluster.links == members.links  # indices stay: replies are read in their order
         assert cluster.holdings == [frozenset({(0, 0), (0, 1)}), frozenset()]
-        with pytest.raises(Unavailable, match="worker a failed; no live worker holds"):
-            cluster.lost(0, Unavailable("worker a failed"))
+        with pytest.raises(Unavailable, match="its lane; no live worker holds") as lost:
+            cluster.lost(0, Unavailable("worker 127.0.0.1:1 failed: it closed its lane"))
+        # its own reason once, the other worker's after it
+        assert str(lost.value).count("127.0.0.1:1") == 1, lost.value
+        assert str(lost.value).endswith("not serving: worker 127.0.0.1:2: worker b failed")
         # what a later call (or `shoal serve`'s 503) says names the workers taken out
-        assert "not serving: worker 127.0.0.1:1: worker a failed; worker 127.0.0.1:2: " \
+        assert "not serving: worker 127.0.0.1:1 failed: it closed its lane; worker 127.0.0.1:2: " \
                "worker b failed" in cluster.current.missing
     finally:
         members.close()
@@ -68,7 +71,8 @@ def test_a_failed_call_reads_as_the_workers_refusal_or_names_what_did_not_get_th
     clock = error_for(_Failed(grpc.StatusCode.UNAUTHENTICATED, "stale"), "h:1", INVENTORY)
     assert isinstance(clock, Unauthenticated)
     assert str(clock) == "worker h:1: UNAUTHENTICATED: stale"
-    tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "Tls handshake failed "
+    tls = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; "
+                            "last error: UNKNOWN: ipv4:h:1: Tls handshake failed "
                             "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: BAD_SIGNATURE: certificate "
                             "signature failure"), "h:1", INVENTORY)
     assert isinstance(tls, Unauthenticated) and "TLS identity" in str(tls)
@@ -103,6 +107,27 @@ def test_a_worker_nothing_answers_for_is_said_in_plain_words_never_grpcs():
     assert unreachable_reason("timed out", 2.0).startswith("no answer within 2 s")
     assert dead_worker("studio-b", "10.0.0.9:5", REFUSED) == \
         f"worker studio-b at 10.0.0.9:5 is unreachable: {REFUSED}"
+
+
+@pytest.mark.parametrize("details,reason", [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5: Failed to "
+     "connect to remote host: Connection refused", REFUSED),
+    ("errors resolving nosuch.invalid:5: [field:hostname lookup error:address lookup failed "
+     "for nosuch.invalid:5: Domain name not found]", "cannot connect: domain name not found"),
+    ("connections to all backends failing; last error: UNAVAILABLE: ipv4:10.0.0.9:5: No route "
+     "to host", "cannot connect: no route to host"),
+])
+def test_a_worker_that_cannot_be_reached_is_named_once_with_one_reason(details, reason):
+    for wording in (CALL, INVENTORY, STREAM):
+        error = error_for(_Failed(grpc.StatusCode.UNAVAILABLE, details), "h:5", wording)
+        assert isinstance(error, Unreachable)
+        assert str(error) == f"worker h:5 is unreachable: {reason}"
+        # how a line that names the worker itself quotes it
+        assert reason_of(error, "h:5") == reason
+    late = error_for(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:5",
+                     STREAM)
+    assert str(late) == "worker h:5 failed: deadline exceeded"
+    assert reason_of(str(late), "h:5") == "deadline exceeded"
 
 
 def _inventory(*experts: int) -> shoal_pb2.Inventory:

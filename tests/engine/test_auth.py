@@ -5,6 +5,7 @@ import pytest
 
 from engine.auth import CredentialChecker, create_secret, load_secret, make_credential, secret_path
 from engine.errors import ShoalError, Unauthenticated
+from engine.tls import door_request, make_identity, shows_pass
 
 METHOD = "/shoal.v1.ExpertService/Compute"
 
@@ -92,3 +93,15 @@ def test_secret_is_0600_whatever_was_there_and_a_readable_one_is_refused(tmp_pat
         path.chmod(mode)
         with pytest.raises(ShoalError, match=f"mode {mode:04o}.*chmod 600"):
             load_secret(path)
+
+
+def test_the_front_doors_pass_is_shown_only_by_who_holds_the_clusters_key(secret_file):
+    ours, theirs = load_secret(secret_file).identity, make_identity()
+    request = door_request("10.0.0.2:50551", ours)
+    assert request.startswith(b"CONNECT 10.0.0.2:50551 HTTP/1.1\r\n")
+    assert shows_pass(request, ours) and not shows_pass(request, theirs)
+    assert not shows_pass(door_request("10.0.0.2:50551", theirs), ours)
+    for forged in (b"CONNECT a:1 HTTP/1.1\r\n\r\n",  # none
+                   b"CONNECT a:1 HTTP/1.1\r\nProxy-Authorization: Basic !!\r\n\r\n",
+                   b"CONNECT a:1 HTTP/1.1\r\nProxy-Authorization: Basic w4k=\r\n\r\n"):
+        assert not shows_pass(forged, ours)

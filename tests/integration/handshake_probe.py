@@ -83,6 +83,7 @@ def main() -> None:
         channel.close()
         time.sleep(args.gap)
     print(json.dumps({"count": args.count, "succeeded": succeeded, "failures": failures,
+                      "median": round(sorted(took)[len(took) // 2], 3),
                       "slowest": round(max(took), 3)}), flush=True)
 
 

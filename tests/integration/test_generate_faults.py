@@ -98,3 +98,26 @@ def test_a_worker_stopped_mid_run_costs_no_wait_for_its_heat_at_exit(
     # The watchdog's deadline (1.5 s and 20 round trips) and the rest of the tokens; waiting
     # for the stopped worker's heat took 10 s more.
     assert took < 8.0, (took, err)
+
+
+def test_a_lone_worker_killed_mid_run_ends_it_in_one_line_that_gives_its_reason_once(
+    tiny_checkpoint, tmp_path, start_worker, secret_file
+):
+    sharded = tmp_path / "sharded"
+    shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
+    worker = start_worker([sharded / "experts"], "--no-advertise")
+    proc = _generate(sharded, [worker], secret_file, "--max-tokens", "100000")
+    try:
+        assert proc.stdout.read(1)  # the first text: the run is decoding
+        worker.proc.kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("shoal: error")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    # "worker A failed: it closed its expert lane; no live worker holds these experts: ...",
+    # not "...; not serving: worker A failed: it closed its expert lane" after it
+    assert errors[0].count(worker.address) == 1, errors[0]
+    assert "no live worker holds these experts" in errors[0], errors[0]

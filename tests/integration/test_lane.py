@@ -54,7 +54,8 @@ def lane_of(worker, secret_file) -> tuple[str, int, WorkerLink]:
 def open_lane(host: str, port: int, secret, credential: str | None = None,
               node: str = "") -> ssl.SSLSocket:
     """A lane with a HELLO: `credential`, else a fresh one made for the worker `node`."""
-    sock = wire.connect(host, port, wire.client_context(secret.identity), 5)
+    sock = wire.connect(host, port, wire.client_context(secret.identity), 5,
+                        secret.identity)
     sock.settimeout(10)
     hello = credential or make_credential(secret, wire.LANE_METHOD, node=node)
     wire.write_frame(sock, wire.HELLO, hello.encode())
@@ -169,7 +170,8 @@ def test_a_lane_refuses_strangers_before_reading_their_requests(
             assert code == grpc.StatusCode.UNAUTHENTICATED, message
             sock.close()
         # a HELLO frame larger than any credential is refused before its body is read
-        sock = wire.connect(host, port, wire.client_context(secret.identity), 5)
+        sock = wire.connect(host, port, wire.client_context(secret.identity), 5,
+                            secret.identity)
         sock.sendall(wire.HEADER.pack(1 << 30, wire.HELLO))
         sock.settimeout(10)
         assert answer_of(sock) == b""

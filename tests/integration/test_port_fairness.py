@@ -30,6 +30,7 @@ from tests.integration.test_multihost import (  # noqa: F401 (fixtures)
     processes,
 )
 from worker.lane_server import THREADS_PER_HOST
+from worker.lobby import BACKLOG
 
 FILE_LIMIT = 4096  # the worker's: its connection cap follows (worker/daemon.py)
 FLOOD_SECONDS = 90  # its own end, well beyond the handshakes even on a busy machine (it is
@@ -49,6 +50,15 @@ def rss_mb(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines()
                     if line.startswith("VmRSS:"))) / 1024
+
+
+def listen_overflows(host: Host) -> int:
+    """Connections `host`'s kernel dropped for a full accept queue (a dropped SYN is tried
+    again only a second later)."""
+    netstat = subprocess.run([*host.prefix(), "cat", "/proc/net/netstat"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.splitlines()
+    names, values = (line.split() for line in netstat if line.startswith("TcpExt:"))
+    return int(values[names.index("ListenOverflows")])
 
 
 def start_limited_worker(host: Host, store: Path, secret: Path, log: Path,
@@ -82,6 +92,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
     worker = start_limited_worker(worker_host, sharded / "experts", secret_file,
                                   tmp_path / "worker.log", processes)
     rss_before = rss_mb(worker.proc.pid)
+    overflows = listen_overflows(worker_host)
     flood = subprocess.Popen(
         [*flooder.prefix(), sys.executable, "-m", "tests.integration.socket_flood",
          worker_host.address, str(PORT), "--sockets", str(FLOOD_SOCKETS), "--source",
@@ -97,6 +108,7 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
         assert probe.returncode == 0, probe.stderr
         flooding = flood.poll() is None  # the flood outlasted the handshakes
         rss_flooded = rss_mb(worker.proc.pid)
+        overflows = listen_overflows(worker_host) - overflows
         flood.send_signal(signal.SIGINT)  # ends it, with its report
         out, _ = flood.communicate(timeout=30)
     finally:
@@ -105,10 +117,14 @@ def test_one_hosts_flood_on_the_grpc_port_leaves_another_hosts_handshakes_succee
             flood.wait(10)
     handshakes, flood_report = json.loads(probe.stdout), json.loads(out.splitlines()[-1])
     print(json.dumps({"mode": mode, "handshakes": handshakes, "flood": flood_report,
-                      "worker_rss_mb": [rss_before, rss_flooded]}))
+                      "worker_rss_mb": [rss_before, rss_flooded],
+                      "listen_overflows": overflows}))
     assert flooding
     assert flood_report["closed_by_server"] > FLOOD_SOCKETS  # closed, reopened, closed...
     assert handshakes["succeeded"] >= 0.9 * HANDSHAKES, handshakes
+    # the flood's sockets wait in the accept queue (worker/lobby.py: BACKLOG), which has room
+    # for all of them: no SYN of the other host is dropped, to be tried again a second later
+    assert FLOOD_SOCKETS < BACKLOG and overflows == 0, overflows
     assert rss_flooded - rss_before < 64  # the flood costs the worker little memory
 
 
@@ -144,14 +160,16 @@ def lane_opens(worker: LocalWorker, secret_file: Path, count: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["idle", "hello"])  # never a byte; a ClientHello begun
 def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
-    start_worker, tiny_checkpoint, secret_file, tmp_path
+    mode, start_worker, tiny_checkpoint, secret_file, tmp_path
 ):
     """Any local process can flood both of a worker's ports from the coordinator's own
-    address (127.0.0.1 here) with idle sockets, reconnecting each as fast as it can: fresh
-    `shoal generate` runs from that address all succeed, on their expert lanes, and fresh
-    lanes open. Silent connections are held apart from those in a TLS handshake and closed
-    first (worker/lobby.py), so sockets that send nothing cannot push a handshake out."""
+    address (127.0.0.1 here), reconnecting each socket as fast as it can, idle or stalled in
+    a TLS ClientHello: fresh `shoal generate` runs from that address all succeed, on their
+    expert lanes, and fresh lanes open. Silent connections are held apart from those in a
+    TLS handshake and closed first (worker/lobby.py), and a coordinator's connections, which
+    show the cluster's pass first (engine/tls.py), are counted apart from the flood's."""
     sharded = tmp_path / "sharded"
     shard(tiny_checkpoint("qwen3_moe"), sharded, progress=False)
     worker = start_worker([sharded / "experts"], "--no-advertise")
@@ -161,7 +179,7 @@ def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
     finally:
         link.close()
     floods = [socket_flood.start(address, sockets=SAME_HOST_SOCKETS, source="127.0.0.1",
-                                 rate=0, seconds=SAME_HOST_SECONDS)
+                                 rate=0, seconds=SAME_HOST_SECONDS, mode=mode)
               for address in (worker.address, lane)]
     try:
         runs = [generate(sharded, worker, secret_file) for _ in range(SAME_HOST_RUNS)]
@@ -181,8 +199,9 @@ def test_a_flood_from_the_coordinators_own_host_locks_it_out_of_neither_port(
             reports.append({})
     failed = [run.stderr[-500:] for run in runs if run.returncode != 0]
     fell_back = [run.stderr for run in runs if "using gRPC" in run.stderr]
-    print(json.dumps({"runs": len(runs), "failed": len(failed), "lane_fallbacks": len(fell_back),
-                      "lane_opens": [opened, LANE_OPENS], "floods": reports}))
+    print(json.dumps({"mode": mode, "runs": len(runs), "failed": len(failed),
+                      "lane_fallbacks": len(fell_back), "lane_opens": [opened, LANE_OPENS],
+                      "floods": reports}))
     assert not failed, failed
     assert len({tuple(json.loads(run.stdout)["token_ids"]) for run in runs}) == 1
     assert not fell_back, fell_back[0]

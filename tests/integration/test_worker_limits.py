@@ -151,7 +151,8 @@ def test_a_worker_at_its_thread_limit_refuses_lanes_serves_on_recovers_and_stops
         limit.hold()
         for _ in range(3):  # no thread for it: closed, said in the log, the worker serves on
             with pytest.raises((ssl.SSLError, OSError)):
-                wire.connect(host, port, wire.client_context(secret.identity), 10).close()
+                wire.connect(host, port, wire.client_context(secret.identity), 10,
+                             secret.identity).close()
         assert "no thread can be started" in worker.output()
         assert link.fetch_inventory(timeout=5).experts  # the gRPC port still answers
         assert link.check_health(timeout=5) < 5

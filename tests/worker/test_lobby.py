@@ -3,7 +3,7 @@ short, and what counts as the start of a TLS handshake."""
 
 import socket
 
-from worker.lobby import Lobby, begins_tls, first_bytes
+from worker.lobby import Lobby, begins_tls, ends_request, first_bytes, whole_record
 
 
 def test_beyond_a_hosts_share_its_oldest_silent_one_is_closed_and_no_other_hosts():
@@ -67,3 +67,14 @@ def test_first_bytes_are_peeked_not_taken():
         assert first_bytes(left) == b""  # its peer closed it
     finally:
         left.close()
+
+
+def test_a_tls_record_is_whole_once_the_length_its_header_announces_has_come():
+    hello = b"\x16\x03\x01\x02\x00" + b"\x01" * 0x200
+    assert whole_record(hello) and whole_record(hello + b"more")
+    assert not whole_record(hello[:-1]) and not whole_record(hello[:4])
+
+
+def test_a_requests_head_ends_after_its_blank_line():
+    assert ends_request(b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\r\n\r\n\x16") == 35
+    assert ends_request(b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\r\n") is None
