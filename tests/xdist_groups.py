@@ -12,22 +12,31 @@ from xdist.scheduler import LoadScopeScheduling
 
 # explicit groups: the demo's stores (a store is served by one worker process at a time)
 DEMO_CACHE = "demo-cache"
+ROOT = ("", "tests")  # node ids of the root folder and tests/conftest.py
 
 
 def group_of(item: pytest.Item) -> str | None:
     """The group `item` runs in (None: any worker, alone): its xdist_group mark, else the
-    package or module whose fixtures it shares with other tests, so that those start once."""
+    broadest module or package (or their conftest) whose non-function fixtures it takes, so
+    that those are built or started once. The root conftest's are every worker's own."""
     for mark in item.iter_markers("xdist_group"):
         return str(mark.args[0] if mark.args else mark.kwargs["name"])
     if "demo_first_run" in item.fixturenames:
         return DEMO_CACHE
-    shared = None
-    for defs in item._fixtureinfo.name2fixturedefs.values():
-        if defs[-1].scope == "package":
-            return defs[-1].baseid
-        if defs[-1].scope == "module":
-            shared = item.nodeid.split("::")[0]
-    return shared
+    owners = [defs[-1].baseid for defs in item._fixtureinfo.name2fixturedefs.values()
+              if defs[-1].scope != "function" and defs[-1].baseid not in ROOT]
+    return min(owners, key=len, default=None)
+
+
+def first_the_longest(items: list[pytest.Item]) -> None:
+    """Order the groups for the scheduler, which hands them out in this order: the demo's
+    (its first run builds for most of a minute, and the longest chain), then the other
+    groups, most tests first, then the tests of no group; each group's tests in their order."""
+    groups = [group_of(item) for item in items]
+    sizes = {group: groups.count(group) for group in groups}
+    rank = {item.nodeid: (group != DEMO_CACHE, group is None, -sizes[group])
+            for item, group in zip(items, groups, strict=True)}
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 def groups_folder(config: pytest.Config) -> Path:
@@ -38,10 +47,11 @@ def groups_folder(config: pytest.Config) -> Path:
 
 
 def write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker: {node id: group} of what it collected, for the controller."""
+    """On an xdist worker: order `items` and write {node id: group} for the controller."""
     folder = getattr(config, "workerinput", {}).get("shoal_groups")
     if folder is None:
         return
+    first_the_longest(items)
     groups = {item.nodeid: group for item in items if (group := group_of(item))}
     name = Path(folder) / config.workerinput["workerid"]
     name.with_suffix(".part").write_text(json.dumps(groups))
@@ -54,6 +64,7 @@ class SharedFixtureScheduling(LoadScopeScheduling):
 
     def __init__(self, config: pytest.Config, log=None) -> None:
         super().__init__(config, log)
+        config.option.loadscopereorder = False  # first_the_longest has ordered them
         self.folder = groups_folder(config)
         self.groups: dict[str, str] | None = None
 
