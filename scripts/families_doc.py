@@ -56,7 +56,9 @@ def run_sweep() -> tuple[Path, float]:
     env = {**os.environ, "SHOAL_FAMILIES_REPORT": str(report), "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
     # A failing family is a result to write down, so the sweep's exit status is not ours.
-    subprocess.run([sys.executable, "-m", "pytest", SWEEP, "-q", "-p", "no:cacheprovider"],
+    # -n 0: one case at a time (not the suite's xdist workers), so each case's seconds are its own.
+    subprocess.run([sys.executable, "-m", "pytest", SWEEP, "-q", "-n", "0",
+                    "-p", "no:cacheprovider"],
                    cwd=ROOT, env=env, check=False)
     return report, time.monotonic() - started
 

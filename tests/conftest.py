@@ -17,6 +17,7 @@ from coordinator.ops.local_processes import start_worker as launch_worker
 from engine.auth import create_secret
 from engine.sharding import shard
 from tests.demo_runs import DemoRun, demo_workers_running
+from tests.xdist_groups import SharedFixtureScheduling, groups_folder, write_groups
 
 TinyCheckpoint = Callable[..., Path]
 
@@ -139,10 +140,31 @@ def chromium() -> str:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Integration tests start real processes: they carry the `processes` marker without each
-    saying so (`-m "not processes"` runs the unit tests alone)."""
+    saying so (`-m "not processes"` runs the unit tests alone). On an xdist worker: which
+    tests share fixtures, for the controller (tests/xdist_groups.py)."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.processes)
+    write_groups(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist's controller, starting a worker: where to write the groups it collects."""
+    node.workerinput["shoal_groups"] = str(groups_folder(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (pyproject's addopts) with the groups of tests/xdist_groups.py."""
+    if config.getvalue("dist") == "loadgroup":
+        return SharedFixtureScheduling(config, log)
+    return None
+
+
+def pytest_unconfigure(config) -> None:
+    if folder := getattr(config, "shoal_groups", None):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # Which shared fixture to take (each saves a build or a process start per test):

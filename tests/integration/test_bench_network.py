@@ -14,6 +14,10 @@ from benchmarks.echo import round_trips
 from benchmarks.network import ONE_WAY_DELAY, ThunderboltNetwork
 from engine.errors import ShoalError
 
+# the cables take 10.213.0.0/16 on the host, as `shoal bench --network thunderbolt` does: one
+# at a time (test_bench_smoke's thunderbolt run is in this group too)
+pytestmark = pytest.mark.xdist_group("host-network")
+
 REPO = Path(__file__).resolve().parents[2]
 
 

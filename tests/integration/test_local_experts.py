@@ -20,7 +20,7 @@ from coordinator.ops.worker_stats import read_stats
 from engine.auth import load_secret
 from engine.process import GRAPHS
 from engine.sharding import shard
-from tests.integration.test_dashboard import FLAGS as BROWSER_FLAGS
+from tests.integration.dashboard.page_parts import FLAGS as BROWSER_FLAGS
 from tests.integration.test_equivalence import PROMPT, greedy_tokens, make_stores
 
 NEW_TOKENS = 8

@@ -1,7 +1,6 @@
-"""The Responses API (`POST /v1/responses`) against `shoal serve` with the official `openai`
-client's `responses.create`, streamed and not: the same greedy text as the chat API, function
-tools, previous_response_id, and every field of the installed schema honoured or refused with
-a 400 naming it. The cluster and server are test_serve_clients.py's (a template with tools)."""
+"""The Responses API (`POST /v1/responses`) with the official `openai` client, streamed and not:
+the chat API's greedy text, function tools, previous_response_id, and every field of the
+installed schema honoured or refused with a 400 naming it (the cluster: conftest.py's)."""
 
 import json
 import typing
@@ -11,11 +10,7 @@ import pytest
 from openai.types.responses import response_create_params
 
 from coordinator.server.responses_api import FIELDS, NEUTRAL
-from tests.integration import test_serve_clients as clients
-from tests.integration.test_serve_clients import HI, WEATHER, client, post
-
-# the module's cluster and server, as test_serve_clients.py makes them
-source, pages, workers, server = clients.source, clients.pages, clients.workers, clients.server
+from tests.integration.clients.cluster import HI, WEATHER, client, post
 
 pytestmark = pytest.mark.slow
 
