@@ -115,7 +115,7 @@ def round_trips(addresses: list[str], request_bytes: int, count: int, warmup: in
     """Median seconds for one message out to every address and every reply back; over TLS
     as Shoal's links when given the cluster's identity."""
     channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) if identity is None
-                else secure_channel(a, identity, GRPC_OPTIONS) for a in addresses]
+                else secure_channel(a, identity, GRPC_OPTIONS, door=False) for a in addresses]
     queues, replies = [], []
     for channel in channels:
         call = channel.stream_stream(METHOD, request_serializer=_identity,

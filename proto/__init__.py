@@ -69,15 +69,18 @@ def error_class_for(code: grpc.StatusCode) -> type | None:
 TLS_CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", NAME)]
 
 
-def secure_channel(address: str, identity: Identity, options: list) -> grpc.Channel:
+def secure_channel(address: str, identity: Identity, options: list, *,
+                   door: bool = True) -> grpc.Channel:
     """A channel to a worker that shows its front door the cluster's pass on each connection
-    (worker/grpc_gate.py), then proves the cluster's certificate."""
+    (worker/grpc_gate.py), then proves the cluster's certificate; `door=False` for a bare gRPC
+    server with the cluster's certificate and no front door (which the pass would confuse)."""
     credentials = grpc.ssl_channel_credentials(
         root_certificates=identity.authority, private_key=identity.key,
         certificate_chain=identity.certificate)
-    door = [] if "%" in address else [("grpc.http_proxy", door_proxy(address, identity))]
+    shown = door and "%" not in address
+    proxy = [("grpc.http_proxy", door_proxy(address, identity))] if shown else []
     return grpc.secure_channel(address, credentials,
-                               options=[*options, *door, *TLS_CHANNEL_OPTIONS])
+                               options=[*options, *proxy, *TLS_CHANNEL_OPTIONS])
 
 
 def server_credentials(identity: Identity) -> grpc.ServerCredentials:
