@@ -16,6 +16,7 @@ from coordinator.ops.local_processes import start_workers, stop_workers
 from coordinator.server.batching import BatchEngine, Event, Sampling
 from engine.auth import load_secret
 from engine.sharding import shard
+from tests.coordinator.server.engine_runs import tokens_of
 
 LONG = [(13 * i + 7) % 290 + 5 for i in range(1500)]
 STREAMS = [[3, 8, 1, 2], [4, 8, 1, 2]]
@@ -43,18 +44,6 @@ def engine_of(remote: RemoteModel, name: str) -> BatchEngine:
     merged = remote.dispatcher.merged = MergedCalls()
     return BatchEngine(remote.model, remote.tokenizer, cache_key=name, prefill_step_size=256,
                        merged=merged)
-
-
-def tokens_of(engine: BatchEngine, prompt: list[int], n: int) -> list[int]:
-    events: queue.Queue[Event] = queue.Queue()
-    engine.submit(prompt, Sampling(max_tokens=n, top_logprobs=0), events.put)
-    tokens = []
-    while True:
-        event = events.get(timeout=120)
-        assert event.error is None, event.error
-        tokens += [s.token for s in event.logprobs]
-        if event.finish_reason is not None:
-            return tokens
 
 
 def test_a_piece_and_the_decode_step_share_each_layer_call_and_change_no_token(remote):

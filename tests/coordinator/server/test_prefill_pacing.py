@@ -11,6 +11,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.server.batching import BatchEngine, Event, Sampling
 from coordinator.server.prefill_pacing import FIRST_PIECE, REFRESH, WHOLE, PrefillPacer
+from tests.coordinator.server.engine_runs import tokens_of
 
 
 def run_pacer(pacer: PrefillPacer, cost, decode: float, prompt: int) -> list[tuple[int, float]]:
@@ -64,22 +65,10 @@ def model(tiny_checkpoint):
 LONG = [(13 * i + 7) % 290 + 5 for i in range(1500)]
 
 
-def first_tokens(engine: BatchEngine, prompt: list[int], n: int) -> list[int]:
-    events: queue.Queue[Event] = queue.Queue()
-    engine.submit(prompt, Sampling(max_tokens=n, top_logprobs=0), events.put)
-    tokens = []
-    while True:
-        event = events.get(timeout=120)
-        assert event.error is None, event.error
-        tokens += [s.token for s in event.logprobs]
-        if event.finish_reason is not None:
-            return tokens
-
-
 def test_a_long_prompt_beside_running_streams_is_prefilled_in_paced_pieces(model):
     engine = BatchEngine(*model, cache_key="alone", prefill_step_size=256)
     try:
-        alone = first_tokens(engine, LONG, 4)
+        alone = tokens_of(engine, LONG, 4)
         whole = list(engine.pacer.pieces)
     finally:
         engine.close()
@@ -107,7 +96,7 @@ def test_a_long_prompt_beside_running_streams_is_prefilled_in_paced_pieces(model
             threads[0].join(0.05)
             assert all(t.is_alive() for t in threads)
         before, seen = list(counts), len(engine.pacer.pieces)
-        beside = first_tokens(engine, LONG, 4)
+        beside = tokens_of(engine, LONG, 4)
         during = [c - b for c, b in zip(counts, before, strict=True)]
         pieces = list(engine.pacer.pieces)[seen:]
     finally:
