@@ -30,11 +30,15 @@ def group_of(item: pytest.Item) -> str | None:
 
 def first_the_longest(items: list[pytest.Item]) -> None:
     """Order the groups for the scheduler, which hands them out in this order: the demo's
-    (its first run builds for most of a minute, and the longest chain), then the other
-    groups, most tests first, then the tests of no group; each group's tests in their order."""
+    (its first run builds for most of a minute, and the longest chain), then the groups and
+    tests with a test marked `long` (so that none of them starts last and ends the run alone),
+    then the other groups, most tests first, then the tests of no group."""
     groups = [group_of(item) for item in items]
     sizes = {group: groups.count(group) for group in groups}
-    rank = {item.nodeid: (group != DEMO_CACHE, group is None, -sizes[group])
+    long = {group or item.nodeid for item, group in zip(items, groups, strict=True)
+            if item.get_closest_marker("long")}
+    rank = {item.nodeid: (group != DEMO_CACHE, (group or item.nodeid) not in long,
+                          group is None, -sizes[group])
             for item, group in zip(items, groups, strict=True)}
     items.sort(key=lambda item: rank[item.nodeid])
 

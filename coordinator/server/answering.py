@@ -28,6 +28,7 @@ from engine.errors import InvalidInput, NotFound, ShoalError, Unavailable
 from engine.manifest import Manifest
 
 HEARTBEAT = 15.0  # seconds between keep-alives while a streamed answer waits for tokens
+LARGE_BODY_NICE = 5  # a weight of a third of the batch thread's when they share a core
 
 T = TypeVar("T")
 
@@ -85,12 +86,12 @@ class Service:
     def __post_init__(self) -> None:
         self.guard = ConnectionGuard(self.limits)
         # Decoding and tokenizing run off the event loop, so that /health and the streams go
-        # on meanwhile: large bodies on a thread of their own at the lowest priority (one
-        # at a time, which bounds their memory), so that small requests never queue behind
-        # them nor the batch's thread wait for them.
+        # on meanwhile: large bodies on a thread of their own at a lower priority (one at a
+        # time, which bounds their memory), so that small requests never queue behind them
+        # and the batch's thread wins the CPU from them.
         self.parsers = ThreadPoolExecutor(2, thread_name_prefix="shoal parse")
         self.large_parser = ThreadPoolExecutor(1, thread_name_prefix="shoal parse large",
-                                               initializer=_lowest_priority)
+                                               initializer=_lower_priority)
 
     @cached_property
     def longest_token(self) -> int:
@@ -129,11 +130,12 @@ class Service:
             raise Unavailable(f"the cluster cannot serve this model now: {problem}")
 
 
-def _lowest_priority() -> None:
+def _lower_priority() -> None:
     """Lower the calling thread's CPU priority where threads have their own (Linux); on
-    macOS the call refuses a thread id and nothing changes."""
+    macOS the call refuses a thread id and nothing changes. Not the lowest: at nice 19 a
+    busy machine's other processes starve it (1% of a core) and a large body waits minutes."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LARGE_BODY_NICE)
 
 
 def authorized(service: Service, request: Request) -> bool:

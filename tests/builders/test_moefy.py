@@ -139,6 +139,7 @@ def routed_experts(model, prompt: mx.array) -> list[np.ndarray]:
     return chosen
 
 
+@pytest.mark.long
 @pytest.mark.slow  # splits, loads and runs the real demo model twice
 def test_top_8_of_16_routes_each_token_to_one_copy_and_computes_the_dense_model(
     smollm2_dense: Path, tmp_path: Path

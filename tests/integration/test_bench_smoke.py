@@ -25,6 +25,7 @@ RATIOS = ("decode_ratio_vs_mlx_lm_single", "prefill512_ratio_vs_mlx_lm_single",
 @pytest.mark.parametrize("network", [
     "loopback",  # the Thunderbolt-like cables take 10.213.0.0/16 on the host: one at a time
     pytest.param("thunderbolt", marks=pytest.mark.xdist_group("host-network"))])
+@pytest.mark.long
 def test_bench_quick_prints_a_complete_report(tmp_path, network):
     run = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "bench", "--quick", "--json", "--network",

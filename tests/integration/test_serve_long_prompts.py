@@ -67,6 +67,7 @@ def ask(url: str, messages: list[dict]) -> tuple[str, float, object]:
     return text, first, usage
 
 
+@pytest.mark.long
 def test_a_long_prompt_comes_back_from_disk_after_a_restart_and_a_torn_file_is_refused(
         cluster, secret_file):
     document = long_document(cluster[0], LONG)

@@ -10,6 +10,7 @@ from coordinator.ops.local_processes import start_server, start_workers, stop_wo
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 def test_a_lost_worker_with_copies_elsewhere_is_routed_around(replicated_stores, secret_file,
                                                                tmp_path):
     sharded, stores = replicated_stores

@@ -110,6 +110,7 @@ def test_sampling_with_a_draft_is_seeded_like_plain_sampling(clusters):
     assert runs[0].speculative.proposed > 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_demo_model_with_its_dense_and_a_random_draft(tmp_path, secret_file, monkeypatch,
                                                       demo_cache):

@@ -22,6 +22,7 @@ RUN_FIELDS = {"drive_mbps", "memory_budget", "cpu_share", "rows", "mixed_drives"
 @pytest.mark.processes
 @pytest.mark.skipif(cgroups_available() is not None,
                     reason=f"the benchmark's members need cgroups: {cgroups_available()}")
+@pytest.mark.long
 def test_the_scaling_benchmark_runs_two_members_in_their_limits_exactly(tiny_checkpoint,
                                                                          tmp_path):
     out = tmp_path / "scale.json"

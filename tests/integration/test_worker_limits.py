@@ -85,6 +85,7 @@ def shoal_generate(sharded, workers, secret_file) -> list[int]:
     return json.loads(done.stdout)["token_ids"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_lanes_and_generate_runs_leave_the_workers_thread_count_where_it_was(
     sharded, start_worker, secret_file
