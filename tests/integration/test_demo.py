@@ -4,21 +4,40 @@ workers, a chat answer that names Paris, and no worker left running afterwards."
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load
+from openai import OpenAI
 
-from tests.demo_runs import demo_workers_running
+from builders.demo_models import moe_folder, prepare
+from coordinator.decoding.generate import encode_prompt, open_remote_model
+from engine.auth import load_secret
+from tests.demo_runs import DemoRun, demo_workers_running
 from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def demo_second_run(demo_cache: Path) -> DemoRun:
+    """`shoal demo` run again on the cache the first run filled (its printed next steps are
+    what test_the_commands_the_demo_prints_work_as_printed types)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+        env={**os.environ, "SHOAL_CACHE": str(demo_cache)})
+    return DemoRun(demo_cache, run, demo_workers_running(demo_cache))
+
+
 @pytest.mark.slow
-def test_demo_answers_paris_and_stops_its_workers(demo_first_run):
+def test_demo_answers_paris_and_stops_its_workers(demo_first_run, demo_second_run):
     """The first run (conftest's demo_first_run, on an empty cache) builds the model, the
     second reuses it; each answers and leaves no worker running."""
     cache = demo_first_run.cache
@@ -26,13 +45,9 @@ def test_demo_answers_paris_and_stops_its_workers(demo_first_run):
     assert first.returncode == 0, f"first run: {first.stderr[-3000:]}"
     assert "building" in first.stderr, "the first run built nothing"
     assert not demo_first_run.left_running, "first run"
-    env = {**os.environ, "SHOAL_CACHE": str(cache)}
-    second = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "24"],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
-    )
+    second = demo_second_run.run
     assert second.returncode == 0, f"second run: {second.stderr[-3000:]}"
-    assert not demo_workers_running(cache), "second run"
+    assert not demo_second_run.left_running, "second run"
     for attempt, run in (("first run builds the model", first),
                          ("second run reuses the cache", second)):
         assert "Paris" in run.stdout, f"{attempt}: {run.stdout}"
@@ -45,13 +60,6 @@ def test_demo_answers_paris_and_stops_its_workers(demo_first_run):
 @pytest.mark.slow
 def test_demo_model_on_workers_matches_mlx_lm_on_its_checkpoint(demo_cache, start_worker,
                                                                 secret_file, monkeypatch):
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
-
-    from builders.demo_models import moe_folder, prepare
-    from coordinator.decoding.generate import encode_prompt, open_remote_model
-    from engine.auth import load_secret
 
     monkeypatch.setenv("SHOAL_CACHE", str(demo_cache))
     sharded = prepare(16, 4, 2, progress=False)  # built already
@@ -76,8 +84,6 @@ def chat_as_printed(command: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def wait_for_port(port: int, process: subprocess.Popen, seconds: float) -> None:
-    import socket
-
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -98,17 +104,12 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_the_commands_the_demo_prints_work_as_printed(demo_cache):
+def test_the_commands_the_demo_prints_work_as_printed(demo_second_run):
     """A chat, the OpenAI API through the official client, and a worker of its own, each on
     the demo's model, typed as the demo printed them (ports made free where the printed one
     is taken on this shared machine, the only change)."""
-    from openai import OpenAI
-
-    env = {**os.environ, "SHOAL_CACHE": str(demo_cache)}  # the models built already
-    demo = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "12"],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=env,
-    )
+    env = {**os.environ, "SHOAL_CACHE": str(demo_second_run.cache)}  # the models built already
+    demo = demo_second_run.run
     assert demo.returncode == 0, demo.stderr[-3000:]
     after = demo.stdout.split("Next, on the model the demo built")[1]
     commands = [line.strip() for line in after.splitlines() if line.startswith("    ")]
