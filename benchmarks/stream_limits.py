@@ -15,20 +15,19 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def drop_page_cache(files: list[Path]) -> str:
-    """Empty the OS page cache (root on Linux), else drop the given files' pages."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    if hasattr(os, "posix_fadvise"):
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
+    """Drop the given files' pages from the OS page cache (each written out first, so none is
+    kept dirty): only the benchmark's files, where emptying the whole cache (drop_caches)
+    would make every other process on the machine read its own files again."""
+    if not hasattr(os, "posix_fadvise"):
+        return "nothing (no way to drop the page cache here)"
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
             os.close(fd)
-        return "posix_fadvise(DONTNEED) on every file"
-    return "nothing (no way to drop the page cache here)"
+    return "posix_fadvise(DONTNEED) on every file"
 
 
 def sequential_bandwidth(folder: Path, size: int = 1 << 30, block: int = 8 << 20) -> float:
