@@ -108,17 +108,17 @@ def table(records: Records, rows: tuple[Row, ...]) -> list[str]:
     return lines
 
 
-H200, CPU = "h200", "cpu"
+H200, H100, CPU = "h200", "h100-80gb-hbm3", "cpu"
 SHOAL, MLX = "figures.shoal", "baselines.mlx_lm_single"
 
 
-def bench_cell(machine: str, key: str, fmt: str = ".1f") -> Cell:
-    return Cell((machine, "bench"), key, fmt)
+def bench_cell(machine: str, key: str, fmt: str = ".1f", what: str = "bench") -> Cell:
+    return Cell((machine, what), key, fmt)
 
 
-def bench_rows(machine: str) -> tuple[Row, ...]:
+def bench_rows(machine: str, what: str = "bench") -> tuple[Row, ...]:
     """What every `shoal bench` record holds: two workers against mlx-lm's three ways."""
-    cell = partial(bench_cell, machine)
+    cell = partial(bench_cell, machine, what=what)
 
     return (
         Row("decode tok/s, two workers", cell(f"{SHOAL}.decode_tps"),
@@ -135,9 +135,9 @@ def bench_rows(machine: str) -> tuple[Row, ...]:
     )
 
 
-def local_rows(machine: str) -> tuple[Row, ...]:
+def local_rows(machine: str, what: str = "bench") -> tuple[Row, ...]:
     """The one-machine configurations and the lane echo, in bench records since they came."""
-    cell = partial(bench_cell, machine)
+    cell = partial(bench_cell, machine, what=what)
 
     return (
         Row("decode tok/s, one machine, every expert local (`--local-store`)",
@@ -156,6 +156,16 @@ def local_rows(machine: str) -> tuple[Row, ...]:
 
 
 ONE_MACHINE = (H200, "one-machine")
+H100_BENCH = (H100, "bench-prefill")  # `shoal bench --lengths 16,512,4096`: a 4,096-token pass
+
+H100_ROWS = bench_rows(H100, "bench-prefill") + local_rows(H100, "bench-prefill") + (
+    Row("prefill tok/s, 4,096-token prompt, two workers",
+        Cell(H100_BENCH, f"{SHOAL}.prefill_tps.4096", ".1f"),
+        Cell(H100_BENCH, f"{MLX}.prefill_tps.4096", ".1f"), "mlx-lm, one process"),
+    Row("prefill tok/s, 4,096-token prompt, every expert local",
+        Cell(H100_BENCH, "figures.shoal_one_mac_all_local.prefill_tps.4096", ".1f"),
+        Cell(H100_BENCH, f"{MLX}.prefill_tps.4096", ".1f"), "mlx-lm, one process"),
+)
 
 H200_ROWS = bench_rows(H200) + local_rows(H200) + (
     Row("decode tok/s, one machine, every expert local, alternated with mlx-lm round by round "
@@ -372,6 +382,7 @@ def targets(records: Records) -> list[str]:
 
 BLOCKS = {
     "h200": lambda r: table(r, H200_ROWS),
+    "h100": lambda r: table(r, H100_ROWS),
     "cpu": lambda r: table(r, CPU_ROWS),
     "breakdown": breakdown,
     "projection": projection,
