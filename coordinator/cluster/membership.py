@@ -28,7 +28,7 @@ from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
 from coordinator.dataplane.link_errors import Unreachable, dead_worker, held, reason_of
 from engine.advert import DEFAULT_CLUSTER
-from engine.errors import Unauthenticated, Unavailable
+from engine.errors import ShoalError, Unauthenticated, Unavailable
 from engine.interfaces import Interface, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
 
@@ -177,9 +177,18 @@ class Membership:
                 memory_budget=inventory.memory_budget,
                 free_disk=inventory.free_disk,
             )
+        gave_up = self._members[key].experts - changes.get("experts", frozenset())
+        # An expert that moved (shoal rebalance) was taken in by its new holder before this
+        # worker let it go, but the new holder's inventory here may be older than that: ask
+        # the others again first, so that the view never shows the expert without a holder.
+        others = self._fetch_others(key) if gave_up and "experts" in changes else {}
         with self._changed:
             if stop.is_set():
                 return
+            for other, experts in others.items():
+                if self._members[other].state == "healthy":
+                    self._set_locked(replace(self._members[other], experts=experts,
+                                             handshake_at=time.monotonic()))
             before = self._members[key]
             changes["node_id"] = changes.get("node_id") or before.node_id
             member = replace(before, **changes)
@@ -194,6 +203,20 @@ class Membership:
                           f"{member.route.describe()}: {member.experts_held} experts")
             else:
                 self._say(in_words(member))
+
+    def _fetch_others(self, key: str) -> dict[str, frozenset[ExpertKey]]:
+        """What every other healthy worker holds, asked now (one that does not answer is
+        left as it was: its probe judges it)."""
+        with self._changed:
+            others = {k: self._links[k] for k, m in self._members.items()
+                      if k != key and m.state == "healthy" and k in self._links}
+        found = {}
+        for other, link in others.items():
+            try:
+                found[other] = held(link.fetch_inventory())
+            except ShoalError:
+                continue
+        return found
 
     def update_inventory(self, link: WorkerLink, inventory) -> None:
         """A worker's inventory changed (seen in a reply): route by the new one now."""

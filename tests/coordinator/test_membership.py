@@ -1,10 +1,13 @@
-"""Membership rules as pure functions: which workers count, liveness, duplicates, configs."""
+"""Membership rules as pure functions (liveness, duplicates, configs), and its threaded view as
+an expert moves between scripted workers."""
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from coordinator.cluster import member as member_module
 from coordinator.cluster.discovery import (
     Candidate,
     parse_cluster_config,
@@ -26,7 +29,7 @@ from coordinator.cluster.snapshot import parse_addresses
 from engine.advert import Advert
 from engine.errors import InvalidInput
 from engine.interfaces import Interface
-from proto import PROTOCOL_VERSION
+from proto import PROTOCOL_VERSION, shoal_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = [Interface("lo0", "127.0.0.1", 8), Interface("en0", "10.0.0.5", 24, "Wi-Fi"),
@@ -190,3 +193,66 @@ def test_what_a_membership_waits_for_is_named_as_the_user_gave_it():
     assert found.absent() == ["no worker of cluster 'desk' found yet"]  # in /health and 503s
     listed = Membership(b"", local=LOCAL, listed=["10.0.0.9:5", "10.0.0.8:5"])
     assert listed.workers == "the workers at 10.0.0.9:5, 10.0.0.8:5"
+
+
+class ScriptedLink:
+    """A worker link whose inventory the test sets: healthy, answering at once."""
+
+    def __init__(self, address: str, held: set) -> None:
+        self.address, self.held = address, set(held)
+
+    def check_health(self, timeout: float) -> float:
+        return 0.001
+
+    def fetch_inventory(self, timeout: float = 5.0) -> shoal_pb2.Inventory:
+        return shoal_pb2.Inventory(
+            node_id=self.address, protocol_version=PROTOCOL_VERSION, fingerprint="f" * 64,
+            experts=[shoal_pb2.HeldExpert(layer=layer, expert=expert)
+                     for layer, expert in sorted(self.held)])
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedTransport:
+    def __init__(self, held: dict[str, set]) -> None:
+        self.links = {address: ScriptedLink(address, experts) for address, experts in held.items()}
+
+    def link(self, address: str, secret: bytes) -> ScriptedLink:
+        return self.links[address]
+
+
+def test_an_expert_that_moves_never_shows_without_a_holder(monkeypatch):
+    """A rebalance copies expert (0, 1) from a to b, then a drains it. When a's next look
+    finds it gone before b's has found it arrive, the others are asked again first: the view
+    never shows (0, 1) unheld (serve would answer 503 in that window)."""
+    monkeypatch.setattr(member_module, "INVENTORY_REFRESH", 1.0)
+    transport = ScriptedTransport({"10.0.0.9:1": {(0, 1), (0, 2)}, "10.0.0.9:2": {(0, 3)}})
+    membership = Membership(b"", manifest=FakeManifest(), local=LOCAL, transport=transport)
+    views: list[frozenset] = []
+
+    def changed() -> None:
+        healthy = [m.experts for m in membership._members.values() if m.state == "healthy"]
+        views.append(frozenset().union(*healthy))
+
+    membership.watch(changed)
+    try:
+        for port, name in ((1, "a"), (2, "b")):
+            membership.offer(Candidate(f"{name}._shoal._tcp.local.", (("10.0.0.9", port),),
+                                       advert(node_id=name)))
+            time.sleep(0.5)  # a looks again half a second before b does
+        deadline = time.monotonic() + 10
+        while len(views) < 2 or views[-1] != {(0, 1), (0, 2), (0, 3)}:
+            assert time.monotonic() < deadline, views
+            time.sleep(0.05)
+        transport.links["10.0.0.9:2"].held.add((0, 1))  # copied to b
+        transport.links["10.0.0.9:1"].held.discard((0, 1))  # then drained on a
+        deadline = time.monotonic() + 10
+        while views[-1] != {(0, 1), (0, 2), (0, 3)} or not any(
+                (0, 1) in m.experts for m in membership.snapshot() if m.address.endswith(":2")):
+            assert time.monotonic() < deadline, views
+            time.sleep(0.05)
+    finally:
+        membership.close()
+    full = views.index(frozenset({(0, 1), (0, 2), (0, 3)}))
+    assert all((0, 1) in view for view in views[full:]), views
