@@ -211,3 +211,19 @@ def test_two_drive_copies_need_two_disks_with_room_and_say_so():
     alone = plan_streaming({"a": SIZE}, {"a": AMPLE}, {"a": 1e9}, SIZES, SKEWED, top_k=TOP_K,
                            drive_copies=2)
     assert all(names == ("a",) for names in alone.values())
+
+
+def test_shard_and_rebalance_plans_take_the_drive_copies():
+    from engine.placement import store_placement
+    from engine.rebalance_plan import LiveWorker, propose, state_of
+
+    members = [WorkerCapacity("a", 4 * SIZE, read_gbps=1.0),
+               WorkerCapacity("b", 4 * SIZE, read_gbps=1.0)]
+    stores = store_placement(members, SIZES, SKEWED, top_k=TOP_K, spare=0.0, drive_copies=2)
+    assert sum(len(held) == 2 for held in stores.values()) >= len(SIZES) - 8
+    workers = [LiveWorker(w.name, frozenset(), memory_budget=w.memory, free_disk=1 << 30,
+                          read_gbps=1.0) for w in members]
+    proposal = propose(state_of(workers, SIZES, ()), workers, SIZES, SKEWED, spare=0.0,
+                       deploy=True, top_k=TOP_K, drive_copies=2)
+    assert {k: tuple(sorted(v)) for k, v in proposal.target.items()} == {
+        k: tuple(members[i].name for i in v) for k, v in stores.items()}
