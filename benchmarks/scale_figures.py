@@ -26,8 +26,12 @@ def _record(records: Records, folder: Path, stem: str) -> tuple[Path, dict]:
     return max(found, key=lambda v: v[1]["recorded"])
 
 
-def _points(figures: dict) -> list[dict]:
-    return [*figures["rows"], *([figures["mixed_drives"]] if figures["mixed_drives"] else [])]
+def points_of(figures: dict) -> list[dict]:
+    """A scale run's rows, the mixed drives' last (each drive-copies count tried, where the
+    record has them)."""
+    mixed = figures.get("mixed_drives_copies") or (
+        [figures["mixed_drives"]] if figures["mixed_drives"] else [])
+    return [*figures["rows"], *mixed]
 
 
 def _drives(row: dict) -> str:
@@ -53,7 +57,7 @@ def scale_table(path: Path, record: dict) -> list[str]:
     lines = ["| members | drives MB/s | tok/s | x one | ideal | forecast | hit rate | "
              "read / demand MiB a token | drive busy | CPU busy | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in _points(f):
+    for row in points_of(f):
         off = row["forecast_tok_s"] / row["tok_s"] - 1
         lines.append(
             f"| {row['members']} | {_drives(row)} | {row['tok_s']:.3f} | {row['x_one']:.2f} | "
@@ -66,7 +70,7 @@ def scale_table(path: Path, record: dict) -> list[str]:
 
 
 def admission_table(path: Path, record: dict) -> list[str]:
-    rows = [row for row in _points(record["figures"]) if "every_read_kept" in row]
+    rows = [row for row in points_of(record["figures"]) if "every_read_kept" in row]
     if not rows:
         raise MissingFigure(f"{path.name} has no --admission-ab runs")
     lines = ["| members | drives MB/s | tok/s: admission / every read kept | hit rate | "
