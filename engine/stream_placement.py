@@ -68,6 +68,7 @@ def plan_streaming(
         room[chosen] -= sizes[key]
         free_disk[chosen] -= sizes[key]
     reads: dict[tuple[int, str], float] = {}
+    shared: dict[tuple[int, str, str], int] = {}  # (layer, member, member) -> experts both hold
     for key in sorted(cold, key=lambda k: (-odds[k] * sizes[k], k)):
         fits = [n for n in names if sizes[key] <= free_disk[n]]
         if len(fits) < copies:
@@ -77,15 +78,24 @@ def plan_streaming(
                 f"{copies} needed: the cluster's disks cannot hold the model"
                 + (" with that many copies of each cold expert" if copies > 1 else ""))
         share = odds[key] * sizes[key] / copies
-
-        def finish(n: str, key: ExpertKey = key, share: float = share) -> tuple[float, str]:
-            return (reads.get((key[0], n), 0.0) + share) / read_bps[n], n
-
-        chosen = sorted(fits, key=finish)[:copies]
+        chosen: list[str] = []
+        for _ in range(copies):
+            # soonest to finish; within one read of it, the member sharing fewest of this
+            # layer's experts with those chosen, so that every pair of drives can trade reads
+            ends = {n: (reads.get((key[0], n), 0.0) + share) / read_bps[n]
+                    for n in fits if n not in chosen}
+            soonest = min(ends.values())
+            chosen.append(min(
+                (n for n, end in ends.items() if end <= soonest + share / read_bps[n]),
+                key=lambda n, key=key: (sum(shared.get((key[0], *sorted((n, c))), 0)
+                                            for c in chosen), ends[n], n)))
         holders[key] = chosen
         for n in chosen:
             reads[(key[0], n)] = reads.get((key[0], n), 0.0) + share
             free_disk[n] -= sizes[key]
+        for i, a in enumerate(sorted(chosen)):
+            for b in sorted(chosen)[i + 1:]:
+                shared[(key[0], a, b)] = shared.get((key[0], a, b), 0) + 1
     for key in order:  # hottest first: replicas where memory is left over
         for n in names:
             if n not in holders[key] and sizes[key] <= min(room[n], free_disk[n]):
