@@ -227,3 +227,11 @@ def test_shard_and_rebalance_plans_take_the_drive_copies():
                        deploy=True, top_k=TOP_K, drive_copies=2)
     assert {k: tuple(sorted(v)) for k, v in proposal.target.items()} == {
         k: tuple(members[i].name for i in v) for k, v in stores.items()}
+
+
+def test_two_drive_copies_join_every_pair_of_drives_not_fixed_pairs():
+    memory = dict.fromkeys("abcd", 8 * SIZE)
+    holders = plan_streaming(memory, dict.fromkeys(memory, AMPLE), dict.fromkeys(memory, 1e9),
+                             SIZES, SKEWED, top_k=TOP_K, drive_copies=2)
+    pairs = {names for names in holders.values() if len(names) == 2}
+    assert len(pairs) == 6  # any drive can hand a read to any other
