@@ -87,7 +87,28 @@ def admission_table(path: Path, record: dict) -> list[str]:
     return lines
 
 
-BLOCKS = {"scale-caption": caption, "scale": scale_table, "scale-admission": admission_table}
+def copies_table(path: Path, record: dict) -> list[str]:
+    """One drive copy of each cold expert against two, the runs of a point back to back."""
+    rows = points_of(record["figures"])
+    if len({row.get("drive_copies", 1) for row in rows}) < 2:
+        raise MissingFigure(f"{path.name} has no --drive-copies runs")
+    lines = ["| members | drives MB/s | drive copies | tok/s | x one | drive busy (mean) | "
+             "read / demand MiB a token | read / demand | experts stored | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        busy = row["drive_busy"]
+        lines.append(
+            f"| {row['members']} | {_drives(row)} | {row.get('drive_copies', 1)} | "
+            f"{row['tok_s']:.3f} | {row['x_one']:.2f} | {_percents(busy)} "
+            f"({100 * sum(busy) / len(busy):.0f}%) | "
+            f"{row['read_bytes_per_token'] / MIB:.1f} / {row['demand_bytes_per_token'] / MIB:.1f}"
+            f" | {row['read_bytes_per_token'] / row['demand_bytes_per_token']:.2f} | "
+            f"{row['stored_bytes'] / 2**30:.2f} GiB | {'yes' if row['exact'] else 'NO'} |")
+    return lines
+
+
+BLOCKS = {"scale-caption": caption, "scale": scale_table, "scale-admission": admission_table,
+          "scale-copies": copies_table}
 
 
 def render_scale(text: str, folder: Path) -> str:
