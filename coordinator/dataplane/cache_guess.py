@@ -43,8 +43,20 @@ class CacheGuess:
         hosts = members.links
         if not any(self.streams(host) for host in hosts):
             return spread(members.routes[layer], experts, turn)
+        rates = [host.inventory.read_bps if host.inventory is not None else 0
+                 for host in hosts]
+        known = [rate for rate in rates if rate]  # unpaced drives count as the paced' mean
+        seconds = None if not known else [len(known) / sum(known) if not rate else 1 / rate
+                                          for rate in rates]
         return spread_reads(members.routes[layer], experts,
-                            lambda m, e: self.warm(hosts[m], (layer, e)), turn=turn)
+                            lambda m, e: self.warm(hosts[m], (layer, e)), seconds, turn)
+
+    def deals(self, members: Snapshot, layer: int) -> bool:
+        """Whether a layer the coordinator's own store holds whole is still dealt over the
+        members: it streams, and other members hold copies whose drives can take reads."""
+        routes = members.routes.get(layer)
+        return bool(members.links) and self.streams(members.links[0]) and \
+            routes is not None and routes.replicated
 
     def given(self, hosts: tuple[ExpertHost, ...], layer: int, experts: np.ndarray,
               owner: np.ndarray) -> None:

@@ -148,7 +148,8 @@ class Dispatcher:
         members = self._members_now()
         # The coordinator's own experts hold the whole layer in memory: mlx-lm's own call, lazy,
         # as in one process (dataplane/local_experts.py; the member is first when present).
-        if self._whole is not None and (out := self._whole_call(layer, x, inds)) is not None:
+        if self._whole is not None and not (self.guess and self.guess.deals(members, layer)) \
+                and (out := self._whole_call(layer, x, inds)) is not None:
             return out
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch

@@ -58,10 +58,11 @@ def test_every_pair_of_an_expert_goes_to_one_copy_and_faster_drives_take_more():
 class _Streaming(_Link):
     """A worker that streams under a budget of `room` experts of 100 bytes."""
 
-    def __init__(self, address: str, room: int) -> None:
+    def __init__(self, address: str, room: int, read_bps: int = 0) -> None:
         super().__init__()
         self.address = address
-        self.inventory = shoal_pb2.Inventory(streaming=True, memory_budget=100 * room)
+        self.inventory = shoal_pb2.Inventory(streaming=True, memory_budget=100 * room,
+                                             read_bps=read_bps)
         self.hinted: list[int] = []
 
     def hint(self, layer, hint) -> None:
@@ -95,3 +96,19 @@ def test_streaming_members_read_each_miss_once_and_hints_name_the_copy_the_call_
         if step == 1:  # the same experts again: each to the member that has it
             assert sent_to == first
         first = first or sent_to
+
+
+def test_members_drive_rates_share_the_reads_and_a_whole_local_layer_is_dealt():
+    slow, fast = _Streaming("slow", room=1, read_bps=40 * 10**6), \
+        _Streaming("fast", room=1, read_bps=80 * 10**6)
+    routes = replica_routes({0: 8}, [{(0, e) for e in range(8)}] * 2)
+    members = _Cluster([slow, fast], routes).current
+    experts = np.arange(6, dtype=np.int32)
+    owner = CacheGuess(100).owners(members, 0, experts, turn=0)
+    assert reads(owner, experts, 2) == [2, 4]  # the 80 MB/s drive reads twice as many
+    # The coordinator's own store (first) holds layer 0 whole but streams: its reads are
+    # dealt over the copies. A layer nobody else holds stays whole.
+    assert CacheGuess(100).deals(members, 0)
+    alone = _Cluster([slow, fast], replica_routes({0: 8}, [{(0, e) for e in range(8)},
+                                                           set()])).current
+    assert not CacheGuess(100).deals(alone, 0)
