@@ -45,8 +45,9 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                        help="share of each worker's memory budget to leave free (default 10)")
         p.add_argument("--drive-copies", type=int, default=1, metavar="N",
                        help="with streamed placement, each cold expert (one not in memory) on N "
-                       "members' drives, each miss read from the copy that finishes soonest: "
-                       "N times the cold experts' disk, drives kept busier (default 1)")
+                       "members' drives, each miss read from the copy whose drive ends soonest; "
+                       "N times the cold experts' disk (default 1; docs/streaming.md: when "
+                       "it pays)")
         p.add_argument("--replan", action="store_true",
                        help="plan afresh instead of finishing an interrupted run's target")
         p.add_argument("--json", action="store_true", help="print the plan and result as JSON")

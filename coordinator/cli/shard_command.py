@@ -51,8 +51,8 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                    "`shoal rebalance --spare` does (default 10)")
     p.add_argument("--drive-copies", type=int, default=1, metavar="N",
                    help="with streamed placement, each cold expert (one not in memory) on N "
-                   "members' drives, each miss read from the copy that finishes soonest: "
-                   "N times the cold experts' disk, drives kept busier (default 1)")
+                   "members' drives, each miss read from the copy whose drive ends soonest; "
+                   "N times the cold experts' disk (default 1; docs/streaming.md: when it pays)")
     p.add_argument("--heat", type=Path, metavar="FILE",
                    help="place by this heat (with --member or --cluster-config): `shoal heat "
                    "--json`'s output or a cluster's heat.msgpack (default: OUT_DIR/heat.msgpack "
