@@ -26,8 +26,12 @@ def _record(records: Records, folder: Path, stem: str) -> tuple[Path, dict]:
     return max(found, key=lambda v: v[1]["recorded"])
 
 
-def _points(figures: dict) -> list[dict]:
-    return [*figures["rows"], *([figures["mixed_drives"]] if figures["mixed_drives"] else [])]
+def points_of(figures: dict) -> list[dict]:
+    """A scale run's rows, the mixed drives' last (each drive-copies count tried, where the
+    record has them)."""
+    mixed = figures.get("mixed_drives_copies") or (
+        [figures["mixed_drives"]] if figures["mixed_drives"] else [])
+    return [*figures["rows"], *mixed]
 
 
 def _drives(row: dict) -> str:
@@ -53,7 +57,7 @@ def scale_table(path: Path, record: dict) -> list[str]:
     lines = ["| members | drives MB/s | tok/s | x one | ideal | forecast | hit rate | "
              "read / demand MiB a token | drive busy | CPU busy | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in _points(f):
+    for row in points_of(f):
         off = row["forecast_tok_s"] / row["tok_s"] - 1
         lines.append(
             f"| {row['members']} | {_drives(row)} | {row['tok_s']:.3f} | {row['x_one']:.2f} | "
@@ -66,7 +70,7 @@ def scale_table(path: Path, record: dict) -> list[str]:
 
 
 def admission_table(path: Path, record: dict) -> list[str]:
-    rows = [row for row in _points(record["figures"]) if "every_read_kept" in row]
+    rows = [row for row in points_of(record["figures"]) if "every_read_kept" in row]
     if not rows:
         raise MissingFigure(f"{path.name} has no --admission-ab runs")
     lines = ["| members | drives MB/s | tok/s: admission / every read kept | hit rate | "
@@ -83,7 +87,28 @@ def admission_table(path: Path, record: dict) -> list[str]:
     return lines
 
 
-BLOCKS = {"scale-caption": caption, "scale": scale_table, "scale-admission": admission_table}
+def copies_table(path: Path, record: dict) -> list[str]:
+    """One drive copy of each cold expert against two, the runs of a point back to back."""
+    rows = points_of(record["figures"])
+    if len({row.get("drive_copies", 1) for row in rows}) < 2:
+        raise MissingFigure(f"{path.name} has no --drive-copies runs")
+    lines = ["| members | drives MB/s | drive copies | tok/s | x one | drive busy (mean) | "
+             "read / demand MiB a token | read / demand | experts stored | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        busy = row["drive_busy"]
+        lines.append(
+            f"| {row['members']} | {_drives(row)} | {row.get('drive_copies', 1)} | "
+            f"{row['tok_s']:.3f} | {row['x_one']:.2f} | {_percents(busy)} "
+            f"({100 * sum(busy) / len(busy):.0f}%) | "
+            f"{row['read_bytes_per_token'] / MIB:.1f} / {row['demand_bytes_per_token'] / MIB:.1f}"
+            f" | {row['read_bytes_per_token'] / row['demand_bytes_per_token']:.2f} | "
+            f"{row['stored_bytes'] / 2**30:.2f} GiB | {'yes' if row['exact'] else 'NO'} |")
+    return lines
+
+
+BLOCKS = {"scale-caption": caption, "scale": scale_table, "scale-admission": admission_table,
+          "scale-copies": copies_table}
 
 
 def render_scale(text: str, folder: Path) -> str:

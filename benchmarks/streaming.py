@@ -274,6 +274,10 @@ def main() -> None:
     parser.add_argument("--admission-ab", action="store_true",
                         help="with --scale: run each point again with every read expert kept "
                         "(worker --cache-admission every), alternated, to compare")
+    parser.add_argument("--drive-copies", default="1", metavar="COUNTS",
+                        help="with --scale: each cold expert on this many members' drives, "
+                        "e.g. 1,2: each point of two or more members once per count, "
+                        "alternating which runs first (default 1)")
     parser.add_argument("--no-lookahead", action="store_true",
                         help="with --scale: no prefetch hints from the router's lookahead")
     parser.add_argument("--skew", type=float, default=0.0,
@@ -284,11 +288,14 @@ def main() -> None:
         try:
             counts = [int(n) for n in args.scale.split(",")]
             mixed = [float(r) for r in args.mixed_drives.split(",") if r.strip()]
+            copies = [int(c) for c in args.drive_copies.split(",")]
         except ValueError:
-            parser.error(f"--scale takes counts like 1,2,4 and --mixed-drives rates like 40,80, "
-                         f"not {args.scale!r} / {args.mixed_drives!r}")
-        if not counts or min(counts) < 1 or (mixed and min(mixed) <= 0):
-            parser.error("member counts must be 1 or more and drive rates above 0")
+            parser.error(f"--scale takes counts like 1,2,4, --mixed-drives rates like 40,80 and "
+                         f"--drive-copies counts like 1,2, not {args.scale!r} / "
+                         f"{args.mixed_drives!r} / {args.drive_copies!r}")
+        if not counts or min(counts) < 1 or (mixed and min(mixed) <= 0) or min(copies) < 1:
+            parser.error("member counts and drive copies must be 1 or more and drive rates "
+                         "above 0")
         if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
             parser.error(f"--checkpoint {args.checkpoint}: no config.json there")
         tokens = args.tokens or (8 if args.quick else 32)
@@ -297,7 +304,8 @@ def main() -> None:
                            cpu_share=args.cpu_share or None, skew=args.skew,
                            json_path=args.json, lookahead=not args.no_lookahead,
                            checkpoint=args.checkpoint, mixed_drives=mixed,
-                           placement=args.placement, admission_ab=args.admission_ab)
+                           placement=args.placement, admission_ab=args.admission_ab,
+                           drive_copies=copies)
         write_record(what="streaming-scale", figures=report)
         return
 

@@ -14,6 +14,7 @@ from mlx_lm.utils import load_tokenizer
 
 from benchmarks.checkpoints import bench_checkpoint, bench_root
 from benchmarks.mlx_lm_process import run_mlx_lm
+from benchmarks.scale_figures import points_of
 from benchmarks.scale_members import holders_of, placed_stores, run_point
 from benchmarks.stream_limits import MemberLimits, block_device, drop_page_cache
 from builders.demo_models import build_once, cache_root, moe_folder, prepare
@@ -59,14 +60,19 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
               budget_share: float, cpu_share: float | None, skew: float,
               json_path: Path | None, lookahead: bool = True, checkpoint: Path | None = None,
               mixed_drives: list[float] | None = None, placement: str = "stream",
-              admission_ab: bool = False) -> dict:
+              admission_ab: bool = False, drive_copies: list[int] | None = None) -> dict:
     """Every member count at `drive_mbps` each (0: no read limit), each first with every
     expert in memory and no read limit (a token's compute, for the forecast, and the routing
     heat); with `mixed_drives`, two members at those rates. Experts are placed by
     engine/stream_placement.py from the first point's heat (`placement` "stream"), or as
     `shoal shard --workers N` splits them ("shard"; the mixed run is always placed).
     `admission_ab`: each point also with every read expert kept (no heat-weighted admission),
-    the two runs in alternating order, so that both see the same load."""
+    the two runs in alternating order, so that both see the same load. `drive_copies` (e.g.
+    [1, 2]): each point of two or more members placed with each cold expert on that many
+    members' drives, one run each in alternating order after one all-in-memory run."""
+    copies_tried = drive_copies or [1]
+    if placement == "shard" and copies_tried != [1]:
+        raise SystemExit("--drive-copies places for streaming: not with --placement shard")
     source, sharded = model_stores(model, counts, checkpoint)
     manifest = read_manifest(sharded[1])
     sizes = {(e.layer, e.expert): e.bytes for e in manifest.experts}
@@ -87,12 +93,14 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
           f"decode {tokens} tokens; load {os.getloadavg()[0]:.1f}", flush=True)
     drop_page_cache(sorted(source.glob("*.safetensors")))
     reference = run_mlx_lm(source, ids, tokens, None)
-    rows, calibration, heats = [], None, []
+    rows, calibration, heats, floors = [], None, [], {}
 
-    def point(store: Path, n: int, rates: list[int | None], tmp: Path) -> dict:
+    def point(store: Path, n: int, rates: list[int | None], tmp: Path, copies: int = 1) -> dict:
         nonlocal calibration
-        floor = run_point(store, n, expert_total, [None] * n, ids, tokens, secret_file, tmp,
-                          device, cpu_share)
+        if (n, tuple(rates)) not in floors:  # one all-in-memory run for every layout of n
+            floors[n, tuple(rates)] = run_point(store, n, expert_total, [None] * n, ids, tokens,
+                                                secret_file, tmp, device, cpu_share)
+        floor = floors[n, tuple(rates)]
         # The decode's own routing, counted with every expert in memory (the ids are the
         # same at every point, so is the routing): the heat record.
         heat = floor["heat"] or skewed_heat({k[0]: experts for k in sizes}, skew)
@@ -111,6 +119,9 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
             row["every_read_kept"]["ran_first"] = runs[0] is False
         row.pop("heat")
         row["exact"] = row["tokens"] == reference.get("tokens")
+        row["drive_copies"] = copies
+        row["stored_bytes"] = sum(sizes[key] * len(names)
+                                  for key, names in holders_of(store, n).items())
         row["all_in_memory_tok_s"] = floor["tok_s"]
         members = [StreamingMember(f"member-{i}", budget, rate or 1e15)
                    for i, rate in enumerate(rates)]
@@ -129,12 +140,13 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
         every = row.get("every_read_kept")
         ab = "" if every is None else (f"; every read kept: {every['tok_s']:.3f} tok/s, exact "
                                        f"{every['exact']}")
-        print(f"  {n} member(s) at {'/'.join(str(r and r / 1e6) for r in rates)} MB/s: "
+        print(f"  {n} member(s) at {'/'.join(str(r and r / 1e6) for r in rates)} MB/s, "
+              f"{copies} drive cop{'y' if copies == 1 else 'ies'}: "
               f"{row['tok_s']:.3f} tok/s (forecast {row['forecast_tok_s']:.3f}), exact "
               f"{row['exact']}{ab}, load {os.getloadavg()[0]:.1f}", flush=True)
         return row
 
-    def layout(n: int, rates: list[int], tmp: Path) -> Path:
+    def layout(n: int, rates: list[int], tmp: Path, copies: int = 1) -> Path:
         if n == 1 or (placement == "shard" and len(set(rates)) == 1):
             return sharded[n]
         if not heats:  # the routing heat first, from one member with every expert in memory
@@ -143,28 +155,41 @@ def run_scale(counts: list[int], *, model: str, tokens: int, drive_mbps: float,
         names = [f"member-{i}" for i in range(n)]
         holders = plan_streaming(dict.fromkeys(names, budget), dict.fromkeys(names, expert_total),
                                  {name: float(r) for name, r in zip(names, rates, strict=True)},
-                                 sizes, heats[0], top_k=top_k)
-        return placed_stores(sharded[1], holders, tmp / ("placed-" + "-".join(map(str, rates))))
+                                 sizes, heats[0], top_k=top_k, drive_copies=copies)
+        return placed_stores(sharded[1], holders,
+                             tmp / ("placed-" + "-".join(map(str, rates)) + f"-c{copies}"))
 
+    def points(rates: list[int], run_rates: list[int | None], tmp: Path) -> list[dict]:
+        """The point of members at `rates` (run at `run_rates`, None: no limit), once per
+        drive-copies count, which runs first alternating from point to point (one member has
+        one copy)."""
+        n = len(rates)
+        tried = [1] if n == 1 else copies_tried[::-1] if len(turns) % 2 else copies_tried
+        turns.append(n)
+        measured = {c: point(layout(n, rates, tmp, c), n, run_rates, tmp, c) for c in tried}
+        return [measured[c] for c in sorted(measured)]
+
+    turns: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
-            rates = [read_bps or int(1e12)] * n
-            rows.append(point(layout(n, rates, Path(tmp)), n, [read_bps] * n, Path(tmp)))
-        mixed = None
+            rows.extend(points([read_bps or int(1e12)] * n, [read_bps] * n, Path(tmp)))
+        mixed_rows = []
         if mixed_drives:
             rates = [int(r * 1e6) for r in mixed_drives]
-            mixed = point(layout(len(rates), rates, Path(tmp)), len(rates), rates, Path(tmp))
+            mixed_rows = points(rates, list(rates), Path(tmp))
+    mixed = mixed_rows[0] if mixed_rows else None
     limited = mlx_lm_limited(source, ids, tokens, reference, expert_total, budget, read_bps,
                              device)
-    for row in [*rows, *([mixed] if mixed else [])]:
+    for row in [*rows, *mixed_rows]:
         row["x_one"] = row["tok_s"] / rows[0]["tok_s"]
         row["of_ideal"] = row["x_one"] / row["ideal_x"]
     report = {"model": model if checkpoint is None else str(checkpoint),
               "lookahead": lookahead, "placement": placement, "drive_mbps": drive_mbps,
-              "admission_ab": admission_ab,
+              "admission_ab": admission_ab, "drive_copies": copies_tried,
               "memory_budget": budget,
               "cpu_share": cpu_share, "expert_bytes": expert_total, "decode_tokens": tokens,
               "skew_assumed": skew, "rows": rows, "mixed_drives": mixed,
+              "mixed_drives_copies": mixed_rows,
               "mlx_lm": {k: v for k, v in reference.items() if k != "tokens"},
               "mlx_lm_limited": limited, "load_after": os.getloadavg()}
     print_scale(report)
@@ -198,8 +223,7 @@ def _percents(values: list) -> str:
 
 def print_admission(report: dict) -> None:
     """With --admission-ab: each point with heat-weighted admission against every read kept."""
-    rows = [r for r in [*report["rows"], *([report["mixed_drives"]] if report["mixed_drives"]
-                                          else [])] if "every_read_kept" in r]
+    rows = [r for r in points_of(report) if "every_read_kept" in r]
     if not rows:
         return
     print(f"\nadmission A/B (the two runs of a point back to back, alternating which first):\n"
@@ -220,13 +244,16 @@ def print_scale(report: dict) -> None:
           f"{format_bytes(report['memory_budget'])}, CPU "
           f"{'unlimited' if cpu is None else f'{cpu:g} of a core'}; ideal: the members' summed "
           "drive rates against one; forecast: engine/stream_speed.py with the all-in-memory "
-          "run's compute, the decode's heat and the first point's bytes read per miss")
+          "run's compute, the decode's heat and the first point's bytes read per miss"
+          + ("; xC: each cold expert on C members' drives" if len(report["drive_copies"]) > 1
+             else ""))
     print(f"{'members':>7} {'tok/s':>7} {'x one':>6} {'ideal':>6} {'forecast':>8} {'hit':>6} "
           f"{'read/tok':>10} {'demand/tok':>10} {'drive busy':>16} {'cpu busy':>16} "
           f"{'exact':>6} {'in memory':>9}")
-    for row in [*report["rows"], *([report["mixed_drives"]] if report["mixed_drives"] else [])]:
+    for row in points_of(report):
         name = str(row["members"]) + ("" if len(set(row["drive_mbps"])) == 1 else
                                       " (" + "/".join(f"{r:g}" for r in row["drive_mbps"]) + ")")
+        name += f" x{row.get('drive_copies', 1)}" if len(report["drive_copies"]) > 1 else ""
         print(f"{name:>7} {row['tok_s']:>7.3f} {row['x_one']:>6.2f} {row['ideal_x']:>6.2f} "
               f"{row['forecast_tok_s']:>8.3f} {100 * (row['hit_rate'] or 0):>5.1f}% "
               f"{format_bytes(row['read_bytes_per_token']):>10} "

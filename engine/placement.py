@@ -278,6 +278,7 @@ def plan_placement(
     current: Mapping[ExpertKey, Sequence[str]] | None = None,
     stickiness: float = 0.0,
     top_k: int | None = None,
+    drive_copies: int = 1,
 ) -> Placement:
     """Place every expert on at least one worker, hot ones on several, within capacity, so the
     busiest worker's expected load per layer is as low as greedy packing makes it.
@@ -290,7 +291,8 @@ def plan_placement(
     carry less load by more than stickiness x the layer's fair share: fewer bytes to move.
     When the experts outgrow the workers' memory and every worker's read speed and `top_k`
     are known, engine/stream_placement.py places them instead (hot sets in memory, cold
-    reads spread by read speed; `current` and `stickiness` then play no part).
+    reads spread by read speed, each cold expert on `drive_copies` drives; `current` and
+    `stickiness` then play no part).
     """
     if not workers:
         raise InvalidInput("a placement needs at least one worker")
@@ -307,7 +309,8 @@ def plan_placement(
     if not resident and top_k and all(w.read_gbps for w in workers):
         memory, disk = _capacities(workers, 0, spare)[0], capacity
         speeds = {w.name: w.read_gbps * 1e9 for w in workers}
-        holders = plan_streaming(memory, disk, speeds, sizes, heat, top_k=top_k)
+        holders = plan_streaming(memory, disk, speeds, sizes, heat, top_k=top_k,
+                                 drive_copies=drive_copies)
         used = {n: sum(sizes[k] for k, h in holders.items() if n in h) for n in names}
         before = current or _pack(sizes, heat, dict.fromkeys(sizes, 1), names, capacity)[0]
         return Placement(holders, used, False, imbalance(before, heat, names),
@@ -334,13 +337,15 @@ def store_placement(
     *,
     top_k: int,
     spare: float = 0.1,
+    drive_copies: int = 1,
 ) -> dict[ExpertKey, tuple[int, ...]]:
     """Which members (indices into `members`) hold each expert when `shoal shard` writes a
     store folder per member, their memory the budget each worker will be given: a model
     beyond it is placed for streaming where every read speed is known (hot sets in memory
     less `spare`, as `shoal rebalance` plans, cold reads by drive speed), else as
     plan_placement places it."""
-    plan = plan_placement(members, sizes, heat, spare=spare, top_k=top_k)
+    plan = plan_placement(members, sizes, heat, spare=spare, top_k=top_k,
+                          drive_copies=drive_copies)
     index = {w.name: i for i, w in enumerate(members)}
     return {key: tuple(sorted(index[n] for n in names)) for key, names in plan.holders.items()}
 

@@ -129,6 +129,7 @@ def propose(
     max_bytes: int | None = None,
     deploy: bool = False,
     top_k: int | None = None,
+    drive_copies: int = 1,
 ) -> Proposal:
     """The target placement and the steps to it. An interrupted run's `stored` target is taken
     up again while every worker it names is live. A deploy leaves a cluster that already
@@ -139,7 +140,8 @@ def propose(
     Every worker with room for an expert counts, the ones holding nothing too (just added:
     idle, so the others carry more than their share); one with no room (a full disk) is
     neither a target nor counted. With `top_k` and every worker's read speed, a model larger
-    than their memory is placed for streaming (engine/stream_placement.py)."""
+    than their memory is placed for streaming (engine/stream_placement.py), each cold expert
+    on `drive_copies` drives."""
     live = {w.name for w in workers}
     current = holders_of(state)
     placed = all(current.values())
@@ -155,7 +157,8 @@ def propose(
         if not able:
             raise InvalidInput("no live worker has free disk for even one expert")
         placement = plan_placement(able, sizes, weights, spare=spare, current=current,
-                                   stickiness=STICKINESS, top_k=top_k)
+                                   stickiness=STICKINESS, top_k=top_k,
+                                   drive_copies=drive_copies)
         target = dict(placement.holders)
         if max_bytes is not None and placed:
             target = limit_moves(current, target, sizes, weights, max_bytes)

@@ -28,6 +28,7 @@ def plan_streaming(
     heat: Mapping[ExpertKey, float],
     *,
     top_k: int,
+    drive_copies: int = 1,
 ) -> dict[ExpertKey, tuple[str, ...]]:
     """Holders of each expert when the experts outgrow the members' memory (member -> bytes).
 
@@ -37,10 +38,16 @@ def plan_streaming(
     member whose expected read time in that layer, bytes / read speed, would end lowest, since
     each layer waits for its slowest drive. Memory a member has left that no cold expert
     could fill takes replicas of the hottest experts it lacks. Deterministic: ties go by name.
+    `drive_copies`: each cold expert on that many members' drives (at most one per member),
+    its reads expected to split evenly over them, so that a layer call can read each miss
+    from the copy whose drive is least busy (coordinator/dataplane/call_plan.py: spread_reads).
     """
     names = sorted(memory)
     if not names:
         raise InvalidInput("a placement needs at least one member")
+    if drive_copies < 1:
+        raise InvalidInput(f"drive copies must be 1 or more, got {drive_copies}")
+    copies = min(drive_copies, len(names))
     if any(read_bps.get(n, 0) <= 0 for n in names):
         raise InvalidInput("every member needs a drive read speed above 0 to plan streaming")
     odds = selection_odds({key: heat.get(key, 0.0) for key in sizes}, top_k)
@@ -61,20 +68,34 @@ def plan_streaming(
         room[chosen] -= sizes[key]
         free_disk[chosen] -= sizes[key]
     reads: dict[tuple[int, str], float] = {}
+    shared: dict[tuple[int, str, str], int] = {}  # (layer, member, member) -> experts both hold
     for key in sorted(cold, key=lambda k: (-odds[k] * sizes[k], k)):
         fits = [n for n in names if sizes[key] <= free_disk[n]]
-        if not fits:
+        if len(fits) < copies:
+            room_on = "no member's disk" if not fits else f"only {len(fits)} members' disks"
             raise InvalidInput(
-                f"expert {key[0]}/{key[1]} ({sizes[key] / 2**20:.1f} MiB) fits on no member's "
-                "disk: the cluster's disks cannot hold the model")
-
-        def finish(n: str, key: ExpertKey = key) -> tuple[float, str]:
-            return (reads.get((key[0], n), 0.0) + odds[key] * sizes[key]) / read_bps[n], n
-
-        chosen = min(fits, key=finish)
-        holders[key] = [chosen]
-        reads[(key[0], chosen)] = reads.get((key[0], chosen), 0.0) + odds[key] * sizes[key]
-        free_disk[chosen] -= sizes[key]
+                f"expert {key[0]}/{key[1]} ({sizes[key] / 2**20:.1f} MiB) fits on {room_on}, "
+                f"{copies} needed: the cluster's disks cannot hold the model"
+                + (" with that many copies of each cold expert" if copies > 1 else ""))
+        share = odds[key] * sizes[key] / copies
+        chosen: list[str] = []
+        for _ in range(copies):
+            # soonest to finish; within one read of it, the member sharing fewest of this
+            # layer's experts with those chosen, so that every pair of drives can trade reads
+            ends = {n: (reads.get((key[0], n), 0.0) + share) / read_bps[n]
+                    for n in fits if n not in chosen}
+            soonest = min(ends.values())
+            chosen.append(min(
+                (n for n, end in ends.items() if end <= soonest + share / read_bps[n]),
+                key=lambda n, key=key: (sum(shared.get((key[0], *sorted((n, c))), 0)
+                                            for c in chosen), ends[n], n)))
+        holders[key] = chosen
+        for n in chosen:
+            reads[(key[0], n)] = reads.get((key[0], n), 0.0) + share
+            free_disk[n] -= sizes[key]
+        for i, a in enumerate(sorted(chosen)):
+            for b in sorted(chosen)[i + 1:]:
+                shared[(key[0], a, b)] = shared.get((key[0], a, b), 0) + 1
     for key in order:  # hottest first: replicas where memory is left over
         for n in names:
             if n not in holders[key] and sizes[key] <= min(room[n], free_disk[n]):

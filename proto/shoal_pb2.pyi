@@ -86,7 +86,7 @@ class HeldExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk", "inventory_version", "draining", "lane_port", "streaming")
+    __slots__ = ("node_id", "fingerprint", "model_type", "protocol_version", "experts", "problems", "memory_budget", "free_disk", "inventory_version", "draining", "lane_port", "streaming", "read_bps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Inventory(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
+    READ_BPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     fingerprint: str
     model_type: str
@@ -111,7 +112,8 @@ class Inventory(_message.Message):
     draining: _containers.RepeatedCompositeFieldContainer[HeldExpert]
     lane_port: int
     streaming: bool
-    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ..., inventory_version: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., lane_port: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
+    read_bps: int
+    def __init__(self, node_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., free_disk: _Optional[int] = ..., inventory_version: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[HeldExpert, _Mapping]]] = ..., lane_port: _Optional[int] = ..., streaming: _Optional[bool] = ..., read_bps: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -42,6 +42,8 @@ class ExpertServicer(shoal_pb2_grpc.ExpertServiceServicer):
                       for lay, e in self.residency.holdings.draining()],
             lane_port=self.lane_port,
             streaming=self.residency.streaming,
+            read_bps=int((self.residency.reader.read_bps or 0)
+                         * len(self.residency.scan.folders)),
         )
 
     def Compute(self, request_iterator, context) -> Iterator[bytes]:  # noqa: N802

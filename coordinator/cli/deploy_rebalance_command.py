@@ -43,6 +43,11 @@ def setup_arg_parser(add_parser: AddParser) -> None:
                        "reads in proportion to drive speed")
         p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
                        help="share of each worker's memory budget to leave free (default 10)")
+        p.add_argument("--drive-copies", type=int, default=1, metavar="N",
+                       help="with streamed placement, each cold expert (one not in memory) on N "
+                       "members' drives, each miss read from the copy whose drive ends soonest; "
+                       "N times the cold experts' disk (default 1; docs/streaming.md: when "
+                       "it pays)")
         p.add_argument("--replan", action="store_true",
                        help="plan afresh instead of finishing an interrupted run's target")
         p.add_argument("--json", action="store_true", help="print the plan and result as JSON")
@@ -76,7 +81,7 @@ def main(args: argparse.Namespace) -> None:
         report = migrate(args.model, links, deploy=args.command == "deploy",
                          dry_run=args.dry_run, max_bytes=limit, spare=args.spare / 100,
                          replan=args.replan, progress=not (args.json or args.quiet),
-                         members=members)
+                         members=members, drive_copies=args.drive_copies)
     finally:
         close()
     if args.json:

@@ -49,6 +49,10 @@ def setup_arg_parser(add_parser: AddParser) -> None:
     p.add_argument("--spare", type=float, default=10.0, metavar="PCT",
                    help="share of each member's memory budget the plan leaves free, as "
                    "`shoal rebalance --spare` does (default 10)")
+    p.add_argument("--drive-copies", type=int, default=1, metavar="N",
+                   help="with streamed placement, each cold expert (one not in memory) on N "
+                   "members' drives, each miss read from the copy whose drive ends soonest; "
+                   "N times the cold experts' disk (default 1; docs/streaming.md: when it pays)")
     p.add_argument("--heat", type=Path, metavar="FILE",
                    help="place by this heat (with --member or --cluster-config): `shoal heat "
                    "--json`'s output or a cluster's heat.msgpack (default: OUT_DIR/heat.msgpack "
@@ -89,7 +93,8 @@ def main(args: argparse.Namespace) -> None:
         def place(sizes):
             if heat is not None:
                 check_heat_matches(heat, sizes)
-            return store_placement(members, sizes, heat, top_k=top_k, spare=args.spare / 100)
+            return store_placement(members, sizes, heat, top_k=top_k, spare=args.spare / 100,
+                                   drive_copies=args.drive_copies)
 
     manifest = shard(
         source,

@@ -1,11 +1,10 @@
 """Planning a layer call, pure functions over its routing: which member computes each
-(token, expert) pair (`spread`), the requests that carry them (`plan_call`), and putting the
-members' outputs back in the pairs' order (`put_back`), so no result depends on who answered first.
-"""
+(token, expert) pair (`spread`; `spread_reads` where members stream), the requests that carry
+them (`plan_call`), and the members' outputs put back in the pairs' order (`put_back`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,6 +41,36 @@ def spread(routes: LayerRoutes, experts: np.ndarray, turn: int = 0) -> np.ndarra
     rank[order] = np.arange(experts.size) - first
     counts = np.maximum(routes.counts[experts], 1)
     return routes.copies[experts, (rank + turn + experts) % counts]
+
+
+def spread_reads(routes: LayerRoutes, experts: np.ndarray, warm: Callable[[int, int], bool],
+                 read_seconds: Sequence[float] | None = None, turn: int = 0) -> np.ndarray:
+    """The member that computes each (token, expert) pair of one layer call when members read
+    experts from their drives: every pair of an expert goes to one copy (two would read it
+    twice), one that probably holds it in memory (`warm(member, expert)`), else the one whose
+    drive would end this call's reads soonest (`read_seconds[member]` a read, default 1: a
+    layer's experts have one shape). Experts with fewer copies choose first; ties go round
+    the copies by `turn`. Any copy gives the same result, so this changes who reads, not what."""
+    experts = np.asarray(experts)
+    if not routes.replicated:  # no expert has a second copy: nothing to choose
+        return routes.copies[experts, 0]
+    distinct = np.unique(experts).tolist()
+    counts = routes.counts.tolist()
+    queued: dict[int, float] = {}  # member -> seconds of reads this call gives its drive
+    chosen = np.full(routes.copies.shape[0], -1, dtype=routes.copies.dtype)
+    for expert in sorted(distinct, key=lambda e: (counts[e], e)):
+        copies = routes.copies[expert, :max(counts[expert], 1)].tolist()
+        turned = copies[(turn + expert) % len(copies):] + copies[:(turn + expert) % len(copies)]
+        warmed = [m for m in turned if warm(m, expert)]
+        if warmed:  # no read: the copy with the least reads to wait for computes it
+            member = min(warmed, key=lambda m: queued.get(m, 0.0))
+        else:
+            member = min(turned, key=lambda m: queued.get(m, 0.0) + (
+                1.0 if read_seconds is None else read_seconds[m]))  # the first of equals
+            queued[member] = queued.get(member, 0.0) + (
+                1.0 if read_seconds is None else read_seconds[member])
+        chosen[expert] = member
+    return chosen[experts]
 
 
 def rows_of(tokens: np.ndarray) -> slice | np.ndarray:

@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from coordinator.cluster.snapshot import Cluster, Snapshot
+from coordinator.dataplane.cache_guess import CacheGuess
 from coordinator.dataplane.call_plan import (
     CHANNELS,
     LARGE_CALL,
@@ -90,6 +91,9 @@ class Dispatcher:
         self._seq = 0
         self._turns: Counter[int] = Counter()  # calls per layer: copies take turns
         self.lookahead: Lookahead | None = None  # prefetch hints for members that stream
+        # what streaming members probably hold in memory; with it, each expert goes to the
+        # copy that holds it, else whose drive ends soonest (cache_guess.py)
+        self.guess: CacheGuess | None = None
         self._pace: dict[str, Pace] = {}  # by member address
         self.piece_pairs = PIECE_PAIRS  # 0: every call's requests go whole
         self.channels = CHANNELS  # channels a worker's pieces are dealt over (1: one)
@@ -114,7 +118,13 @@ class Dispatcher:
     def next_owners(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The member the next call of `layer` sends each of `experts` to, when each comes
         once (a decode step): where a prefetch hint for them should go."""
-        return spread(self.cluster.current.routes[layer], experts, self._turns[layer] + 1)
+        return self._owners(self.cluster.current, layer, experts, self._turns[layer] + 1)
+
+    def _owners(self, members: Snapshot, layer: int, experts: np.ndarray,
+                turn: int) -> np.ndarray:
+        if self.guess is None:
+            return spread(members.routes[layer], experts, turn)
+        return self.guess.owners(members, layer, experts, turn)
 
     def _members_now(self) -> Snapshot:
         """The members' snapshot for this call: the Cluster's current one, adopted between
@@ -138,7 +148,8 @@ class Dispatcher:
         members = self._members_now()
         # The coordinator's own experts hold the whole layer in memory: mlx-lm's own call, lazy,
         # as in one process (dataplane/local_experts.py; the member is first when present).
-        if self._whole is not None and (out := self._whole_call(layer, x, inds)) is not None:
+        if self._whole is not None and not (self.guess and self.guess.deals(members, layer)) \
+                and (out := self._whole_call(layer, x, inds)) is not None:
             return out
         before = time.perf_counter()
         mx.eval(x, inds)  # finish this layer's attention and router first: time only dispatch
@@ -191,14 +202,20 @@ class Dispatcher:
         *lead, k = inds.shape
         width = x.shape[-1]
         experts = np.asarray(inds).reshape(-1).astype(np.int32, copy=False)
-        # Experts with copies on several members have their tokens dealt over the copies.
+        # Experts with copies on several members have their tokens dealt over the copies
+        # (where members stream, each expert to one copy: cache_guess.py).
         turn = self._turns[layer] = self._turns[layer] + 1
-        owner = spread(members.routes[layer], experts, turn)
+        owner = self._owners(members, layer, experts, turn)
         hosts = members.links
+        if self.guess is not None:
+            self.guess.given(hosts, layer, experts, owner)
         hints = {}
         if self.lookahead is not None:
             self.lookahead.score(layer, experts)
             hints = self.lookahead.hints(layer, x, k, self.next_owners, hosts)
+            if self.guess is not None:  # a hinted member reads them into memory
+                for worker, hint in hints.items():
+                    self.guess.sent(hosts[worker], hint.layer, hint.experts)
 
         # where this call's figures are added (a failed attempt's parts stay counted there)
         stats = self.stats.slot(layer, decode=not lead or lead[-1] == 1)

@@ -23,6 +23,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from coordinator.cluster.membership import Membership
 from coordinator.cluster.snapshot import Cluster, FixedMembers, layer_sizes, with_local
+from coordinator.dataplane.cache_guess import CacheGuess
 from coordinator.dataplane.dispatch import Dispatcher, install
 from coordinator.dataplane.link import LANE, Transport
 from coordinator.dataplane.local_experts import LocalExperts, open_local_experts
@@ -139,6 +140,8 @@ def open_remote_model(
     install(model, manifest, dispatcher)
     # the main model's layers only: the MTP module's run when it drafts, not after the last
     dispatcher.lookahead = Lookahead(model, without_mtp(manifest))
+    experts = manifest.experts
+    dispatcher.guess = CacheGuess(sum(e.bytes for e in experts) // max(len(experts), 1))
     if local is not None:  # for its layers run whole, which the dispatcher does not see
         local.lookahead = dispatcher.lookahead
     mx.eval(model.parameters())

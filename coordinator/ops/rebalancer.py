@@ -147,11 +147,13 @@ def migrate(
     chunk_bytes: int = CHUNK_BYTES,
     quiet: float = QUIET_SECONDS,
     members: Sequence[WorkerCapacity] = (),
+    drive_copies: int = 1,
 ) -> Report:
     """`shoal deploy` (deploy=True: place every expert, sending from OUT_DIR's files) or
     `shoal rebalance` (from the recorded heat, move and replicate experts between workers).
     With every worker's read speed known (`members`, or measured), a model beyond their
-    memory is placed for streaming (engine/stream_placement.py)."""
+    memory is placed for streaming (engine/stream_placement.py), each cold expert on
+    `drive_copies` members' drives."""
     manifest = read_manifest(Path(model_dir))
     if not links:
         raise Unavailable("no live worker to place experts on")
@@ -171,7 +173,8 @@ def migrate(
     state = state_of(workers, sizes, local)
     stored = None if replan else load_target(model_dir, manifest.fingerprint)
     proposal = propose(state, workers, sizes, heat, stored=stored, spare=spare,
-                       max_bytes=max_bytes, deploy=deploy, top_k=top_k_of(manifest.config))
+                       max_bytes=max_bytes, deploy=deploy, top_k=top_k_of(manifest.config),
+                       drive_copies=drive_copies)
     if proposal.resumed:
         log(f"finishing the interrupted run's target ({MIGRATION_FILE}; --replan plans afresh)")
     elif stored:

@@ -167,3 +167,71 @@ def test_a_rebalance_of_a_streamed_model_reaches_and_then_keeps_the_streamed_pla
     again = propose(state_of(cluster(p.target), SIZES, ()), cluster(p.target), SIZES, SKEWED,
                     spare=0.0, top_k=TOP_K)
     assert again.plan.steps == ()
+
+
+def test_two_drive_copies_put_each_cold_expert_on_two_members_and_leave_hot_sets_alone():
+    memory = {"a": 8 * SIZE, "b": 8 * SIZE, "c": 8 * SIZE, "d": 8 * SIZE}
+    speeds = {"a": 40 * MB, "b": 40 * MB, "c": 80 * MB, "d": 40 * MB}
+    one = plan_streaming(memory, dict.fromkeys(memory, AMPLE), speeds, SIZES, SKEWED,
+                         top_k=TOP_K)
+    two = plan_streaming(memory, dict.fromkeys(memory, AMPLE), speeds, SIZES, SKEWED,
+                         top_k=TOP_K, drive_copies=2)
+    hot_one = member_hot_sets(one, memory, SIZES, SKEWED, top_k=TOP_K)
+    hot_two = member_hot_sets(two, memory, SIZES, SKEWED, top_k=TOP_K)
+    assert hot_two == hot_one  # the same experts in memory, on the same members
+    in_memory = set().union(*hot_two.values())
+    for name in memory:
+        assert sum(SIZES[k] for k in hot_two[name]) <= memory[name]
+    for key, names in two.items():
+        if key not in in_memory:
+            assert len(names) == 2 == len(set(names)), key
+    # The 80 MB/s drive is given more of the cold reads than each 40 MB/s one.
+    share = cold_share(two, memory)
+    assert share["c"] > max(share[n] for n in "abd")
+    assert read_imbalance(two, memory, speeds, SIZES, SKEWED, top_k=TOP_K) < 1.15
+
+
+def test_two_drive_copies_need_two_disks_with_room_and_say_so():
+    memory = {"a": SIZE, "b": SIZE}
+    cold = len(SIZES) - 2
+    room = {"a": AMPLE, "b": 4 * SIZE}  # b's disk holds a few experts, not every cold one
+    with pytest.raises(InvalidInput, match="fits on only 1 members' disks, 2 needed.*copies"):
+        plan_streaming(memory, room, dict.fromkeys(memory, 1e9), SIZES, SKEWED,
+                       top_k=TOP_K, drive_copies=2)
+    # The disk limit holds where it fits: every member's files within its disk.
+    fits = dict.fromkeys(memory, (cold + 2) * SIZE)
+    holders = plan_streaming(memory, fits, dict.fromkeys(memory, 1e9), SIZES, SKEWED,
+                             top_k=TOP_K, drive_copies=2)
+    for name in memory:
+        assert len(held(holders, name)) * SIZE <= fits[name]
+    with pytest.raises(InvalidInput, match="drive copies must be 1 or more"):
+        plan_streaming(memory, fits, dict.fromkeys(memory, 1e9), SIZES, SKEWED, top_k=TOP_K,
+                       drive_copies=0)
+    # One member cannot hold two copies: its single copy is the plan.
+    alone = plan_streaming({"a": SIZE}, {"a": AMPLE}, {"a": 1e9}, SIZES, SKEWED, top_k=TOP_K,
+                           drive_copies=2)
+    assert all(names == ("a",) for names in alone.values())
+
+
+def test_shard_and_rebalance_plans_take_the_drive_copies():
+    from engine.placement import store_placement
+    from engine.rebalance_plan import LiveWorker, propose, state_of
+
+    members = [WorkerCapacity("a", 4 * SIZE, read_gbps=1.0),
+               WorkerCapacity("b", 4 * SIZE, read_gbps=1.0)]
+    stores = store_placement(members, SIZES, SKEWED, top_k=TOP_K, spare=0.0, drive_copies=2)
+    assert sum(len(held) == 2 for held in stores.values()) >= len(SIZES) - 8
+    workers = [LiveWorker(w.name, frozenset(), memory_budget=w.memory, free_disk=1 << 30,
+                          read_gbps=1.0) for w in members]
+    proposal = propose(state_of(workers, SIZES, ()), workers, SIZES, SKEWED, spare=0.0,
+                       deploy=True, top_k=TOP_K, drive_copies=2)
+    assert {k: tuple(sorted(v)) for k, v in proposal.target.items()} == {
+        k: tuple(members[i].name for i in v) for k, v in stores.items()}
+
+
+def test_two_drive_copies_join_every_pair_of_drives_not_fixed_pairs():
+    memory = dict.fromkeys("abcd", 8 * SIZE)
+    holders = plan_streaming(memory, dict.fromkeys(memory, AMPLE), dict.fromkeys(memory, 1e9),
+                             SIZES, SKEWED, top_k=TOP_K, drive_copies=2)
+    pairs = {names for names in holders.values() if len(names) == 2}
+    assert len(pairs) == 6  # any drive can hand a read to any other

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_model, load_tokenizer
 
+from coordinator.dataplane.cache_guess import CacheGuess
 from coordinator.decoding.generate import generate, open_remote_model
 from coordinator.ops.heat_record import load_record, record_path
 from engine.auth import load_secret
@@ -92,3 +93,34 @@ def test_shard_and_rebalance_place_a_streamed_model_by_memory_and_drive_speed(
     # right after it, nothing more is worth moving
     again = json.loads(shoal("rebalance", *live, "--json", "--dry-run").stdout)
     assert again["steps"] == []
+
+
+def test_two_drive_copies_of_each_cold_expert_give_mlx_lms_tokens(
+        tiny_checkpoint, tmp_path, start_worker, secret_file):
+    source, out = tiny_checkpoint("qwen3_moe"), tmp_path / "out"
+    members = [arg for n, speed in SPEEDS.items() for arg in ("--member", f"{n}={BUDGET}:{speed}")]
+    run = shoal("shard", str(source), str(out), *members, "--drive-copies", "2", "--quiet")
+    assert run.returncode == 0, run.stderr
+    stores = {"a": out / "worker-0", "b": out / "worker-1"}
+    sizes, held = holders(out, stores)
+    top_k = read_manifest(out).config["num_experts_per_tok"]
+    memory = dict.fromkeys(SPEEDS, int(BUDGET * 0.9))
+    hot = member_hot_sets(held, memory, sizes, dict.fromkeys(sizes, 1.0), top_k=top_k)
+    assert all(sum(sizes[k] for k in hot[n]) <= memory[n] for n in SPEEDS)
+    in_memory = hot["a"] | hot["b"]
+    assert all(len(held[k]) == 2 for k in sizes if k not in in_memory)  # cold: on both drives
+    workers = [start_worker([store], "--memory-budget", "96K", "--no-advertise")
+               for store in stores.values()]
+    model, _ = load_model(source)
+    tokenizer = load_tokenizer(source)
+    remote = open_remote_model(out, [w.address for w in workers], load_secret(secret_file))
+    try:
+        assert all(CacheGuess.streams(link) for link in remote.cluster.current.links)
+        for prompt in PROMPTS:  # any copy computes the same bits
+            assert generate(remote.model, remote.tokenizer, prompt, max_tokens=12).token_ids \
+                == generate(model, tokenizer, prompt, max_tokens=12).token_ids
+    finally:
+        remote.close()
+    bad = shoal("shard", str(source), str(tmp_path / "x"), *members, "--drive-copies", "0")
+    assert bad.returncode != 0 and "drive copies must be 1 or more" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -140,7 +140,10 @@ def test_rot_while_streaming_is_caught_and_served_from_another_copy(
     rotting, intact = tmp_path / "rotting", tmp_path / "intact"
     shutil.copytree(sharded / "experts", rotting)
     shutil.copytree(sharded / "experts", intact)
-    workers = [start_worker([rotting], "--memory-budget", "25%"), start_worker([intact])]
+    # Both stream: a copy that holds every expert in memory would be given them all
+    # (coordinator/dataplane/call_plan.py: spread_reads), and the rotting one would read none.
+    workers = [start_worker([rotting], "--memory-budget", "25%"),
+               start_worker([intact], "--memory-budget", "25%")]
     files = sorted(rotting.glob("L*/E*.safetensors"))
     for path in files:  # the tensors' bytes rot, the header stays readable
         data = bytearray(path.read_bytes())

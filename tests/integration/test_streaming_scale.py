@@ -1,5 +1,6 @@
 """`python -m benchmarks.streaming --scale 1,2 --quick` runs end to end on a tiny checkpoint: each
-member in its own cgroup, the JSON a reader and the docs take, greedy ids equal to mlx-lm's.
+member in its own cgroup, the JSON a reader and the docs take, greedy ids equal to mlx-lm's
+(two members with each cold expert on both drives).
 It guards the harness, not the speed (speed is for the benchmark's own run)."""
 
 import json
@@ -29,7 +30,8 @@ def test_the_scaling_benchmark_runs_two_members_in_their_limits_exactly(tiny_che
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.streaming", "--scale", "1,2", "--quick",
          "--checkpoint", str(tiny_checkpoint("qwen3_moe")), "--tokens", "4",
-         "--drive-mbps", "8", "--mixed-drives", "8,16", "--json", str(out)],
+         "--drive-mbps", "8", "--mixed-drives", "8,16", "--drive-copies", "2",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=900, cwd=REPO,
         env={**os.environ, "SHOAL_CACHE": str(tmp_path / "cache"),
              "SHOAL_RESULTS": str(tmp_path / "results")})
@@ -46,6 +48,9 @@ def test_the_scaling_benchmark_runs_two_members_in_their_limits_exactly(tiny_che
         assert len(row["drive_busy"]) == len(row["cpu_busy"]) == row["members"]
         assert all(c is not None and c >= 0 for c in row["cpu_busy"])
     assert [row["ideal_x"] for row in rows] == [1.0, 2.0, 3.0]
+    # two members: each cold expert on both drives, more bytes stored than the one copy
+    assert [row["drive_copies"] for row in rows] == [1, 2, 2]
+    assert rows[1]["stored_bytes"] > rows[0]["stored_bytes"]
     # every limit the benchmark means to set was set: memory, read rate and CPU share
     assert not any(row["not_set"] for row in rows), rows[0]["not_set"]
     controls = {kind.split()[-1].split(".")[0] for kind in rows[0]["limits"]}
