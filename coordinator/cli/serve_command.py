@@ -238,6 +238,7 @@ def say_when_served(cluster: Cluster, workers: str) -> None:
                   file=sys.stderr, flush=True)
 
     cluster.members.watch(changed)
+    changed()  # a change between the first line and the watch above is said too
 
 
 def main(args: argparse.Namespace) -> None:

@@ -89,6 +89,7 @@ class Cluster:
         self.reloads = 0  # inventories fetched again because a worker's changed
         self._lock = threading.Lock()
         members.watch(self._follow)
+        self._follow()  # a change between `current` and the watch above is not missed
 
     @classmethod
     def following(cls, members: Members, layers: dict[int, int]) -> Cluster:

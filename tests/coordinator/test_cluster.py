@@ -158,3 +158,24 @@ def test_a_worker_that_let_a_moved_expert_go_sends_us_to_its_new_holder(secret_f
             cluster.reload(0)
     finally:
         members.close()
+
+
+def test_a_change_while_the_cluster_starts_following_is_not_missed(secret_file):
+    """A worker's handshake lands between the cluster's first snapshot and its watch (serve
+    starts while its workers come up): the cluster still routes by it, not by the snapshot
+    without it (which answered 503 for good under load)."""
+    members = FixedMembers(["127.0.0.1:1", "127.0.0.1:2"], load_secret(secret_file))
+    try:
+        members.update_inventory(members.links[0], _inventory(0))
+        watch = members.watch
+
+        def late_watch(changed):  # the second worker's inventory arrives just before
+            members.update_inventory(members.links[1], _inventory(1))
+            watch(changed)
+
+        members.watch = late_watch
+        cluster = Cluster.following(members, {0: 2})
+        assert not cluster.current.missing, cluster.current.missing
+        assert cluster.holdings == [frozenset({(0, 0)}), frozenset({(0, 1)})]
+    finally:
+        members.close()
