@@ -25,10 +25,11 @@ from coordinator.cluster.member import (
     stale_twins,
 )
 from coordinator.cluster.snapshot import Cluster, layer_sizes, with_local
+from coordinator.dataplane.hosts import fresh_inventories
 from coordinator.dataplane.link import LANE, Transport, WorkerLink, handshake
 from coordinator.dataplane.link_errors import Unreachable, dead_worker, held, reason_of
 from engine.advert import DEFAULT_CLUSTER
-from engine.errors import ShoalError, Unauthenticated, Unavailable
+from engine.errors import Unauthenticated, Unavailable
 from engine.interfaces import Interface, local_interfaces, select_interface
 from engine.manifest import ExpertKey, Manifest
 
@@ -205,18 +206,12 @@ class Membership:
                 self._say(in_words(member))
 
     def _fetch_others(self, key: str) -> dict[str, frozenset[ExpertKey]]:
-        """What every other healthy worker holds, asked now (one that does not answer is
-        left as it was: its probe judges it)."""
+        """What every other healthy worker holds, asked now (hosts.fresh_inventories)."""
         with self._changed:
             others = {k: self._links[k] for k, m in self._members.items()
                       if k != key and m.state == "healthy" and k in self._links}
-        found = {}
-        for other, link in others.items():
-            try:
-                found[other] = held(link.fetch_inventory())
-            except ShoalError:
-                continue
-        return found
+        answered = dict(fresh_inventories(others.values()))  # by link
+        return {k: held(answered[link]) for k, link in others.items() if link in answered}
 
     def update_inventory(self, link: WorkerLink, inventory) -> None:
         """A worker's inventory changed (seen in a reply): route by the new one now."""

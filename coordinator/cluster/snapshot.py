@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.cluster.discovery import parse_endpoint
-from coordinator.dataplane.hosts import ExpertHost
+from coordinator.dataplane.hosts import ExpertHost, fresh_inventories
 from coordinator.dataplane.link import CONNECT_TIMEOUT, LANE, Transport, WorkerLink, handshake
 from coordinator.dataplane.link_errors import held, reason_of
 from coordinator.dataplane.local_experts import LocalExperts, WithLocal
@@ -149,15 +149,8 @@ class Cluster:
                 raise Unavailable(self.current.missing)
 
     def _fetch_others(self, link: ExpertHost) -> None:
-        """Fetch every other worker's inventory again (one that does not answer is left as
-        it was: its liveness is the members' to judge)."""
-        for other in self.current.links:
-            if other is link:
-                continue
-            try:
-                inventory = other.fetch_inventory()
-            except ShoalError:
-                continue
+        """Fetch every other worker's inventory again (hosts.fresh_inventories)."""
+        for other, inventory in fresh_inventories(o for o in self.current.links if o is not link):
             self.reloads += 1
             self.members.update_inventory(other, inventory)
 

@@ -60,7 +60,10 @@ class CacheGuess:
 
     def given(self, hosts: tuple[ExpertHost, ...], layer: int, experts: np.ndarray,
               owner: np.ndarray) -> None:
-        """Note the experts of a layer call that each member (`owner[i]` for pair i) computes."""
+        """Note the experts of a layer call that each member (`owner[i]` for pair i) computes
+        (nothing to note, and no work on the call's path, where no member streams)."""
+        if not any(self.streams(host) for host in hosts):
+            return
         for worker, pairs in group_pairs(owner):
             self.sent(hosts[worker], layer, np.unique(experts[pairs]).tolist())
 

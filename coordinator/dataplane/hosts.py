@@ -4,13 +4,15 @@ process (coordinator/dataplane/local_experts.py) or on a worker over its expert 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
+from engine.errors import ShoalError
 from engine.tensors import dtype_name, to_numpy
 from proto import shoal_pb2
 from worker.residency import Timing
@@ -115,3 +117,18 @@ class ExpertHost(Protocol):
     def check_health(self, timeout: float) -> float: ...
 
     def close(self) -> None: ...
+
+
+H = TypeVar("H", bound=ExpertHost)
+
+
+def fresh_inventories(hosts: Iterable[H]) -> list[tuple[H, shoal_pb2.Inventory]]:
+    """What each of `hosts` holds, asked now, for a member that gave up an expert another took
+    in; one that does not answer is left out (its liveness is the members' checks to judge)."""
+    found = []
+    for host in hosts:
+        try:
+            found.append((host, host.fetch_inventory()))
+        except ShoalError:
+            continue
+    return found

@@ -132,8 +132,8 @@ class Service:
 
 def _lower_priority() -> None:
     """Lower the calling thread's CPU priority where threads have their own (Linux); on
-    macOS the call refuses a thread id and nothing changes. Not the lowest: at nice 19 a
-    busy machine's other processes starve it (1% of a core) and a large body waits minutes."""
+    macOS the call refuses a thread id and nothing changes. Not the lowest: at nice 19 it
+    weighs 15 against a busy machine's other threads' 1024, and a large body waits minutes."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LARGE_BODY_NICE)
 

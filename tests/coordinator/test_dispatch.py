@@ -146,6 +146,18 @@ class _Cluster:
         self.current = Snapshot(tuple(links), (), routes, 1)
 
 
+def decode_call(dispatcher: Dispatcher, links: list, layer: int, experts: list[int]
+                ) -> tuple[np.ndarray, dict[int, int]]:
+    """One decode step's call of `layer` for `experts`: (the members the hints named for
+    them just before, {expert: the member it was sent to})."""
+    chosen = np.array(experts, dtype=np.int32)
+    hinted = dispatcher.next_owners(layer, chosen)
+    for link in links:
+        link.experts.clear()
+    dispatcher(layer, mx.zeros((1, 1, 4)), mx.array(chosen.reshape(1, 1, -1)))
+    return hinted, {int(e): w for w, link in enumerate(links) for e in link.experts}
+
+
 def test_hints_name_the_copy_that_the_next_decode_step_will_use():
     # Every expert of layer 1 has a copy on both workers: calls take turns between them.
     copies = np.array([[0, 1]] * 8, dtype=np.int32)
@@ -153,13 +165,8 @@ def test_hints_name_the_copy_that_the_next_decode_step_will_use():
     links = [_Link(), _Link()]
     dispatcher = Dispatcher(_Cluster(links, routes))
     for _ in range(3):
-        experts = np.array([0, 3, 5, 6], dtype=np.int32)
-        hinted = dispatcher.next_owners(1, experts)
-        for link in links:
-            link.experts.clear()
-        dispatcher(1, mx.zeros((1, 1, 4)), mx.array(experts.reshape(1, 1, 4)))
-        sent_to = {int(e): w for w, link in enumerate(links) for e in link.experts}
-        assert [sent_to[int(e)] for e in experts] == hinted.tolist()
+        hinted, sent_to = decode_call(dispatcher, links, 1, [0, 3, 5, 6])
+        assert [sent_to[e] for e in [0, 3, 5, 6]] == hinted.tolist()
     assert set(hinted.tolist()) == {0, 1}  # the copies really are spread
 
 

@@ -1,7 +1,6 @@
 """Which copy reads a miss when members stream experts from their drives: `spread_reads` (pure)
 and the coordinator's guess of what each member holds (`CacheGuess`), in the dispatcher."""
 
-import mlx.core as mx
 import numpy as np
 
 from coordinator.dataplane.cache_guess import CacheGuess
@@ -9,7 +8,7 @@ from coordinator.dataplane.call_plan import spread_reads
 from coordinator.dataplane.dispatch import Dispatcher
 from engine.placement import LayerRoutes, replica_routes
 from proto import shoal_pb2
-from tests.coordinator.test_dispatch import _Cluster, _Link
+from tests.coordinator.test_dispatch import _Cluster, _Link, decode_call
 
 
 def routes_of(holdings: list[set]) -> LayerRoutes:
@@ -85,13 +84,8 @@ def test_streaming_members_read_each_miss_once_and_hints_name_the_copy_the_call_
     dispatcher.guess = CacheGuess(100)
     first: dict[int, int] = {}
     for step, experts in enumerate([[0, 3, 5, 6], [0, 3, 5, 6], [1, 2, 4, 7]]):
-        experts = np.array(experts, dtype=np.int32)
-        hinted = dispatcher.next_owners(1, experts)
-        for link in links:
-            link.experts.clear()
-        dispatcher(1, mx.zeros((1, 1, 4)), mx.array(experts.reshape(1, 1, 4)))
-        sent_to = {int(e): w for w, link in enumerate(links) for e in link.experts}
-        assert [sent_to[int(e)] for e in experts] == hinted.tolist()
+        hinted, sent_to = decode_call(dispatcher, links, 1, experts)
+        assert [sent_to[e] for e in experts] == hinted.tolist()
         assert sorted(len(link.experts) for link in links) == [2, 2]  # two reads per drive
         if step == 1:  # the same experts again: each to the member that has it
             assert sent_to == first
