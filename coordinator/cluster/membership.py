@@ -222,12 +222,13 @@ class Membership:
                                              handshake_at=time.monotonic()))
 
     def report_failure(self, link: WorkerLink, detail: str) -> None:
-        """A call on `link` failed: take its worker out now rather than at the next check."""
+        """A call on `link` failed: take its worker out now rather than at the next check.
+        `detail` is the failure's reason_of."""
         with self._changed:
             for key, known in self._links.items():
                 if known is link and self._members[key].state != "unreachable":
                     self._set_locked(replace(self._members[key], state="unreachable",
-                                             detail=reason_of(detail, link.address),
+                                             detail=detail,
                                              rtt_ms=None))
 
     # state ---------------------------------------------------------------------------

@@ -158,7 +158,7 @@ class Cluster:
         """Worker `index` failed during a call: route around it if every expert still has a
         live owner (the caller then retries), else raise Unavailable naming those that do not."""
         link = self.current.links[index]
-        self.members.report_failure(link, reason_of(error))
+        self.members.report_failure(link, reason_of(error, link.address))
         if self.current.missing:  # the error says why this one is not serving: once
             raise Unavailable(f"{error}; {self.current.without(link.address)}")
 
@@ -184,8 +184,7 @@ class FixedMembers:
         self._watchers.append(changed)
 
     def absent(self) -> list[str]:
-        return [detail if self.links[i].address in detail
-                else f"worker {self.links[i].address}: {detail}"
+        return [f"worker {self.links[i].address}: {detail}"
                 for i, detail in sorted(self._failed.items())]
 
     def _changed(self) -> None:

@@ -53,7 +53,8 @@ def test_a_failed_listed_worker_keeps_its_place_and_is_routed_around(secret_file
         assert str(lost.value).count("127.0.0.1:1") == 1, lost.value
         assert str(lost.value).endswith("not serving: worker 127.0.0.1:2: worker b failed")
         # what a later call (or `shoal serve`'s 503) says names the workers taken out
-        assert "not serving: worker 127.0.0.1:1 failed: it closed its lane; worker 127.0.0.1:2: " \
+        # (each named once, by the address the failure's lead named: reason_of)
+        assert "not serving: worker 127.0.0.1:1: it closed its lane; worker 127.0.0.1:2: " \
                "worker b failed" in cluster.current.missing
     finally:
         members.close()
