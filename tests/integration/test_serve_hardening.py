@@ -386,11 +386,11 @@ DRAIN_SECONDS = 120
 def test_a_stop_lets_the_streams_in_flight_finish_within_the_drain_and_refuses_new_ones(
     cluster, secret_file
 ):
-    # A drain far longer than 4 x 150 tokens take even on a busy machine: what must hold is
+    # A drain far longer than 4 x 400 tokens take even on a busy machine: what must hold is
     # that they finish inside it, whatever the machine's speed.
     local = _start(cluster, secret_file, "drain", "--drain-seconds", str(DRAIN_SECONDS))
     try:
-        streams = [Stream(local, max_tokens=150) for _ in range(4)]
+        streams = [Stream(local, max_tokens=400) for _ in range(4)]
         for stream in streams:
             stream.wait_started()
         stopped = time.monotonic()
