@@ -27,6 +27,13 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+# Seconds the main thread waits before it looks again for a stop. Python runs a signal's
+# handler in the main thread, but the kernel may hand SIGTERM to any of gRPC's threads, and
+# then nothing wakes a main thread blocked without a timeout (worker/daemon.py does the same):
+# an echo left running after its SIGTERM kept a bench network's namespace alive.
+TICK = 1.0
+
+
 def serve(host: str, port: int, reply_bytes: int, identity: Identity | None = None) -> None:
     reply = b"\0" * reply_bytes
 
@@ -48,7 +55,8 @@ def serve(host: str, port: int, reply_bytes: int, identity: Identity | None = No
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(TICK):  # see TICK
+        pass
     server.stop(0)
 
 
@@ -73,13 +81,17 @@ def serve_lanes(host: str, port: int, reply_bytes: int, identity: Identity) -> N
                 return
 
     print(f"echo serving on {host}:{listener.getsockname()[1]}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: listener.close())
-    while True:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    listener.settimeout(TICK)  # see TICK
+    while not stop.is_set():
         try:
             connection, _ = listener.accept()
-        except OSError:
-            return
+        except TimeoutError:
+            continue
+        connection.settimeout(None)
         threading.Thread(target=answer, args=(connection,), daemon=True).start()
+    listener.close()
 
 
 def lane_round_trips(addresses: list[str], request_bytes: int, count: int, identity: Identity,

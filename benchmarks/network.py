@@ -55,6 +55,44 @@ class Cable:
         return ["ip", "netns", "exec", self.netns]
 
 
+TAG = "shtb"  # namespaces are named TAG, the making process's id, "-w" and the host's number
+
+
+def remove_left_behind() -> None:
+    """Remove the namespaces of runs whose process is gone (one killed before its `close()`),
+    then refuse, naming it, if anything else on this machine holds the cables' addresses: the
+    kernel would send their packets there (a run once reached a dead echo left at 10.213.0.2)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    for line in listed.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        owner = name.removeprefix(TAG).partition("-w")[0]
+        if name.startswith(TAG) and owner.isdigit() and not _alive(int(owner)):
+            _remove(name, name.replace("-w", "w"))
+    taken = subprocess.run(["ip", "-o", "-4", "addr", "show", "to", f"{SUBNET}.0.0/16"],
+                           capture_output=True, text=True, timeout=30).stdout.split()
+    if taken:
+        raise ShoalError(f"{SUBNET}.0.0/16, which --network thunderbolt uses, is already on "
+                         f"{taken[1]} ({taken[3]}): remove it (`ip addr del {taken[3]} dev "
+                         f"{taken[1]}`, or that namespace) or wait for the run that made it")
+
+
+def _remove(netns: str, host_side: str) -> None:
+    """Remove a cable: its veth pair first (at once; a namespace's own go some time after
+    `ip netns del`, and meanwhile the host still holds their addresses), then the namespace."""
+    subprocess.run(["ip", "link", "del", host_side], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # The coordinator talks to the relay on loopback; the relay holds every chunk for the delay
 # before passing it on, in each direction, and `relay_floor()` measures what it costs itself.
 # Everything is named after this process's id, only 10.213.0.0/16 inside the namespaces made
@@ -67,8 +105,9 @@ class ThunderboltNetwork:
     @classmethod
     def build(cls, hosts: int) -> ThunderboltNetwork:
         check_can_build()
+        remove_left_behind()
         net = cls()
-        tag = f"shtb{os.getpid() % 100000}"
+        tag = f"{TAG}{os.getpid()}"  # its veth is tag + "w" + k: 15 characters at most
         try:
             for k in range(hosts):
                 cable = Cable(f"{tag}-w{k}", f"{tag}w{k}", f"{SUBNET}.{k}.2")
@@ -109,7 +148,7 @@ class ThunderboltNetwork:
         return line.split()[2]
 
     def close(self) -> None:
-        """Stop the relays, then remove the namespaces (their veth pairs go with them)."""
+        """Stop the relays, then remove the cables."""
         for proc in self._relays:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -120,7 +159,7 @@ class ThunderboltNetwork:
                 proc.wait(10)
         self._relays.clear()
         for cable in reversed(self.cables):
-            subprocess.run(["ip", "netns", "del", cable.netns], capture_output=True, timeout=30)
+            _remove(cable.netns, cable.host_side)
         self.cables.clear()
 
 
@@ -183,8 +222,13 @@ def serve_relay(target: str, delay: float) -> None:
     print(f"relay on 127.0.0.1:{listener.getsockname()[1]} -> {target}, "
           f"{delay * 1e6:.0f} us each way", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    listener.settimeout(1.0)  # its handler runs once the main thread wakes: echo.py's TICK
     while True:
-        client, _ = listener.accept()
+        try:
+            client, _ = listener.accept()
+        except TimeoutError:
+            continue
+        client.settimeout(None)
         threading.Thread(target=_connection, args=(client, (host, int(port)), delay),
                          daemon=True).start()
 

@@ -219,7 +219,12 @@ def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwor
     finally:
         for server in servers:
             server.terminate()
-            server.wait(10)
+        for server in servers:
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:  # an echo slow to stop on a loaded machine
+                server.kill()
+                server.wait(30)
 
 
 def wait_for_line(path: Path, pattern: str, timeout: float = 60.0) -> str:
