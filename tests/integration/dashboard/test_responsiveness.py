@@ -57,14 +57,15 @@ def synthetic_cluster(workers: int = 8, layers: int = 60, experts: int = 256):
     return members, manifest, record
 
 
-def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+def update_times(events: list[dict]) -> dict[str, list[tuple[float, float | None]]]:
     """By name, each of the page's `shoal:*` measures (one update each) as (its wall time,
     its thread time), in milliseconds, from a trace of the browser's performance timeline.
     The thread time is that of the browser task that ran the update, in the share of the
     task's span the update took (a task may run two updates and the page's layout):
     unlike wall time, it leaves out the other processes that ran meanwhile on a busy
-    machine. Where the
-    trace has no task around an update, its wall time stands in for both."""
+    machine. Where the trace has no task (or no thread time) for an update, its thread time
+    is None: its wall time would measure the machine's load, not the page (411 ms once, in
+    a run beside two busy cores, where the update's tasks took 1-18 ms)."""
     tasks = [e for e in events if e.get("ph") == "X" and e.get("name") == "RunTask"]
     begun = {}
     out: dict[str, list[tuple[float, float]]] = {}
@@ -80,14 +81,14 @@ def update_times(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
         around = [t for t in tasks if t["tid"] == start["tid"] and t["pid"] == start["pid"]
                   and t["ts"] <= start["ts"] <= t["ts"] + t["dur"]]
         wall = (e["ts"] - start["ts"]) / 1e3
-        if not around:  # the trace lost its task: the wall time bounds the update alone
-            out.setdefault(e["name"], []).append((wall, wall))
+        task = max(around, key=lambda t: t["dur"]) if around else {}
+        if "tdur" not in task:  # the trace lost its task or the task's thread time
+            out.setdefault(e["name"], []).append((wall, None))
             continue
-        task = max(around, key=lambda t: t["dur"])
         # the task's thread time in the share of its span that this update took: a task may
         # run several updates (the page's first tick) and its own layout besides
         share = min(1.0, (e["ts"] - start["ts"]) / max(task["dur"], 1))
-        out.setdefault(e["name"], []).append((wall, share * task.get("tdur", task["dur"]) / 1e3))
+        out.setdefault(e["name"], []).append((wall, share * task["tdur"] / 1e3))
     return out
 
 
@@ -154,11 +155,15 @@ def test_the_page_stays_responsive_with_8_workers_and_a_256x60_heat_map(page, br
     updates = update_times(trace["traceEvents"] if isinstance(trace, dict) else trace)
     counts = {name: len(times) for name, times in updates.items()}
     assert counts.get("shoal:cluster", 0) >= 5 and counts.get("shoal:heat", 0) >= 3, counts
-    worst = {name: max(cpu for _, cpu in times) for name, times in updates.items()}
+    timed = {name: [cpu for _, cpu in times if cpu is not None]
+             for name, times in updates.items()}
+    # most updates are timed (a lost task is rare): the cluster 3 times, the heat map twice
+    assert len(timed["shoal:cluster"]) >= 3 and len(timed["shoal:heat"]) >= 2, updates
+    worst = {name: max(times) for name, times in timed.items() if times}
     wall = {name: max(w for w, _ in times) for name, times in updates.items()}
     print("per update, worst: thread ms", {k: round(v, 1) for k, v in worst.items()},
           "wall ms", {k: round(v, 1) for k, v in wall.items()}, "all thread ms",
-          {k: [round(cpu, 1) for _, cpu in times] for k, times in updates.items()})
+          {k: [cpu and round(cpu, 1) for _, cpu in times] for k, times in updates.items()})
     assert all(v < 50 for v in worst.values()), worst
     assert page.locator(".card.worker").count() == 8
     assert page.locator(".card.worker.unhealthy").count() == 1
