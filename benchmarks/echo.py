@@ -29,8 +29,7 @@ def _identity(data: bytes) -> bytes:
 
 # Seconds the main thread waits before it looks again for a stop. Python runs a signal's
 # handler in the main thread, but the kernel may hand SIGTERM to any of gRPC's threads, and
-# then nothing wakes a main thread blocked without a timeout (worker/daemon.py does the same):
-# an echo left running after its SIGTERM kept a bench network's namespace alive.
+# then nothing wakes a main thread blocked without a timeout (worker/daemon.py does the same).
 TICK = 1.0
 
 

@@ -61,7 +61,7 @@ TAG = "shtb"  # namespaces are named TAG, the making process's id, "-w" and the 
 def remove_left_behind() -> None:
     """Remove the namespaces of runs whose process is gone (one killed before its `close()`),
     then refuse, naming it, if anything else on this machine holds the cables' addresses: the
-    kernel would send their packets there (a run once reached a dead echo left at 10.213.0.2)."""
+    kernel would send their packets there."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     for line in listed.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
@@ -149,7 +149,7 @@ class ThunderboltNetwork:
 
     def close(self) -> None:
         """Stop the relays, then remove the cables."""
-        for proc in self._relays:
+        for proc in self._relays:  # (not local_processes.stop_process: a relay starts light)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             try:

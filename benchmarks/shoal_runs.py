@@ -20,7 +20,7 @@ from benchmarks.own_process import own_process_figures
 from benchmarks.records import REPO
 from coordinator.dataplane.link import LANE, Transport
 from coordinator.decoding.generate import open_remote_model
-from coordinator.ops.local_processes import start_workers, stop_workers
+from coordinator.ops.local_processes import start_workers, stop_process, stop_workers
 from engine.auth import load_secret
 from engine.errors import ShoalError
 from proto import EXPERT_REPLY, EXPERT_REQUEST, shoal_pb2
@@ -218,13 +218,7 @@ def echo_floor(dispatch: dict, count: int, log_dir: Path, net: ThunderboltNetwor
                 "relay_without_delay_ms": floor([net.relay(a, delay=0.0) for a in secure])}
     finally:
         for server in servers:
-            server.terminate()
-        for server in servers:
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:  # an echo slow to stop on a loaded machine
-                server.kill()
-                server.wait(30)
+            stop_process(server, 30)
 
 
 def wait_for_line(path: Path, pattern: str, timeout: float = 60.0) -> str:

@@ -22,8 +22,8 @@ from tests.xdist_groups import SharedFixtureScheduling, groups_folder, write_gro
 TinyCheckpoint = Callable[..., Path]
 
 # pytest keeps the test modules it rewrites (assert messages) in __pycache__ only where Python
-# writes bytecode: where PYTHONDONTWRITEBYTECODE is set (CI), each of the six xdist workers
-# rewrote all of them again (3 s of a core each run).
+# writes bytecode: where PYTHONDONTWRITEBYTECODE is set (CI), each xdist worker would rewrite
+# all of them again, every run.
 sys.dont_write_bytecode = False
 
 

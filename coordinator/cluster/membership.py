@@ -210,7 +210,7 @@ class Membership:
         with self._changed:
             others = {k: self._links[k] for k, m in self._members.items()
                       if k != key and m.state == "healthy" and k in self._links}
-        answered = dict(fresh_inventories(others.values()))  # by link
+        answered = fresh_inventories(others.values())
         return {k: held(answered[link]) for k, link in others.items() if link in answered}
 
     def update_inventory(self, link: WorkerLink, inventory) -> None:

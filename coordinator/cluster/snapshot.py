@@ -150,7 +150,8 @@ class Cluster:
 
     def _fetch_others(self, link: ExpertHost) -> None:
         """Fetch every other worker's inventory again (hosts.fresh_inventories)."""
-        for other, inventory in fresh_inventories(o for o in self.current.links if o is not link):
+        others = (o for o in self.current.links if o is not link)
+        for other, inventory in fresh_inventories(others).items():
             self.reloads += 1
             self.members.update_inventory(other, inventory)
 

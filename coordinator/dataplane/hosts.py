@@ -122,13 +122,13 @@ class ExpertHost(Protocol):
 H = TypeVar("H", bound=ExpertHost)
 
 
-def fresh_inventories(hosts: Iterable[H]) -> list[tuple[H, shoal_pb2.Inventory]]:
+def fresh_inventories(hosts: Iterable[H]) -> dict[H, shoal_pb2.Inventory]:
     """What each of `hosts` holds, asked now, for a member that gave up an expert another took
     in; one that does not answer is left out (its liveness is the members' checks to judge)."""
-    found = []
+    found = {}
     for host in hosts:
         try:
-            found.append((host, host.fetch_inventory()))
+            found[host] = host.fetch_inventory()
         except ShoalError:
             continue
     return found

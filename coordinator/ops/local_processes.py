@@ -105,14 +105,18 @@ class LocalWorker:
         return f"{self.address.rpartition(':')[0]}:{match.group(1)}" if match else None
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(grace)
+        stop_process(self.proc, grace)
+
+
+def stop_process(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace)
 
 
 def start_worker(

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.echo import round_trips
 from benchmarks.network import ONE_WAY_DELAY, ThunderboltNetwork
+from coordinator.ops.local_processes import stop_process
 from engine.errors import ShoalError
 
 # the cables take 10.213.0.0/16 on the host, as `shoal bench --network thunderbolt` does: one
@@ -52,19 +53,10 @@ def test_round_trips_through_the_cable_take_at_least_the_added_delay(tmp_path):
     finally:
         try:
             if server is not None:
-                stop(server)
+                stop_process(server, 30)
         finally:
             net.close()  # whatever the echo did: a namespace left behind takes the addresses
     assert cable.netns not in namespaces()
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(30)
 
 
 def dead_pid() -> int:

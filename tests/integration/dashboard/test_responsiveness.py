@@ -64,8 +64,8 @@ def update_times(events: list[dict]) -> dict[str, list[tuple[float, float | None
     task's span the update took (a task may run two updates and the page's layout):
     unlike wall time, it leaves out the other processes that ran meanwhile on a busy
     machine. Where the trace has no task (or no thread time) for an update, its thread time
-    is None: its wall time would measure the machine's load, not the page (411 ms once, in
-    a run beside two busy cores, where the update's tasks took 1-18 ms)."""
+    is None: its wall time would measure the machine's load, not the page
+    (docs/dashboard.md)."""
     tasks = [e for e in events if e.get("ph") == "X" and e.get("name") == "RunTask"]
     begun = {}
     out: dict[str, list[tuple[float, float]]] = {}
